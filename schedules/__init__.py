@@ -1,0 +1,1 @@
+"""qwen35_tvm.schedules"""
