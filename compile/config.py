@@ -74,13 +74,17 @@ class ModelConfig:
         if cfg.get("num_experts") or cfg.get("num_local_experts"):
             raise ConfigError("config.json: field 'num_experts' is set: MoE is not supported")
         if cfg.get("hidden_act", "silu") != "silu":
-            raise ConfigError(f"config.json: field 'hidden_act' must be 'silu', got {cfg['hidden_act']!r}")
+            raise ConfigError(
+                f"config.json: field 'hidden_act' must be 'silu', got {cfg['hidden_act']!r}"
+            )
         if cfg.get("attention_bias", False):
             raise ConfigError("config.json: field 'attention_bias' must be false")
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", "mrope"):
-            raise ConfigError(f"config.json: rope_parameters.rope_type {rope_type!r} is not supported")
+            raise ConfigError(
+                f"config.json: rope_parameters.rope_type {rope_type!r} is not supported"
+            )
         rope_theta = rope.get("rope_theta", cfg.get("rope_theta"))
         if rope_theta is None:
             raise ConfigError("config.json: missing field 'rope_parameters.rope_theta'")
@@ -125,10 +129,13 @@ class ModelConfig:
             )
         unknown = set(self.layer_types) - {LINEAR, FULL}
         if unknown:
-            raise ConfigError(f"config.json: field 'layer_types' has unknown kinds {sorted(unknown)}")
+            raise ConfigError(
+                f"config.json: field 'layer_types' has unknown kinds {sorted(unknown)}"
+            )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
-                "config.json: field 'num_attention_heads' must be a multiple of 'num_key_value_heads'"
+                "config.json: field 'num_attention_heads' must be a multiple of "
+                "'num_key_value_heads'"
             )
         if self.linear_num_value_heads % self.linear_num_key_heads:
             raise ConfigError(

@@ -1,0 +1,360 @@
+"""Qwen3.5's language model in TVM Relax (`relax.frontend.nn`), one module per block.
+
+Every forward works on a ragged token array: `T` tokens of `B` sequences laid end to end,
+`indptr[b]` marking where sequence b starts and `slots[b]` naming its rows in the GDN state
+pools. Prefill of one sequence is B = 1; decode is B sequences of one token each. The
+full-attention layers keep K/V in TVM's paged KV cache, which knows each sequence's
+positions from `begin_forward`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from tvm import relax, tirx
+from tvm.relax.frontend import nn
+from tvm.relax.frontend.nn import Tensor, op
+from tvm.relax.frontend.nn.core import wrap_nested
+from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedKVCache
+from tvm.target import Target
+
+from ..schedules import gdn, logits
+from .config import FULL, ModelConfig
+from .vocab import VocabWidths
+
+F32 = "float32"
+
+
+def _unary(fn, x: Tensor, name: str) -> Tensor:
+    return wrap_nested(fn(x._expr), name)  # nn.op lacks these elementwise ops
+
+
+def rsqrt(x: Tensor) -> Tensor:
+    return _unary(relax.op.rsqrt, x, "rsqrt")
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm in float32; `weight` already holds HF's (1 + w), folded at conversion."""
+    return op.rms_norm(x.astype(F32), weight, axes=[-1], epsilon=eps).astype(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        self.weight = nn.Parameter((dim,), F32)
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class MLP(nn.Module):
+    """SwiGLU with gate and up fused into one projection."""
+
+    def __init__(self, cfg: ModelConfig, dtype: str):
+        self.inter = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=False, dtype=dtype)
+        self.down_proj = nn.Linear(self.inter, cfg.hidden_size, bias=False, dtype=dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = op.split(self.gate_up_proj(x), 2, axis=-1)
+        return self.down_proj(op.silu(gate) * up)
+
+
+def rope(x: Tensor, cos: Tensor, sin: Tensor, rotary_dim: int) -> Tensor:
+    """Neox-style rotation of the first `rotary_dim` dims of x [T, heads, head_dim]."""
+    head_dim = x.shape[-1]
+    half = rotary_dim // 2
+    x1, x2, rest = op.split(x.astype(F32), [half, rotary_dim], axis=-1)
+    c, s = op.unsqueeze(cos, 1), op.unsqueeze(sin, 1)
+    parts = [x1 * c - x2 * s, x2 * c + x1 * s]
+    if rotary_dim < head_dim:
+        parts.append(rest)
+    return op.concat(parts, dim=-1).astype(x.dtype)
+
+
+class GatedAttention(nn.Module):
+    """Full attention: q carries a per-head output gate; q/k RMSNorm; partial RoPE; GQA."""
+
+    def __init__(self, cfg: ModelConfig, kv_layer: int, dtype: str):
+        self.cfg = cfg
+        self.kv_layer = kv_layer
+        nh, nkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, (2 * nh + 2 * nkv) * d, bias=False, dtype=dtype)
+        self.o_proj = nn.Linear(nh * d, cfg.hidden_size, bias=False, dtype=dtype)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        inv_freq = 1.0 / (
+            cfg.rope_theta ** (np.arange(0, cfg.rotary_dim, 2, dtype=np.float32) / cfg.rotary_dim)
+        )
+        self.inv_freq = inv_freq.astype(np.float32)
+
+    def forward(self, x: Tensor, positions: Tensor, kv_cache: PagedKVCache) -> Tensor:
+        cfg = self.cfg
+        n_tok = x.shape[0]
+        nh, nkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        q_gate, k, v = op.split(self.qkv_proj(x), [2 * nh * d, (2 * nh + nkv) * d], axis=-1)
+        q, gate = op.split(op.reshape(q_gate, (n_tok, nh, 2 * d)), 2, axis=-1)
+        q = self.q_norm(q)
+        k = self.k_norm(op.reshape(k, (n_tok, nkv, d)))
+        v = op.reshape(v, (n_tok, nkv, d))
+        freqs = op.unsqueeze(positions.astype(F32), 1) * nn.Tensor.from_const(self.inv_freq)
+        cos, sin = _unary(relax.op.cos, freqs, "cos"), _unary(relax.op.sin, freqs, "sin")
+        q = rope(q, cos, sin, cfg.rotary_dim)
+        k = rope(k, cos, sin, cfg.rotary_dim)
+        qkv = op.reshape(op.concat([q, k, v], dim=1), (1, n_tok, nh + 2 * nkv, d))
+        o = kv_cache.attention_with_fused_qkv(self.kv_layer, qkv, nh, sm_scale=d**-0.5)
+        o = op.reshape(o, (n_tok, nh * d)) * op.sigmoid(op.reshape(gate, (n_tok, nh * d)))
+        return self.o_proj(o)
+
+
+class GatedDeltaNet(nn.Module):
+    """Linear attention: fused input projection, causal conv1d with state, the gated delta
+    rule with an fp32 recurrent state, gated RMSNorm, output projection."""
+
+    def __init__(self, cfg: ModelConfig, gdn_layer: int, dtype: str):
+        self.cfg = cfg
+        self.gdn_layer = gdn_layer
+        self.dtype = dtype
+        hv = cfg.linear_num_value_heads
+        self.in_proj = nn.Linear(
+            cfg.hidden_size, cfg.conv_dim + cfg.value_dim + 2 * hv, bias=False, dtype=dtype
+        )
+        self.conv_weight = nn.Parameter((cfg.conv_dim, cfg.linear_conv_kernel_dim), dtype)
+        self.A_log = nn.Parameter((hv,), F32)
+        self.dt_bias = nn.Parameter((hv,), F32)
+        self.norm_weight = nn.Parameter((cfg.linear_value_head_dim,), F32)
+        self.out_proj = nn.Linear(cfg.value_dim, cfg.hidden_size, bias=False, dtype=dtype)
+
+    def forward(
+        self, x: Tensor, indptr: Tensor, slots: Tensor, conv_pool: Tensor, rec_pool: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        cfg = self.cfg
+        n_tok = x.shape[0]
+        hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        layer = tirx.IntImm("int32", self.gdn_layer)
+        mixed, z, b, a = op.split(
+            self.in_proj(x),
+            [cfg.conv_dim, cfg.conv_dim + cfg.value_dim, cfg.conv_dim + cfg.value_dim + hv],
+            axis=-1,
+        )
+        conv_pool, mixed = op.tensor_ir_inplace_op(
+            gdn.conv1d_with_state(cfg.conv_dim, cfg.linear_conv_kernel_dim, self.dtype),
+            "gdn_conv1d",
+            [mixed, self.conv_weight, indptr, slots, conv_pool, layer],
+            inplace_indices=[4, -1],
+            out=[conv_pool, Tensor.placeholder((n_tok, cfg.conv_dim), self.dtype)],
+        )
+        q, k, v = op.split(mixed.astype(F32), [cfg.key_dim, 2 * cfg.key_dim], axis=-1)
+        q = l2_normalize(op.reshape(q, (n_tok, hk, dk)))
+        k = l2_normalize(op.reshape(k, (n_tok, hk, dk)))
+        v = op.reshape(v, (n_tok, hv, dv))
+        beta = op.sigmoid(b.astype(F32))
+        g = op.negative(op.exp(self.A_log)) * op.softplus(a.astype(F32) + self.dt_bias)
+        rec_pool, o = op.tensor_ir_inplace_op(
+            gdn.gated_delta_rule(hk, hv, dk, dv),
+            "gdn_delta_rule",
+            [q, k, v, g, beta, indptr, slots, rec_pool, layer],
+            inplace_indices=[7, -1],
+            out=[rec_pool, Tensor.placeholder((n_tok, hv, dv), F32)],
+        )
+        # Gated RMSNorm: HF rounds the core output to the activation dtype before the norm.
+        o = op.rms_norm(o.astype(self.dtype).astype(F32), self.norm_weight, [-1], cfg.rms_norm_eps)
+        o = o.astype(self.dtype).astype(F32) * op.silu(op.reshape(z, (n_tok, hv, dv)).astype(F32))
+        out = self.out_proj(op.reshape(o.astype(self.dtype), (n_tok, cfg.value_dim)))
+        return out, conv_pool, rec_pool
+
+
+def l2_normalize(x: Tensor, eps: float = 1e-6) -> Tensor:
+    inv = rsqrt(op.sum(op.square(x), axis=-1, keepdims=True) + eps)
+    return x * inv
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int, dtype: str):
+        self.kind = cfg.layer_types[index]
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if self.kind == FULL:
+            self.self_attn = GatedAttention(cfg, cfg.full_layers.index(index), dtype)
+        else:
+            self.linear_attn = GatedDeltaNet(cfg, cfg.linear_layers.index(index), dtype)
+        self.mlp = MLP(cfg, dtype)
+
+
+class LogitsHead(nn.Module):
+    """The only producer of logits, and the only reader of the output projection weight.
+
+    Untied checkpoints give it its own weight; tied ones lend it the embedding table, held
+    outside nn's parameter discovery so the table is exported (and stored) once."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        widths: VocabWidths,
+        dtype: str,
+        embed: nn.Embedding,
+        mask_pad: bool = True,
+    ):
+        self._kernel = logits.logits_projection(
+            cfg.hidden_size, widths.rows, widths.decodable, widths.selection, dtype, mask_pad
+        )
+        self._widths = widths
+        if cfg.tie_word_embeddings:
+            self._tied = (embed,)
+        else:
+            self.weight = nn.Parameter((widths.rows, cfg.hidden_size), dtype)
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        weight = self._tied[0].weight if hasattr(self, "_tied") else self.weight
+        return op.tensor_ir_op(
+            self._kernel,
+            "logits",
+            [hidden, weight],
+            out=Tensor.placeholder((hidden.shape[0], self._widths.selection), F32),
+        )
+
+
+class Qwen35LM(nn.Module):
+    """Embedding, the decoder stack, the final norm and the logits head."""
+
+    def __init__(self, cfg: ModelConfig, widths: VocabWidths, dtype: str, mask_pad: bool = True):
+        self.cfg = cfg
+        self.dtype = dtype
+        self.embed_tokens = nn.Embedding(widths.rows, cfg.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(
+            [DecoderLayer(cfg, i, dtype) for i in range(cfg.num_hidden_layers)]
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = LogitsHead(cfg, widths, dtype, self.embed_tokens, mask_pad)
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        indptr: Tensor,
+        slots: Tensor,
+        logit_positions: Tensor,
+        kv_cache: PagedKVCache,
+        conv_pool: Tensor,
+        rec_pool: Tensor,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Logits [len(logit_positions), selection] at the given token positions. The pools
+        come back only because they are updated in place."""
+        x = self.embed_tokens(input_ids)
+        positions = kv_cache.get_query_positions(input_ids.shape[0])
+        for layer in self.layers:
+            h = layer.input_layernorm(x)
+            if layer.kind == FULL:
+                h = layer.self_attn(h, positions, kv_cache)
+            else:
+                h, conv_pool, rec_pool = layer.linear_attn(h, indptr, slots, conv_pool, rec_pool)
+            x = x + h
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        hidden = self.norm(op.take(x, logit_positions, axis=0))
+        return self.lm_head(hidden), conv_pool, rec_pool
+
+    def create_kv_cache(
+        self,
+        max_batch_size: tirx.Var,
+        max_total_seq_len: tirx.Var,
+        prefill_chunk_size: tirx.Var,
+        page_size: tirx.Var,
+    ) -> PagedKVCache:
+        cfg = self.cfg
+        n_full = len(cfg.full_layers)
+        return TIRPagedKVCache(
+            attn_kind="mha",
+            max_batch_size=max_batch_size,
+            max_total_seq_len=max_total_seq_len,
+            prefill_chunk_size=prefill_chunk_size,
+            page_size=page_size,
+            support_sliding_window=0,
+            layer_partition=relax.ShapeExpr([0, n_full]),
+            num_hidden_layers=n_full,
+            num_attention_heads=cfg.num_attention_heads,
+            num_key_value_heads=cfg.num_key_value_heads,
+            qk_head_dim=cfg.head_dim,
+            v_head_dim=cfg.head_dim,
+            mla_original_qk_head_dim=0,
+            mla_original_v_head_dim=0,
+            rope_mode=RopeMode.NONE,  # RoPE is applied by the model, on the rotary dims only
+            rope_scale=1,
+            rope_theta=cfg.rope_theta,
+            rope_scaling={},
+            rope_ext_factors=relax.prim_value(0),
+            rotary_dim=cfg.rotary_dim,
+            enable_disaggregation=False,
+            dtype=self.dtype,
+            target=Target.current(),
+        )
+
+    def create_gdn_pools(self, num_slots: tirx.Var) -> tuple[Tensor, Tensor]:
+        return (
+            op.zeros(gdn_pool_shapes(self.cfg, num_slots)[0], self.dtype),
+            op.zeros(gdn_pool_shapes(self.cfg, num_slots)[1], F32),
+        )
+
+    def reset_gdn_slots(
+        self, conv_pool: Tensor, rec_pool: Tensor, slots: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """Zero the GDN state of `slots`, so a reused slot starts like a fresh one."""
+        out = []
+        for kind, pool in (("conv", conv_pool), ("rec", rec_pool)):
+            n_slots, *per_slot = pool.shape
+            numel = int(np.prod([int(s) for s in per_slot]))
+            flat = op.reshape(pool, (n_slots, numel))
+            out.append(
+                op.tensor_ir_inplace_op(
+                    gdn.reset_slots(numel, pool.dtype, f"gdn_reset_{kind}_slots"),
+                    f"gdn_reset_{kind}_slots",
+                    [flat, slots],
+                    inplace_indices=[0],
+                    out=Tensor.placeholder((n_slots, numel), pool.dtype),
+                )
+            )
+        return out[0], out[1]
+
+
+def gdn_pool_shapes(cfg: ModelConfig, num_slots) -> tuple[tuple, tuple]:
+    n_gdn = len(cfg.linear_layers)
+    conv = (num_slots, n_gdn, cfg.conv_dim, cfg.linear_conv_kernel_dim - 1)
+    rec = (
+        num_slots,
+        n_gdn,
+        cfg.linear_num_value_heads,
+        cfg.linear_value_head_dim,
+        cfg.linear_key_head_dim,
+    )
+    return conv, rec
+
+
+def export_spec(cfg: ModelConfig, dtype: str) -> dict:
+    """The functions the artifact exports, with their argument shapes."""
+    conv, rec = gdn_pool_shapes(cfg, "n_slots")
+    forward_args = {
+        "input_ids": nn.spec.Tensor(["n_tok"], "int32"),
+        "indptr": nn.spec.Tensor(["n_ptr"], "int32"),
+        "slots": nn.spec.Tensor(["batch"], "int32"),
+        "logit_positions": nn.spec.Tensor(["n_out"], "int32"),
+        "kv_cache": nn.spec.Object(object_type=PagedKVCache),
+        "conv_pool": nn.spec.Tensor(list(conv), dtype),
+        "rec_pool": nn.spec.Tensor(list(rec), F32),
+        "$": {"param_mode": "packed", "effect_mode": "none"},
+    }
+    no_params = {"$": {"param_mode": "none", "effect_mode": "none"}}
+    return {
+        "forward": forward_args,
+        "create_kv_cache": {
+            "max_batch_size": int,
+            "max_total_seq_len": int,
+            "prefill_chunk_size": int,
+            "page_size": int,
+            **no_params,
+        },
+        "create_gdn_pools": {"num_slots": int, **no_params},
+        "reset_gdn_slots": {
+            "conv_pool": nn.spec.Tensor(list(conv), dtype),
+            "rec_pool": nn.spec.Tensor(list(rec), F32),
+            "slots": nn.spec.Tensor(["count"], "int32"),
+            **no_params,
+        },
+    }

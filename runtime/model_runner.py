@@ -1,0 +1,91 @@
+"""Runs the compiled model over a paged KV cache and pools of GDN state slots.
+
+The runner owns device state; it does not decide what runs. Callers (the single-sequence
+generator now, the batching engine later) add sequences, forward token chunks of several
+sequences at once, and remove them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import tvm
+import tvm_ffi
+
+from .artifact import Artifact
+
+_add_sequence = tvm_ffi.get_global_func("vm.builtin.kv_state_add_sequence")
+_remove_sequence = tvm_ffi.get_global_func("vm.builtin.kv_state_remove_sequence")
+_begin_forward = tvm_ffi.get_global_func("vm.builtin.kv_state_begin_forward")
+_end_forward = tvm_ffi.get_global_func("vm.builtin.kv_state_end_forward")
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        artifact: Artifact,
+        max_batch_size: int = 1,
+        max_total_tokens: int | None = None,
+        prefill_chunk: int = 2048,
+        page_size: int = 16,
+        num_slots: int | None = None,
+    ):
+        self.artifact = artifact
+        self.device = artifact.device
+        self.max_batch_size = max_batch_size
+        self.max_total_tokens = max_total_tokens or artifact.context_window
+        self.prefill_chunk = prefill_chunk
+        self.page_size = page_size
+        self.num_slots = num_slots or max_batch_size
+        vm = artifact.vm
+        self._forward = vm["forward"]
+        self._reset = vm["reset_gdn_slots"]
+        self.kv_cache = vm["create_kv_cache"](
+            tvm.runtime.ShapeTuple([max_batch_size]),
+            tvm.runtime.ShapeTuple([self.max_total_tokens]),
+            tvm.runtime.ShapeTuple([prefill_chunk]),
+            tvm.runtime.ShapeTuple([page_size]),
+        )
+        self.conv_pool, self.rec_pool = vm["create_gdn_pools"](
+            tvm.runtime.ShapeTuple([self.num_slots])
+        )
+
+    def _i32(self, values) -> tvm.runtime.Tensor:
+        return tvm.runtime.tensor(np.asarray(values, dtype=np.int32), self.device)
+
+    def add_sequence(self, seq_id: int, slot: int) -> None:
+        """Register a sequence and zero its GDN state slot."""
+        _add_sequence(self.kv_cache, seq_id)
+        self._reset(self.conv_pool, self.rec_pool, self._i32([slot]))
+
+    def remove_sequence(self, seq_id: int) -> None:
+        _remove_sequence(self.kv_cache, seq_id)
+
+    def forward(
+        self,
+        seq_ids: list[int],
+        slots: list[int],
+        tokens: list[list[int]],
+        all_logits: bool = False,
+    ) -> np.ndarray:
+        """Append `tokens[b]` to sequence `seq_ids[b]`; logits [rows, selection] at each
+        sequence's last token, or at every token with `all_logits`."""
+        lengths = [len(t) for t in tokens]
+        indptr = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+        positions = np.arange(indptr[-1]) if all_logits else indptr[1:] - 1
+        _begin_forward(
+            self.kv_cache, tvm.runtime.ShapeTuple(seq_ids), tvm.runtime.ShapeTuple(lengths)
+        )
+        try:
+            out = self._forward(
+                self._i32(np.concatenate(tokens)),
+                self._i32(indptr),
+                self._i32(slots),
+                self._i32(positions),
+                self.kv_cache,
+                self.conv_pool,
+                self.rec_pool,
+                self.artifact.params,
+            )
+        finally:
+            _end_forward(self.kv_cache)
+        return out[0].numpy()

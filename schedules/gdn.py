@@ -1,0 +1,160 @@
+"""Gated DeltaNet kernels: causal depthwise conv1d with state, and the gated delta rule.
+
+Both kernels are ragged: a batch is one token array with `indptr` marking where each
+sequence starts, and `slots` naming each sequence's row in the state pools. The pools
+hold every live sequence's state for every GDN layer and are updated in place:
+
+- conv pool      [slots, gdn_layers, conv_dim, kernel - 1]   (activation dtype)
+- recurrent pool [slots, gdn_layers, v_heads, v_dim, k_dim]  (float32)
+
+The recurrent state is stored transposed relative to HF ([k_dim, v_dim] there) so that
+each value column's state is contiguous: every (sequence, head, value column) is an
+independent recurrence over time, which is what the kernels parallelise over.
+"""
+
+from __future__ import annotations
+
+from tvm.script import tirx as T
+from tvm.tirx import PrimFunc
+
+
+def conv1d_with_state(conv_dim: int, kernel: int, dtype: str) -> PrimFunc:
+    """out[t] = silu(sum_k w[k] * x[t - kernel + 1 + k]), reading the window before a
+    sequence's first token from its conv state and leaving its last kernel - 1 inputs there."""
+    hist = kernel - 1
+
+    @T.prim_func(s_tir=True)
+    def gdn_conv1d(
+        x_h: T.handle,
+        w_h: T.handle,
+        indptr_h: T.handle,
+        slots_h: T.handle,
+        pool_h: T.handle,
+        layer: T.int32,
+        out_h: T.handle,
+    ):
+        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
+        n_tok, n_ptr, batch = T.int32(), T.int32(), T.int32()
+        n_slots, n_layers = T.int32(), T.int32()
+        x = T.match_buffer(x_h, (n_tok, conv_dim), dtype)
+        w = T.match_buffer(w_h, (conv_dim, kernel), dtype)
+        indptr = T.match_buffer(indptr_h, (n_ptr,), "int32")
+        slots = T.match_buffer(slots_h, (batch,), "int32")
+        pool = T.match_buffer(pool_h, (n_slots, n_layers, conv_dim, hist), dtype)
+        out = T.match_buffer(out_h, (n_tok, conv_dim), dtype)
+        for b in T.serial(batch):
+            for c in T.parallel(conv_dim):
+                with T.sblock("conv"):
+                    T.reads()
+                    T.writes()
+                    acc = T.sblock_alloc_buffer((1,), "float32")
+                    start: T.let[T.int32] = indptr[b]
+                    length: T.let[T.int32] = indptr[b + 1] - start
+                    slot: T.let[T.int32] = slots[b]
+                    for t in T.serial(length):
+                        acc[0] = T.float32(0)
+                        for k in T.serial(kernel):
+                            # j: the input's position relative to this sequence's first token
+                            j: T.let[T.int32] = t - hist + k
+                            acc[0] = acc[0] + T.Cast("float32", w[c, k]) * T.if_then_else(
+                                j >= 0,
+                                T.Cast("float32", x[start + T.max(j, 0), c]),
+                                T.Cast("float32", pool[slot, layer, c, T.min(hist + j, hist - 1)]),
+                            )
+                        out[start + t, c] = T.Cast(dtype, acc[0] / (T.float32(1) + T.exp(-acc[0])))
+                    # Ascending i reads old state at i + length >= i before overwriting it.
+                    for i in T.serial(hist):
+                        j: T.let[T.int32] = length - hist + i
+                        pool[slot, layer, c, i] = T.if_then_else(
+                            j >= 0,
+                            x[start + T.max(j, 0), c],
+                            pool[slot, layer, c, T.min(hist + j, hist - 1)],
+                        )
+
+    return gdn_conv1d
+
+
+def gated_delta_rule(
+    k_heads: int, v_heads: int, k_dim: int, v_dim: int, recurrent: bool = True
+) -> PrimFunc:
+    """The gated delta rule over each sequence, starting from and updating its state:
+    S <- S * exp(g); S <- S + beta * k (v - S k)ᵀ; o = S q / sqrt(k_dim)."""
+    del recurrent  # the CPU form is the recurrent one; chunked prefill comes with GPU schedules
+    group = v_heads // k_heads
+    scale = float(k_dim) ** -0.5
+
+    @T.prim_func(s_tir=True)
+    def gdn_delta_rule(
+        q_h: T.handle,
+        k_h: T.handle,
+        v_h: T.handle,
+        g_h: T.handle,
+        beta_h: T.handle,
+        indptr_h: T.handle,
+        slots_h: T.handle,
+        pool_h: T.handle,
+        layer: T.int32,
+        out_h: T.handle,
+    ):
+        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
+        n_tok, n_ptr, batch = T.int32(), T.int32(), T.int32()
+        n_slots, n_layers = T.int32(), T.int32()
+        q = T.match_buffer(q_h, (n_tok, k_heads, k_dim), "float32")
+        k = T.match_buffer(k_h, (n_tok, k_heads, k_dim), "float32")
+        v = T.match_buffer(v_h, (n_tok, v_heads, v_dim), "float32")
+        g = T.match_buffer(g_h, (n_tok, v_heads), "float32")
+        beta = T.match_buffer(beta_h, (n_tok, v_heads), "float32")
+        indptr = T.match_buffer(indptr_h, (n_ptr,), "int32")
+        slots = T.match_buffer(slots_h, (batch,), "int32")
+        pool = T.match_buffer(pool_h, (n_slots, n_layers, v_heads, v_dim, k_dim), "float32")
+        out = T.match_buffer(out_h, (n_tok, v_heads, v_dim), "float32")
+        for b in T.serial(batch):
+            for hv in T.parallel(v_heads * v_dim):
+                with T.sblock("delta_rule"):
+                    T.reads()
+                    T.writes()
+                    s = T.sblock_alloc_buffer((k_dim,), "float32")
+                    acc = T.sblock_alloc_buffer((1,), "float32")
+                    h: T.let[T.int32] = hv // v_dim
+                    col: T.let[T.int32] = hv % v_dim
+                    kh: T.let[T.int32] = h // group
+                    start: T.let[T.int32] = indptr[b]
+                    slot: T.let[T.int32] = slots[b]
+                    for d in T.serial(k_dim):
+                        s[d] = pool[slot, layer, h, col, d]
+                    for t in T.serial(indptr[b + 1] - start):
+                        decay: T.let[T.float32] = T.exp(g[start + t, h])
+                        acc[0] = T.float32(0)
+                        for d in T.serial(k_dim):
+                            s[d] = s[d] * decay
+                            acc[0] = acc[0] + s[d] * k[start + t, kh, d]
+                        acc[0] = (v[start + t, h, col] - acc[0]) * beta[start + t, h]
+                        for d in T.serial(k_dim):
+                            s[d] = s[d] + k[start + t, kh, d] * acc[0]
+                        acc[0] = T.float32(0)
+                        for d in T.serial(k_dim):
+                            acc[0] = acc[0] + s[d] * q[start + t, kh, d]
+                        out[start + t, h, col] = acc[0] * T.float32(scale)
+                    for d in T.serial(k_dim):
+                        pool[slot, layer, h, col, d] = s[d]
+
+    return gdn_delta_rule
+
+
+def reset_slots(numel: int, dtype: str, name: str) -> PrimFunc:
+    """Zero the given slots of a pool viewed as [slots, numel]."""
+
+    @T.prim_func(s_tir=True)
+    def gdn_reset_slots(pool_h: T.handle, slots_h: T.handle):
+        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
+        n_slots, count = T.int32(), T.int32()
+        pool = T.match_buffer(pool_h, (n_slots, numel), dtype)
+        slots = T.match_buffer(slots_h, (count,), "int32")
+        for i in T.serial(count):
+            for e in T.parallel(numel):
+                with T.sblock("reset"):
+                    T.reads()
+                    T.writes()
+                    pool[slots[i], e] = T.Cast(dtype, 0)
+
+    return gdn_reset_slots.with_attr("global_symbol", name)
