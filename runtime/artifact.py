@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# Must precede the first `import tvm` anywhere in the process to keep the compiler out.
-os.environ.setdefault("TVM_USE_RUNTIME_LIB", "1")
+# Keeps the compiler library out of serving processes; it must precede the first `import tvm`
+# (a process that already compiled, like the test suite, keeps the TVM it has).
+if "tvm" not in sys.modules:
+    os.environ.setdefault("TVM_USE_RUNTIME_LIB", "1")
 
 import tvm  # noqa: E402
 from safetensors.numpy import load_file  # noqa: E402

@@ -1,0 +1,150 @@
+"""`qwen35-tvm`: one command, a subcommand per job.
+
+Each subcommand imports only its own side: the runtime commands never load the compiler.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _compile(args: argparse.Namespace) -> None:
+    from qwen35_tvm.compile.build import compile_model
+
+    out = compile_model(
+        args.model,
+        args.output,
+        target=args.target,
+        arch=args.arch,
+        dtype=args.dtype,
+        context_window=args.context_window,
+        convert=not args.no_convert,
+    )
+    print(f"artifact written to {out}")
+
+
+def _convert(args: argparse.Namespace) -> None:
+    from qwen35_tvm.compile.build import convert_weights
+
+    convert_weights(args.model, args.artifact)
+
+
+def _random_model(args: argparse.Namespace) -> None:
+    from qwen35_tvm.compile.random_model import SHAPES, write_random_model
+
+    out = write_random_model(
+        SHAPES[args.shape], Path(args.output), seed=args.seed, dtype=args.dtype
+    )
+    print(f"random {args.shape} model written to {out}")
+
+
+def _sampling(args: argparse.Namespace):
+    from qwen35_tvm.runtime.sampler import SamplingParams
+
+    return SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
+    )
+
+
+def _generate(args: argparse.Namespace) -> None:
+    from qwen35_tvm.runtime.artifact import Artifact
+    from qwen35_tvm.runtime.generate import Generator
+    from qwen35_tvm.runtime.tokenizer import TextTokenizer
+
+    params = _sampling(args)
+    artifact = Artifact(args.artifact, device=args.device)
+    tokenizer = TextTokenizer.from_dir(args.artifact)
+    text = args.prompt
+    if args.chat:
+        text = tokenizer.render_chat([{"role": "user", "content": args.prompt}])
+    generator = Generator(artifact)
+    detok = tokenizer.detokenizer(skip_special=True)
+    for token in generator.generate(tokenizer.encode(text), params, args.max_tokens):
+        sys.stdout.write(detok.feed(token))
+        sys.stdout.flush()
+    sys.stdout.write(detok.flush() + "\n")
+
+
+def _score(args: argparse.Namespace) -> None:
+    from qwen35_tvm.runtime.artifact import Artifact
+    from qwen35_tvm.runtime.generate import Generator
+    from qwen35_tvm.runtime.tokenizer import TextTokenizer
+
+    if args.ids is not None:
+        try:
+            ids = [int(x) for x in args.ids.split(",") if x.strip()]
+        except ValueError:
+            raise SystemExit(f"--ids must be comma-separated integers, got {args.ids!r}") from None
+    else:
+        ids = TextTokenizer.from_dir(args.artifact).encode(args.text)
+    generator = Generator(Artifact(args.artifact, device=args.device))
+    for s in generator.score(ids, top_k=args.top_k):
+        top = [[t, lp] for t, lp in s.top]
+        line = {"position": s.position, "token": s.token, "logprob": s.logprob, "top": top}
+        print(json.dumps(line))
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="qwen35-tvm", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    c = sub.add_parser("compile", help="compile a model folder (or tiny-random) to an artifact")
+    c.add_argument("model", help="a Hugging Face Qwen3.5 folder, or 'tiny-random'")
+    c.add_argument("-o", "--output", required=True, help="artifact folder to write")
+    c.add_argument("--target", default="llvm", choices=["llvm", "cuda"])
+    c.add_argument("--arch", default="sm_80", help="CUDA SM architectures, e.g. sm_80,sm_90")
+    c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    c.add_argument("--context-window", type=int, default=None, help="longest sequence served")
+    c.add_argument("--no-convert", action="store_true", help="build the library only")
+    c.set_defaults(func=_compile)
+
+    v = sub.add_parser("convert", help="convert a checkpoint's weights into an artifact")
+    v.add_argument("model")
+    v.add_argument("artifact")
+    v.set_defaults(func=_convert)
+
+    r = sub.add_parser("random-model", help="write random weights at real shapes")
+    r.add_argument("--shape", required=True, choices=["tiny", "0.8b", "2b", "4b", "9b"])
+    r.add_argument("-o", "--output", required=True)
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    r.set_defaults(func=_random_model)
+
+    for name, helptext, func in (
+        ("generate", "generate text from a prompt", _generate),
+        ("score", "teacher-forced logprobs as JSON lines", _score),
+    ):
+        g = sub.add_parser(name, help=helptext)
+        g.add_argument("artifact")
+        g.add_argument("--device", default=None, choices=["cpu", "cuda"])
+        g.set_defaults(func=func)
+        if name == "generate":
+            g.add_argument("--prompt", required=True)
+            g.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn")
+            g.add_argument("--max-tokens", type=int, default=64)
+            g.add_argument("--temperature", type=float, default=0.0)
+            g.add_argument("--top-p", type=float, default=1.0)
+            g.add_argument("--top-k", type=int, default=-1)
+            g.add_argument("--seed", type=int, default=None)
+        else:
+            src = g.add_mutually_exclusive_group(required=True)
+            src.add_argument("--text")
+            src.add_argument("--ids", help="comma-separated token ids")
+            g.add_argument("--top-k", type=int, default=5)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    try:
+        args.func(args)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        # Users' mistakes (bad config, bad prompt, missing files) get one line, not a traceback.
+        raise SystemExit(f"qwen35-tvm {args.command}: error: {e}") from None
+
+
+if __name__ == "__main__":
+    main()
