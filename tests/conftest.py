@@ -97,3 +97,11 @@ def tiny_compiled(model_root) -> CompiledModel:
     if name not in _compiled:
         _compiled[name] = compile_model_once(name, model_root)
     return _compiled[name]
+
+
+@pytest.fixture(scope="session")
+def tiny_random_artifact(model_root) -> Path:
+    """The embedded default, compiled exactly as the README does."""
+    from qwen35_tvm.compile.build import compile_model
+
+    return compile_model("tiny-random", model_root / "artifacts" / "tiny-random")
