@@ -7,6 +7,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch  # noqa: E402
+import transformers  # noqa: E402
 from safetensors import safe_open
 
 from qwen35_tvm.compile.config import ModelConfig
@@ -16,9 +18,6 @@ from qwen35_tvm.compile.random_model import (
     tiny_random_dir,
     write_random_model,
 )
-
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
 
 
 def _tensors(folder: Path) -> dict[str, np.ndarray]:
