@@ -27,7 +27,7 @@ def _compile(args: argparse.Namespace) -> None:
 
 
 def _convert(args: argparse.Namespace) -> None:
-    from qwen35_tvm.compile.build import convert_weights
+    from qwen35_tvm.compile.convert import convert_weights
 
     convert_weights(args.model, args.artifact)
 

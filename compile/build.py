@@ -8,7 +8,6 @@ weights converted on another.
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -17,9 +16,11 @@ import tvm
 from tvm.relax.frontend import nn
 
 from .config import ModelConfig
-from .convert import write_params
-from .hf_folder import HFModelFolder
+from .convert import convert_weights, log, write_meta
+from .cuda_toolchain import prepare_cuda_codegen
+from .hf_folder import HFModelFolder, resolve_model
 from .model import Qwen35LM, export_spec
+from .pipeline import relax_pipeline
 from .targets import make_target
 from .tokenizer_build import chat_template_of, decodable_width, resolve_tokenizer
 from .vocab import VocabWidths
@@ -27,19 +28,6 @@ from .vocab import VocabWidths
 SCHEMA_VERSION = 1
 DTYPES = ("float32", "bfloat16")
 DEFAULT_EOS = ("<|im_end|>", "<|endoftext|>")
-
-
-def resolve_model(model: str | Path) -> HFModelFolder:
-    """A model folder, or the name of an embedded one (`tiny-random`)."""
-    if str(model) == "tiny-random":
-        from .random_model import tiny_random_dir
-
-        return HFModelFolder(tiny_random_dir())
-    return HFModelFolder(model)
-
-
-def _log(msg: str) -> None:
-    print(f"[qwen35-tvm] {msg}", flush=True)
 
 
 def build_module(
@@ -76,15 +64,17 @@ def compile_model(
     tokenizer = resolve_tokenizer(folder.path)
     widths = VocabWidths.resolve(config.vocab_size, decodable_width(tokenizer))
     tvm_target, arches = make_target(target, arch)
+    if target == "cuda":
+        prepare_cuda_codegen(arches)  # SASS for each arch + PTX, so the GPU host never JITs
 
     started = time.time()
-    _log(f"lowering {config.num_hidden_layers} layers to Relax ({target}, {dtype})")
+    log(f"lowering {config.num_hidden_layers} layers to Relax ({target}, {dtype})")
     mod, named_params = build_module(config, widths, dtype, tvm_target, mask_pad=_mask_pad)
-    _log(f"compiling with TVM {tvm.__version__} ({len(mod.functions)} functions)")
-    executable = tvm.compile(mod, tvm_target)
+    log(f"compiling with TVM {tvm.__version__} ({len(mod.functions)} functions)")
+    executable = tvm.compile(mod, tvm_target, relax_pipeline=relax_pipeline(tvm_target))
     executable.export_library(str(out / "model.so"))
     compile_seconds = time.time() - started
-    _log(f"library built in {compile_seconds:.1f} s")
+    log(f"library built in {compile_seconds:.1f} s")
 
     tokenizer.save(str(out / "tokenizer.json"))
     template = chat_template_of(folder.path)
@@ -108,25 +98,10 @@ def compile_model(
         "weights": None,
         "compile_seconds": round(compile_seconds, 2),
     }
-    _write_meta(out, meta)
+    write_meta(out, meta)
     if convert and folder.has_weights():
         convert_weights(folder, out)
     return out
-
-
-def convert_weights(model: str | Path | HFModelFolder, artifact_dir: str | Path) -> None:
-    """Convert a checkpoint into the parameters an already-built artifact expects."""
-    folder = model if isinstance(model, HFModelFolder) else resolve_model(model)
-    out = Path(artifact_dir)
-    meta = json.loads((out / "artifact.json").read_text())
-    resolved = json.loads((out / "config.json").read_text())
-    if folder.config.to_dict() != resolved:
-        raise ValueError(f"{folder.path}: its config differs from the one {out} was compiled for")
-    for old in out.glob("params-*.safetensors"):
-        old.unlink()
-    _log(f"converting weights from {folder.path} to {meta['dtype']}")
-    meta["weights"] = write_params(folder, [p["name"] for p in meta["params"]], meta["dtype"], out)
-    _write_meta(out, meta)
 
 
 def _eos_ids(folder: HFModelFolder, tokenizer) -> list[int]:
@@ -137,9 +112,3 @@ def _eos_ids(folder: HFModelFolder, tokenizer) -> list[int]:
             return sorted({eos} if isinstance(eos, int) else set(eos))
     ids = [tokenizer.token_to_id(t) for t in DEFAULT_EOS]
     return sorted(i for i in ids if i is not None)
-
-
-def _write_meta(out: Path, meta: dict[str, Any]) -> None:
-    tmp = out / "artifact.json.tmp"
-    tmp.write_text(json.dumps(meta, indent=2))
-    shutil.move(tmp, out / "artifact.json")

@@ -7,15 +7,18 @@ input projections are concatenated; HF's zero-centred RMSNorm weights become (1 
 from __future__ import annotations
 
 import hashlib
+import json
+import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 from tqdm import tqdm
 
-from .hf_folder import HFModelFolder
+from .hf_folder import HFModelFolder, resolve_model
 
 SHARD_BYTES = 1 << 30
 _DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
@@ -102,3 +105,29 @@ def _sha256(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def log(msg: str) -> None:
+    print(f"[qwen35-tvm] {msg}", flush=True)
+
+
+def convert_weights(model: str | Path | HFModelFolder, artifact_dir: str | Path) -> None:
+    """Convert a checkpoint into the parameters an already-built artifact expects. Needs no
+    compiler, so it runs where the weights are, not where the library was built."""
+    folder = model if isinstance(model, HFModelFolder) else resolve_model(model)
+    out = Path(artifact_dir)
+    meta = json.loads((out / "artifact.json").read_text())
+    resolved = json.loads((out / "config.json").read_text())
+    if folder.config.to_dict() != resolved:
+        raise ValueError(f"{folder.path}: its config differs from the one {out} was compiled for")
+    for old in out.glob("params-*.safetensors"):
+        old.unlink()
+    log(f"converting weights from {folder.path} to {meta['dtype']}")
+    meta["weights"] = write_params(folder, [p["name"] for p in meta["params"]], meta["dtype"], out)
+    write_meta(out, meta)
+
+
+def write_meta(out: Path, meta: dict[str, Any]) -> None:
+    tmp = out / "artifact.json.tmp"
+    tmp.write_text(json.dumps(meta, indent=2))
+    shutil.move(tmp, out / "artifact.json")

@@ -85,3 +85,12 @@ class HFModelFolder:
                 f"tensor '{key}' has shape {tuple(array.shape)}, but the config implies {expected}"
             )
         return array
+
+
+def resolve_model(model: str | Path) -> HFModelFolder:
+    """A model folder, or the name of an embedded one (`tiny-random`)."""
+    if str(model) == "tiny-random":
+        from .random_model import tiny_random_dir
+
+        return HFModelFolder(tiny_random_dir())
+    return HFModelFolder(model)

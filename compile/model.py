@@ -138,7 +138,9 @@ class GatedDeltaNet(nn.Module):
             axis=-1,
         )
         conv_pool, mixed = op.tensor_ir_inplace_op(
-            gdn.conv1d_with_state(cfg.conv_dim, cfg.linear_conv_kernel_dim, self.dtype),
+            gdn.conv1d_with_state(
+                cfg.conv_dim, cfg.linear_conv_kernel_dim, self.dtype, Target.current()
+            ),
             "gdn_conv1d",
             [mixed, self.conv_weight, indptr, slots, conv_pool, layer],
             inplace_indices=[4, -1],
@@ -151,7 +153,7 @@ class GatedDeltaNet(nn.Module):
         beta = op.sigmoid(b.astype(F32))
         g = op.negative(op.exp(self.A_log)) * op.softplus(a.astype(F32) + self.dt_bias)
         rec_pool, o = op.tensor_ir_inplace_op(
-            gdn.gated_delta_rule(hk, hv, dk, dv),
+            gdn.gated_delta_rule(hk, hv, dk, dv, Target.current()),
             "gdn_delta_rule",
             [q, k, v, g, beta, indptr, slots, rec_pool, layer],
             inplace_indices=[7, -1],
@@ -196,7 +198,13 @@ class LogitsHead(nn.Module):
         mask_pad: bool = True,
     ):
         self._kernel = logits.logits_projection(
-            cfg.hidden_size, widths.rows, widths.decodable, widths.selection, dtype, mask_pad
+            cfg.hidden_size,
+            widths.rows,
+            widths.decodable,
+            widths.selection,
+            dtype,
+            Target.current(),
+            mask_pad,
         )
         self._widths = widths
         if cfg.tie_word_embeddings:
@@ -227,7 +235,7 @@ class Qwen35LM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = LogitsHead(cfg, widths, dtype, self.embed_tokens, mask_pad)
 
-    def forward(
+    def prefill(
         self,
         input_ids: Tensor,
         indptr: Tensor,
@@ -237,8 +245,39 @@ class Qwen35LM(nn.Module):
         conv_pool: Tensor,
         rec_pool: Tensor,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """Logits [len(logit_positions), selection] at the given token positions. The pools
-        come back only because they are updated in place."""
+        """Any number of tokens of any number of sequences: logits [len(logit_positions),
+        selection] at the given token positions. The pools come back only because they are
+        updated in place."""
+        return self._forward(
+            input_ids, indptr, slots, logit_positions, kv_cache, conv_pool, rec_pool
+        )
+
+    def decode(
+        self,
+        input_ids: Tensor,
+        indptr: Tensor,
+        slots: Tensor,
+        logit_positions: Tensor,
+        kv_cache: PagedKVCache,
+        conv_pool: Tensor,
+        rec_pool: Tensor,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """One token for each of `batch` sequences; compiled apart from prefill so that its
+        projections get GEMV schedules instead of GEMM tiles."""
+        return self._forward(
+            input_ids, indptr, slots, logit_positions, kv_cache, conv_pool, rec_pool
+        )
+
+    def _forward(
+        self,
+        input_ids: Tensor,
+        indptr: Tensor,
+        slots: Tensor,
+        logit_positions: Tensor,
+        kv_cache: PagedKVCache,
+        conv_pool: Tensor,
+        rec_pool: Tensor,
+    ) -> tuple[Tensor, Tensor, Tensor]:
         x = self.embed_tokens(input_ids)
         positions = kv_cache.get_query_positions(input_ids.shape[0])
         for layer in self.layers:
@@ -304,7 +343,7 @@ class Qwen35LM(nn.Module):
             flat = op.reshape(pool, (n_slots, numel))
             out.append(
                 op.tensor_ir_inplace_op(
-                    gdn.reset_slots(numel, pool.dtype, f"gdn_reset_{kind}_slots"),
+                    gdn.reset_slots(numel, pool.dtype, f"gdn_reset_{kind}_slots", Target.current()),
                     f"gdn_reset_{kind}_slots",
                     [flat, slots],
                     inplace_indices=[0],
@@ -330,19 +369,23 @@ def gdn_pool_shapes(cfg: ModelConfig, num_slots) -> tuple[tuple, tuple]:
 def export_spec(cfg: ModelConfig, dtype: str) -> dict:
     """The functions the artifact exports, with their argument shapes."""
     conv, rec = gdn_pool_shapes(cfg, "n_slots")
-    forward_args = {
-        "input_ids": nn.spec.Tensor(["n_tok"], "int32"),
-        "indptr": nn.spec.Tensor(["n_ptr"], "int32"),
-        "slots": nn.spec.Tensor(["batch"], "int32"),
-        "logit_positions": nn.spec.Tensor(["n_out"], "int32"),
-        "kv_cache": nn.spec.Object(object_type=PagedKVCache),
-        "conv_pool": nn.spec.Tensor(list(conv), dtype),
-        "rec_pool": nn.spec.Tensor(list(rec), F32),
-        "$": {"param_mode": "packed", "effect_mode": "none"},
-    }
+
+    def forward_args(n_tok: str, n_out: str) -> dict:
+        return {
+            "input_ids": nn.spec.Tensor([n_tok], "int32"),
+            "indptr": nn.spec.Tensor(["n_ptr"], "int32"),
+            "slots": nn.spec.Tensor(["batch"], "int32"),
+            "logit_positions": nn.spec.Tensor([n_out], "int32"),
+            "kv_cache": nn.spec.Object(object_type=PagedKVCache),
+            "conv_pool": nn.spec.Tensor(list(conv), dtype),
+            "rec_pool": nn.spec.Tensor(list(rec), F32),
+            "$": {"param_mode": "packed", "effect_mode": "none"},
+        }
+
     no_params = {"$": {"param_mode": "none", "effect_mode": "none"}}
     return {
-        "forward": forward_args,
+        "prefill": forward_args("n_tok", "n_out"),
+        "decode": forward_args("batch", "batch"),
         "create_kv_cache": {
             "max_batch_size": int,
             "max_total_seq_len": int,

@@ -37,7 +37,8 @@ class ModelRunner:
         self.page_size = page_size
         self.num_slots = num_slots or max_batch_size
         vm = artifact.vm
-        self._forward = vm["forward"]
+        self._prefill = vm["prefill"]
+        self._decode = vm["decode"]
         self._reset = vm["reset_gdn_slots"]
         self.kv_cache = vm["create_kv_cache"](
             tvm.runtime.ShapeTuple([max_batch_size]),
@@ -75,8 +76,10 @@ class ModelRunner:
         _begin_forward(
             self.kv_cache, tvm.runtime.ShapeTuple(seq_ids), tvm.runtime.ShapeTuple(lengths)
         )
+        single_tokens = not all_logits and all(n == 1 for n in lengths)
+        fn = self._decode if single_tokens else self._prefill
         try:
-            out = self._forward(
+            out = fn(
                 self._i32(np.concatenate(tokens)),
                 self._i32(indptr),
                 self._i32(slots),

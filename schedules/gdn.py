@@ -14,11 +14,30 @@ independent recurrence over time, which is what the kernels parallelise over.
 
 from __future__ import annotations
 
+from tvm import s_tir
 from tvm.script import tirx as T
+from tvm.target import Target
 from tvm.tirx import PrimFunc
 
+GPU_THREADS = 128
 
-def conv1d_with_state(conv_dim: int, kernel: int, dtype: str) -> PrimFunc:
+
+def _for_target(func: PrimFunc, block: str, target: Target) -> PrimFunc:
+    """Each kernel is written as (sequence or slot) x (independent lane) loops around one block:
+    the CPU runs lanes in parallel; the GPU gives sequences the grid's y axis and lanes threads."""
+    sch = s_tir.Schedule(func)
+    outer, inner = sch.get_loops(sch.get_sblock(block))[:2]
+    if target.kind.name == "cuda":
+        bx, tx = sch.split(inner, [None, GPU_THREADS])
+        sch.bind(outer, "blockIdx.y")
+        sch.bind(bx, "blockIdx.x")
+        sch.bind(tx, "threadIdx.x")
+    else:
+        sch.parallel(inner)
+    return sch.mod["main"].with_attr("tirx.is_scheduled", True)
+
+
+def conv1d_with_state(conv_dim: int, kernel: int, dtype: str, target: Target) -> PrimFunc:
     """out[t] = silu(sum_k w[k] * x[t - kernel + 1 + k]), reading the window before a
     sequence's first token from its conv state and leaving its last kernel - 1 inputs there."""
     hist = kernel - 1
@@ -33,7 +52,7 @@ def conv1d_with_state(conv_dim: int, kernel: int, dtype: str) -> PrimFunc:
         layer: T.int32,
         out_h: T.handle,
     ):
-        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
+        T.func_attr({"tirx.noalias": True})
         n_tok, n_ptr, batch = T.int32(), T.int32(), T.int32()
         n_slots, n_layers = T.int32(), T.int32()
         x = T.match_buffer(x_h, (n_tok, conv_dim), dtype)
@@ -43,11 +62,11 @@ def conv1d_with_state(conv_dim: int, kernel: int, dtype: str) -> PrimFunc:
         pool = T.match_buffer(pool_h, (n_slots, n_layers, conv_dim, hist), dtype)
         out = T.match_buffer(out_h, (n_tok, conv_dim), dtype)
         for b in T.serial(batch):
-            for c in T.parallel(conv_dim):
+            for c in T.serial(conv_dim):
                 with T.sblock("conv"):
                     T.reads()
                     T.writes()
-                    acc = T.sblock_alloc_buffer((1,), "float32")
+                    acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
                     start: T.let[T.int32] = indptr[b]
                     length: T.let[T.int32] = indptr[b + 1] - start
                     slot: T.let[T.int32] = slots[b]
@@ -71,15 +90,14 @@ def conv1d_with_state(conv_dim: int, kernel: int, dtype: str) -> PrimFunc:
                             pool[slot, layer, c, T.min(hist + j, hist - 1)],
                         )
 
-    return gdn_conv1d
+    return _for_target(gdn_conv1d, "conv", target)
 
 
 def gated_delta_rule(
-    k_heads: int, v_heads: int, k_dim: int, v_dim: int, recurrent: bool = True
+    k_heads: int, v_heads: int, k_dim: int, v_dim: int, target: Target
 ) -> PrimFunc:
     """The gated delta rule over each sequence, starting from and updating its state:
     S <- S * exp(g); S <- S + beta * k (v - S k)ᵀ; o = S q / sqrt(k_dim)."""
-    del recurrent  # the CPU form is the recurrent one; chunked prefill comes with GPU schedules
     group = v_heads // k_heads
     scale = float(k_dim) ** -0.5
 
@@ -96,7 +114,7 @@ def gated_delta_rule(
         layer: T.int32,
         out_h: T.handle,
     ):
-        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
+        T.func_attr({"tirx.noalias": True})
         n_tok, n_ptr, batch = T.int32(), T.int32(), T.int32()
         n_slots, n_layers = T.int32(), T.int32()
         q = T.match_buffer(q_h, (n_tok, k_heads, k_dim), "float32")
@@ -109,12 +127,12 @@ def gated_delta_rule(
         pool = T.match_buffer(pool_h, (n_slots, n_layers, v_heads, v_dim, k_dim), "float32")
         out = T.match_buffer(out_h, (n_tok, v_heads, v_dim), "float32")
         for b in T.serial(batch):
-            for hv in T.parallel(v_heads * v_dim):
+            for hv in T.serial(v_heads * v_dim):
                 with T.sblock("delta_rule"):
                     T.reads()
                     T.writes()
-                    s = T.sblock_alloc_buffer((k_dim,), "float32")
-                    acc = T.sblock_alloc_buffer((1,), "float32")
+                    s = T.sblock_alloc_buffer((k_dim,), "float32", scope="local")
+                    acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
                     h: T.let[T.int32] = hv // v_dim
                     col: T.let[T.int32] = hv % v_dim
                     kh: T.let[T.int32] = h // group
@@ -138,23 +156,23 @@ def gated_delta_rule(
                     for d in T.serial(k_dim):
                         pool[slot, layer, h, col, d] = s[d]
 
-    return gdn_delta_rule
+    return _for_target(gdn_delta_rule, "delta_rule", target)
 
 
-def reset_slots(numel: int, dtype: str, name: str) -> PrimFunc:
+def reset_slots(numel: int, dtype: str, name: str, target: Target) -> PrimFunc:
     """Zero the given slots of a pool viewed as [slots, numel]."""
 
     @T.prim_func(s_tir=True)
     def gdn_reset_slots(pool_h: T.handle, slots_h: T.handle):
-        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
+        T.func_attr({"tirx.noalias": True})
         n_slots, count = T.int32(), T.int32()
         pool = T.match_buffer(pool_h, (n_slots, numel), dtype)
         slots = T.match_buffer(slots_h, (count,), "int32")
         for i in T.serial(count):
-            for e in T.parallel(numel):
+            for e in T.serial(numel):
                 with T.sblock("reset"):
                     T.reads()
                     T.writes()
                     pool[slots[i], e] = T.Cast(dtype, 0)
 
-    return gdn_reset_slots.with_attr("global_symbol", name)
+    return _for_target(gdn_reset_slots, "reset", target).with_attr("global_symbol", name)

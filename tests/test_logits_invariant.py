@@ -11,8 +11,9 @@ import tvm
 from conftest import compile_model_once
 from tvm import relax
 
-from qwen35_tvm.compile.build import build_module, resolve_model
+from qwen35_tvm.compile.build import build_module
 from qwen35_tvm.compile.config import ModelConfig
+from qwen35_tvm.compile.hf_folder import resolve_model
 from qwen35_tvm.compile.targets import make_target
 from qwen35_tvm.compile.vocab import VocabError, VocabWidths
 from qwen35_tvm.runtime.artifact import Artifact
@@ -117,7 +118,8 @@ def test_only_the_logits_kernel_reads_the_output_projection(tied):
     mod, named = build_module(config, widths, "float32", make_target("llvm")[0])
     names = [n for n, _ in named]
     head = "embed_tokens.weight" if tied else "lm_head.weight"
-    users = _weight_users(mod["forward"], names.index(head))
-    expected = ["relax.take", "call_tir:logits"] if tied else ["call_tir:logits"]
-    assert sorted(users) == sorted(expected)
+    for fn in ("prefill", "decode"):
+        users = _weight_users(mod[fn], names.index(head))
+        expected = ["relax.take", "call_tir:logits"] if tied else ["call_tir:logits"]
+        assert sorted(users) == sorted(expected), fn
     assert isinstance(mod, tvm.IRModule)
