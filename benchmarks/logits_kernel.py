@@ -1,0 +1,115 @@
+"""Benchmark of the logits projection kernel alone against torch F.linear (cuBLAS).
+
+Two steps, because the GPU server has no compiler:
+  here (nvcc, no GPU):  python benchmarks/logits_kernel.py build DIR [--arch sm_80,sm_90]
+  on the GPU server:    python benchmarks/logits_kernel.py run DIR
+
+`run` prints, for hidden 2560 and 4096 and batch 1, 16, 64, the time and the fraction of the
+device-to-device copy bandwidth measured in the same run (bytes read + written per second),
+for the weight read at width 248,077 (unpadded) and 248,192 (padded, pad columns masked).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from common import copy_bandwidth, cuda_time
+
+ROWS, DECODABLE, SELECTION = 248_320, 248_077, 248_192
+HIDDENS = (2560, 4096)
+BATCHES = (1, 16, 64)
+VARIANTS = {"unpadded": (DECODABLE, DECODABLE), "padded": (DECODABLE, SELECTION)}
+
+
+def build(out: Path, arch: str) -> None:
+    import tvm
+
+    from qwen35_tvm.compile.cuda_toolchain import prepare_cuda_codegen
+    from qwen35_tvm.compile.targets import make_target
+    from qwen35_tvm.schedules.logits import logits_projection
+
+    target, arches = make_target("cuda", arch)
+    prepare_cuda_codegen(arches)
+    out.mkdir(parents=True, exist_ok=True)
+    for hidden in HIDDENS:
+        for name, (decodable, selection) in VARIANTS.items():
+            func = logits_projection(hidden, ROWS, decodable, selection, "bfloat16", target)
+            lib = tvm.compile(tvm.IRModule({"logits": func}), target=target)
+            lib.export_library(str(out / f"logits_{hidden}_{name}.so"))
+    (out / "logits_bench.json").write_text(json.dumps({"arch": arches}))
+
+
+def run(out: Path) -> None:
+    import os
+
+    os.environ.setdefault("TVM_USE_RUNTIME_LIB", "1")
+    import torch
+    import tvm
+
+    from qwen35_tvm.runtime.artifact import device_of
+
+    dev = device_of("cuda")
+    bw = copy_bandwidth(torch)
+    print(f"device: {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s")
+    print("| hidden | B | width | kernel | time (µs) | weight GB/s | of copy bw |")
+    print("|---|---|---|---|---|---|---|")
+    rows = []
+    for hidden in HIDDENS:
+        weight = torch.randn(ROWS, hidden, device="cuda", dtype=torch.bfloat16) * 0.02
+        for batch in BATCHES:
+            x = torch.randn(batch, hidden, device="cuda", dtype=torch.bfloat16)
+            for name, (decodable, selection) in VARIANTS.items():
+                lib = tvm.runtime.load_module(str(out / f"logits_{hidden}_{name}.so"))
+                fn = lib["logits"]
+                res = torch.empty(batch, selection, device="cuda", dtype=torch.float32)
+                args = [tvm.runtime.from_dlpack(t) for t in (x, weight, res)]
+                ours = cuda_time(torch, lambda fn=fn, args=args: fn(*args))
+                ref = torch.nn.functional.linear(x.float(), weight[:decodable].float())
+                err = (res[:, :decodable] - ref).abs().max().item()
+                pads_ok = (
+                    bool(torch.isneginf(res[:, decodable:]).all())
+                    if selection > decodable
+                    else True
+                )
+                w_slice = weight[:selection]
+                cublas = cuda_time(torch, lambda w=w_slice: torch.nn.functional.linear(x, w))
+                for kernel, t in ((f"ours ({name})", ours), ("torch F.linear", cublas)):
+                    gbs = selection * hidden * 2 / t
+                    rows.append(
+                        dict(
+                            hidden=hidden,
+                            batch=batch,
+                            width=selection,
+                            kernel=kernel,
+                            us=t * 1e6,
+                            frac=gbs * 2 / bw,
+                            max_err=err,
+                            pads_ok=pads_ok,
+                        )
+                    )
+                    print(
+                        f"| {hidden} | {batch} | {selection} | {kernel} | {t * 1e6:.1f} | "
+                        f"{gbs / 1e9:.0f} | {gbs * 2 / bw:.1%} |"
+                    )
+                print(
+                    f"  check {name} B={batch} h={hidden}: max |ours - fp32 ref| = {err:.3g}, "
+                    f"pads -inf: {pads_ok}",
+                    file=sys.stderr,
+                )
+    (out / "logits_bench_result.json").write_text(json.dumps({"copy_bw": bw, "rows": rows}))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("step", choices=["build", "run"])
+    p.add_argument("dir", type=Path)
+    p.add_argument("--arch", default="sm_80,sm_90")
+    args = p.parse_args()
+    build(args.dir, args.arch) if args.step == "build" else run(args.dir)
+
+
+if __name__ == "__main__":
+    main()
