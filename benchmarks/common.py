@@ -25,9 +25,8 @@ def copy_bandwidth(torch) -> float:
     """Bytes read + written per second by a 4 GiB device-to-device copy (best of 20)."""
     src = torch.empty(1 << 31, dtype=torch.bfloat16, device="cuda")
     dst = torch.empty_like(src)
-    bw = 2 * src.numel() * 2 / cuda_time(torch, lambda: dst.copy_(src))
-    del src, dst
-    return bw
+    seconds = cuda_time(torch, lambda: dst.copy_(src))
+    return 2 * src.numel() * 2 / seconds
 
 
 def cuda_time(torch, fn, iters: int = 20) -> float:

@@ -51,7 +51,7 @@ def run(out: Path) -> None:
 
     from qwen35_tvm.runtime.artifact import device_of
 
-    dev = device_of("cuda")
+    device_of("cuda")  # loads TVM's CUDA runtime
     bw = copy_bandwidth(torch)
     print(f"device: {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s")
     print("| hidden | B | width | kernel | time (µs) | weight GB/s | of copy bw |")
@@ -75,7 +75,7 @@ def run(out: Path) -> None:
                     else True
                 )
                 w_slice = weight[:selection]
-                cublas = cuda_time(torch, lambda w=w_slice: torch.nn.functional.linear(x, w))
+                cublas = cuda_time(torch, lambda x=x, w=w_slice: torch.nn.functional.linear(x, w))
                 for kernel, t in ((f"ours ({name})", ours), ("torch F.linear", cublas)):
                     gbs = selection * hidden * 2 / t
                     rows.append(
