@@ -32,6 +32,23 @@ def _convert(args: argparse.Namespace) -> None:
     convert_weights(args.model, args.artifact)
 
 
+def _pack(args: argparse.Namespace) -> None:
+    from qwen35_tvm.compile.pack import pack
+
+    bundle = pack(
+        args.artifact,
+        args.output,
+        python=args.python,
+        weights=not args.no_weights,
+        archive=args.zip,
+        glibc=args.glibc,
+        extra_requirements=args.extra,
+        cache_dir=args.cache_dir,
+        force=args.force,
+    )
+    print(f"bundle written to {bundle.path}" + (f" and {bundle.archive}" if bundle.archive else ""))
+
+
 def _random_model(args: argparse.Namespace) -> None:
     from qwen35_tvm.compile.random_model import SHAPES, write_random_model
 
@@ -106,6 +123,25 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("artifact")
     v.set_defaults(func=_convert)
 
+    k = sub.add_parser("pack", help="an offline deploy bundle: artifact, wheels, install.sh")
+    k.add_argument("artifact")
+    k.add_argument("-o", "--output", required=True, help="bundle folder to write")
+    k.add_argument("--python", default="3.12", help="the server's Python, e.g. 3.12")
+    k.add_argument("--no-weights", action="store_true", help="leave out params-*.safetensors")
+    k.add_argument("--zip", action="store_true", help="also write OUTPUT.zip")
+    k.add_argument("--glibc", default="2.28", help="the server's glibc (newest manylinux tag)")
+    k.add_argument(
+        "--with",
+        dest="extra",
+        action="append",
+        default=[],
+        metavar="REQ",
+        help="one more requirement to ship (repeatable)",
+    )
+    k.add_argument("--cache-dir", default=None, help="keep the 100 MB apache-tvm wheel here")
+    k.add_argument("--force", action="store_true", help="replace OUTPUT if it exists")
+    k.set_defaults(func=_pack)
+
     r = sub.add_parser("random-model", help="write random weights at real shapes")
     r.add_argument("--shape", required=True, choices=["tiny", "0.8b", "2b", "4b", "9b"])
     r.add_argument("-o", "--output", required=True)
@@ -141,7 +177,7 @@ def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     try:
         args.func(args)
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
+    except (ValueError, FileNotFoundError, FileExistsError, RuntimeError) as e:
         # Users' mistakes (bad config, bad prompt, missing files) get one line, not a traceback.
         raise SystemExit(f"qwen35-tvm {args.command}: error: {e}") from None
 

@@ -43,11 +43,23 @@ def device_of(name: str) -> tvm.runtime.Device:
 
 def _load_cuda_runtime() -> None:
     """A runtime-only TVM does not load its CUDA runtime library by itself."""
-    import tvm_ffi
+    import ctypes
+    import site
 
+    if getattr(_load_cuda_runtime, "done", False):
+        return
     lib = Path(tvm.__file__).parent / "lib" / "libtvm_runtime_cuda.so"
-    if lib.is_file():
-        tvm_ffi.libinfo.load_lib_ctypes(lib)
+    try:
+        ctypes.CDLL(str(lib), mode=ctypes.RTLD_LOCAL)
+    except OSError as first:
+        # libcudart.so.13 may live only in the nvidia-cuda-runtime wheel (as with torch).
+        roots = [Path(p) for p in [*site.getsitepackages(), *sys.path] if p]
+        found = [c for r in roots for c in sorted(r.glob("nvidia/**/libcudart.so.1*"))]
+        if not found:
+            raise ArtifactError(f"cannot load TVM's CUDA runtime: {first}") from None
+        ctypes.CDLL(str(found[0]), mode=ctypes.RTLD_GLOBAL)
+        ctypes.CDLL(str(lib), mode=ctypes.RTLD_LOCAL)
+    _load_cuda_runtime.done = True
 
 
 class Artifact:
