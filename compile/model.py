@@ -37,6 +37,18 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return op.rms_norm(x.astype(F32), weight, axes=[-1], epsilon=eps).astype(x.dtype)
 
 
+class Linear(nn.Linear):
+    """No bias; accumulates in fp32 (as cuBLAS does for bf16) and rounds the output back to the
+    activation dtype. Accumulating a bf16 GEMM in bf16 costs whole nats of logprob."""
+
+    def __init__(self, in_features: int, out_features: int, dtype: str):
+        super().__init__(in_features, out_features, bias=False, dtype=dtype, out_dtype=F32)
+        self.act_dtype = dtype
+
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(x).astype(self.act_dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         self.weight = nn.Parameter((dim,), F32)
@@ -51,8 +63,8 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig, dtype: str):
         self.inter = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=False, dtype=dtype)
-        self.down_proj = nn.Linear(self.inter, cfg.hidden_size, bias=False, dtype=dtype)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.inter, dtype)
+        self.down_proj = Linear(self.inter, cfg.hidden_size, dtype)
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = op.split(self.gate_up_proj(x), 2, axis=-1)
@@ -78,8 +90,8 @@ class GatedAttention(nn.Module):
         self.cfg = cfg
         self.kv_layer = kv_layer
         nh, nkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, (2 * nh + 2 * nkv) * d, bias=False, dtype=dtype)
-        self.o_proj = nn.Linear(nh * d, cfg.hidden_size, bias=False, dtype=dtype)
+        self.qkv_proj = Linear(cfg.hidden_size, (2 * nh + 2 * nkv) * d, dtype)
+        self.o_proj = Linear(nh * d, cfg.hidden_size, dtype)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
         inv_freq = 1.0 / (
@@ -115,14 +127,12 @@ class GatedDeltaNet(nn.Module):
         self.gdn_layer = gdn_layer
         self.dtype = dtype
         hv = cfg.linear_num_value_heads
-        self.in_proj = nn.Linear(
-            cfg.hidden_size, cfg.conv_dim + cfg.value_dim + 2 * hv, bias=False, dtype=dtype
-        )
+        self.in_proj = Linear(cfg.hidden_size, cfg.conv_dim + cfg.value_dim + 2 * hv, dtype)
         self.conv_weight = nn.Parameter((cfg.conv_dim, cfg.linear_conv_kernel_dim), dtype)
         self.A_log = nn.Parameter((hv,), F32)
         self.dt_bias = nn.Parameter((hv,), F32)
         self.norm_weight = nn.Parameter((cfg.linear_value_head_dim,), F32)
-        self.out_proj = nn.Linear(cfg.value_dim, cfg.hidden_size, bias=False, dtype=dtype)
+        self.out_proj = Linear(cfg.value_dim, cfg.hidden_size, dtype)
 
     def forward(
         self, x: Tensor, indptr: Tensor, slots: Tensor, conv_pool: Tensor, rec_pool: Tensor
