@@ -26,7 +26,11 @@ def logits_projection(
     prove its mask test fails on an unmasked build; the compiler never sets it otherwise."""
     if not 0 < decodable <= selection <= rows:
         raise ValueError(f"need 0 < decodable {decodable} <= selection {selection} <= rows {rows}")
-    build = _logits_gpu if target.kind.name == "cuda" else _logits_cpu
+    if target.kind.name != "cuda":
+        build = _logits_cpu
+    else:
+        tensor_cores = dtype == "bfloat16" and hidden % 64 == 0
+        build = _logits_gpu_mma if tensor_cores else _logits_gpu
     return build(hidden, rows, decodable if mask_pad else selection, selection, dtype)
 
 
@@ -136,6 +140,126 @@ def _logits_gpu(hidden: int, rows: int, live: int, selection: int, dtype: str) -
                                         if tx == 0 and col0 + c < selection:
                                             out[b0 * bt + b, col0 + c] = T.if_then_else(
                                                 col0 + c < live, red[0], neg_inf
+                                            )
+
+    return logits
+
+
+def _logits_gpu_mma(hidden: int, rows: int, live: int, selection: int, dtype: str) -> PrimFunc:
+    """bf16 GPU kernel on tensor cores (mma.sync m16n8k16, fp32 accumulate). A warp owns 32
+    weight rows (two m16 tiles) and the batch as n8 tiles. The dot product does not care in
+    which order k is summed, so each lane loads 8 consecutive k of a row with one 128-bit load
+    and the same 8 k of the hidden vector, and those 8 feed two mma k16 steps: lane (g, q)
+    supplies logical k {2q, 2q+1, 2q+8, 2q+9} of each step, which both operands agree to map
+    to physical k 8q + {0..3} and 8q + {4..7}."""
+    warps, m_tiles, n_tiles, unroll = 4, 2, 8, 2  # 128 rows per block; batch passes of 64
+    if hidden % (32 * unroll):
+        raise ValueError(f"hidden size {hidden} must be a multiple of {32 * unroll}")
+    rows_per_block = warps * m_tiles * 16
+    n_blocks = -(-selection // rows_per_block)
+    k_steps = hidden // (32 * unroll)
+    neg_inf = T.float32("-inf")
+
+    @T.prim_func(s_tir=True)
+    def logits(x_h: T.handle, w_h: T.handle, out_h: T.handle):
+        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
+        batch = T.int32()
+        x = T.match_buffer(x_h, (batch, hidden), dtype)
+        w = T.match_buffer(w_h, (rows, hidden), dtype)
+        out = T.match_buffer(out_h, (batch, selection), "float32")
+        for bx in T.thread_binding(n_blocks, thread="blockIdx.x"):
+            for ty in T.thread_binding(warps, thread="threadIdx.y"):
+                for tx in T.thread_binding(32, thread="threadIdx.x"):
+                    with T.sblock("logits"):
+                        T.reads()
+                        T.writes()
+                        w_reg = T.sblock_alloc_buffer(
+                            (unroll, m_tiles * 2, 8), dtype, scope="local"
+                        )
+                        x_reg = T.sblock_alloc_buffer((8,), dtype, scope="local")
+                        a_frag = T.sblock_alloc_buffer((2, 8), dtype, scope="local")
+                        # mma operands are addressed by element offset, so they must stay plain
+                        # bf16 arrays; the 128-bit-loaded x_reg is copied in.
+                        b_frag = T.sblock_alloc_buffer((8,), dtype, scope="local")
+                        acc = T.sblock_alloc_buffer(
+                            (m_tiles * n_tiles * 4,), "float32", scope="local"
+                        )
+                        g: T.let[T.int32] = tx // 4
+                        q: T.let[T.int32] = tx % 4
+                        row0: T.let[T.int32] = (bx * warps + ty) * (m_tiles * 16) + g
+                        for b0 in T.serial(T.ceildiv(batch, n_tiles * 8)):
+                            for i in T.unroll(m_tiles * n_tiles * 4):
+                                acc[i] = T.float32(0)
+                            for ks in T.serial(k_steps):
+                                # all of this step's weight loads are issued before any mma
+                                for u in T.unroll(unroll):
+                                    for mh in T.unroll(m_tiles * 2):
+                                        # half h of m-tile m is weight row row0 + 16 m + 8 h
+                                        if row0 + mh * 8 < live:
+                                            for v in T.vectorized(8):
+                                                w_reg[u, mh, v] = w[
+                                                    row0 + mh * 8,
+                                                    (ks * unroll + u) * 32 + q * 8 + v,
+                                                ]
+                                        else:
+                                            for v in T.vectorized(8):
+                                                w_reg[u, mh, v] = T.Cast(dtype, 0)
+                                for u in T.unroll(unroll):
+                                    for nt in T.unroll(n_tiles):
+                                        if b0 * n_tiles * 8 + nt * 8 < batch:
+                                            if b0 * n_tiles * 8 + nt * 8 + g < batch:
+                                                for v in T.vectorized(8):
+                                                    x_reg[v] = x[
+                                                        b0 * n_tiles * 8 + nt * 8 + g,
+                                                        (ks * unroll + u) * 32 + q * 8 + v,
+                                                    ]
+                                            else:
+                                                for v in T.vectorized(8):
+                                                    x_reg[v] = T.Cast(dtype, 0)
+                                            for e in T.unroll(8):
+                                                b_frag[e] = x_reg[e]
+                                            for m in T.unroll(m_tiles):
+                                                for s in T.unroll(2):
+                                                    # (g,k0:2) (g+8,k0:2) (g,k2:4) (g+8,k2:4)
+                                                    for e in T.unroll(8):
+                                                        a_frag[s, e] = w_reg[
+                                                            u,
+                                                            m * 2 + (e // 2) % 2,
+                                                            s * 4 + (e // 4) * 2 + e % 2,
+                                                        ]
+                                                    T.evaluate(
+                                                        T.ptx_legacy.mma(
+                                                            "m16n8k16",
+                                                            "row",
+                                                            "col",
+                                                            "bf16",
+                                                            "bf16",
+                                                            "fp32",
+                                                            a_frag.data,
+                                                            s * 8,
+                                                            b_frag.data,
+                                                            s * 4,
+                                                            acc.data,
+                                                            (m * n_tiles + nt) * 4,
+                                                            False,
+                                                            dtype="float32",
+                                                        )
+                                                    )
+                            for nt in T.unroll(n_tiles):
+                                for m in T.unroll(m_tiles):
+                                    for e in T.unroll(4):
+                                        # accumulator: (row g, cols 2q, 2q+1), (row g+8, same cols)
+                                        if (
+                                            b0 * n_tiles * 8 + nt * 8 + q * 2 + e % 2 < batch
+                                            and row0 + m * 16 + (e // 2) * 8 < selection
+                                        ):
+                                            out[
+                                                b0 * n_tiles * 8 + nt * 8 + q * 2 + e % 2,
+                                                row0 + m * 16 + (e // 2) * 8,
+                                            ] = T.if_then_else(
+                                                row0 + m * 16 + (e // 2) * 8 < live,
+                                                acc[(m * n_tiles + nt) * 4 + e],
+                                                neg_inf,
                                             )
 
     return logits
