@@ -146,18 +146,20 @@ def _logits_gpu(hidden: int, rows: int, live: int, selection: int, dtype: str) -
 
 
 def _logits_gpu_mma(hidden: int, rows: int, live: int, selection: int, dtype: str) -> PrimFunc:
-    """bf16 GPU kernel on tensor cores (mma.sync m16n8k16, fp32 accumulate). A warp owns 32
-    weight rows (two m16 tiles) and the batch as n8 tiles. The dot product does not care in
+    """bf16 GPU kernel on tensor cores (mma.sync m16n8k16, fp32 accumulate). A warp owns 16
+    weight rows (one m16 tile) and the batch as n8 tiles. The dot product does not care in
     which order k is summed, so each lane loads 8 consecutive k of a row with one 128-bit load
     and the same 8 k of the hidden vector, and those 8 feed two mma k16 steps: lane (g, q)
     supplies logical k {2q, 2q+1, 2q+8, 2q+9} of each step, which both operands agree to map
-    to physical k 8q + {0..3} and 8q + {4..7}."""
-    warps, m_tiles, n_tiles, unroll = 4, 2, 8, 2  # 128 rows per block; batch passes of 64
+    to physical k 8q + {0..3} and 8q + {4..7}. With `unroll` such loads per row and step, lane q
+    reads k [q * 8 * unroll, (q + 1) * 8 * unroll) of the step, so a row's step is one stream."""
+    warps, m_tiles, n_tiles, unroll = 4, 1, 8, 4  # 64 rows per block; batch passes of 64
     if hidden % (32 * unroll):
         raise ValueError(f"hidden size {hidden} must be a multiple of {32 * unroll}")
     rows_per_block = warps * m_tiles * 16
     n_blocks = -(-selection // rows_per_block)
     k_steps = hidden // (32 * unroll)
+    k_lane = 8 * unroll  # contiguous k per lane and step: 4 lanes read 256 B of a row
     neg_inf = T.float32("-inf")
 
     @T.prim_func(s_tir=True)
@@ -211,7 +213,7 @@ def _logits_gpu_mma(hidden: int, rows: int, live: int, selection: int, dtype: st
                                                 for v in T.vectorized(8):
                                                     x_reg[v] = x[
                                                         b0 * n_tiles * 8 + nt * 8 + g,
-                                                        (ks * unroll + u) * 32 + q * 8 + v,
+                                                        ks * 32 * unroll + q * k_lane + u * 8 + v,
                                                     ]
                                             else:
                                                 for v in T.vectorized(8):
