@@ -29,7 +29,7 @@ def logits_projection(
     if target.kind.name != "cuda":
         build = _logits_cpu
     else:
-        tensor_cores = dtype == "bfloat16" and hidden % 64 == 0
+        tensor_cores = dtype == "bfloat16" and hidden % 256 == 0
         build = _logits_gpu_mma if tensor_cores else _logits_gpu
     return build(hidden, rows, decodable if mask_pad else selection, selection, dtype)
 
@@ -151,16 +151,80 @@ def _logits_gpu_mma(hidden: int, rows: int, live: int, selection: int, dtype: st
     which order k is summed, so each lane loads 8 consecutive k of a row with one 128-bit load
     and the same 8 k of the hidden vector, and those 8 feed two mma k16 steps: lane (g, q)
     supplies logical k {2q, 2q+1, 2q+8, 2q+9} of each step, which both operands agree to map
-    to physical k 8q + {0..3} and 8q + {4..7}. With `unroll` such loads per row and step, lane q
-    reads k [q * 8 * unroll, (q + 1) * 8 * unroll) of the step, so a row's step is one stream."""
-    warps, m_tiles, n_tiles, unroll = 4, 1, 8, 4  # 64 rows per block; batch passes of 64
-    if hidden % (32 * unroll):
-        raise ValueError(f"hidden size {hidden} must be a multiple of {32 * unroll}")
-    rows_per_block = warps * m_tiles * 16
-    n_blocks = -(-selection // rows_per_block)
-    k_steps = hidden // (32 * unroll)
-    k_lane = 8 * unroll  # contiguous k per lane and step: 4 lanes read 256 B of a row
+    to physical k 8q' + {0..3} and 8q' + {4..7}. Lane q streams k [32q, 32q + 32) of each
+    128-wide step, so the four lanes of a row read 256 contiguous bytes; the next step's weight
+    loads are issued before this step's mma (two register stages)."""
+    warps, n_tiles, unroll = 4, 8, 4  # 64 rows per block; batch passes of 64
+    step = 32 * unroll
+    if hidden % (2 * step):
+        raise ValueError(f"hidden size {hidden} must be a multiple of {2 * step}")
+    n_blocks = -(-selection // (warps * 16))
+    k_pairs = hidden // (2 * step)
     neg_inf = T.float32("-inf")
+
+    @T.macro
+    def load_w(
+        w: T.Buffer, w_reg: T.Buffer, stage: T.int32, ks: T.int32, row0: T.int32, q: T.int32
+    ):
+        for u in T.unroll(unroll):
+            for h in T.unroll(2):  # rows row0 and row0 + 8
+                if row0 + h * 8 < live:
+                    for v in T.vectorized(8):
+                        w_reg[stage, u, h, v] = w[row0 + h * 8, ks * step + q * 32 + u * 8 + v]
+                else:
+                    for v in T.vectorized(8):
+                        w_reg[stage, u, h, v] = T.Cast(dtype, 0)
+
+    @T.macro
+    def mma_step(
+        x: T.Buffer,
+        w_reg: T.Buffer,
+        x_reg: T.Buffer,
+        a_frag: T.Buffer,
+        b_frag: T.Buffer,
+        acc: T.Buffer,
+        stage: T.int32,
+        ks: T.int32,
+        b_base: T.int32,
+        batch: T.int32,
+        g: T.int32,
+        q: T.int32,
+    ):
+        for u in T.unroll(unroll):
+            for nt in T.unroll(n_tiles):
+                if b_base + nt * 8 < batch:
+                    if b_base + nt * 8 + g < batch:
+                        for v in T.vectorized(8):
+                            x_reg[v] = x[b_base + nt * 8 + g, ks * step + q * 32 + u * 8 + v]
+                    else:
+                        for v in T.vectorized(8):
+                            x_reg[v] = T.Cast(dtype, 0)
+                    for e in T.unroll(8):
+                        b_frag[e] = x_reg[e]
+                    for s in T.unroll(2):
+                        # fragment order: (g, k0:2) (g+8, k0:2) (g, k2:4) (g+8, k2:4)
+                        for e in T.unroll(8):
+                            a_frag[s, e] = w_reg[
+                                stage, u, (e // 2) % 2, s * 4 + (e // 4) * 2 + e % 2
+                            ]
+                        T.evaluate(
+                            T.ptx_legacy.mma(
+                                "m16n8k16",
+                                "row",
+                                "col",
+                                "bf16",
+                                "bf16",
+                                "fp32",
+                                a_frag.data,
+                                s * 8,
+                                b_frag.data,
+                                s * 4,
+                                acc.data,
+                                nt * 4,
+                                False,
+                                dtype="float32",
+                            )
+                        )
 
     @T.prim_func(s_tir=True)
     def logits(x_h: T.handle, w_h: T.handle, out_h: T.handle):
@@ -175,93 +239,64 @@ def _logits_gpu_mma(hidden: int, rows: int, live: int, selection: int, dtype: st
                     with T.sblock("logits"):
                         T.reads()
                         T.writes()
-                        w_reg = T.sblock_alloc_buffer(
-                            (unroll, m_tiles * 2, 8), dtype, scope="local"
-                        )
+                        w_reg = T.sblock_alloc_buffer((2, unroll, 2, 8), dtype, scope="local")
                         x_reg = T.sblock_alloc_buffer((8,), dtype, scope="local")
+                        # mma operands are addressed by element offset, so they stay plain bf16
+                        # arrays; the 128-bit-loaded x_reg is copied in.
                         a_frag = T.sblock_alloc_buffer((2, 8), dtype, scope="local")
-                        # mma operands are addressed by element offset, so they must stay plain
-                        # bf16 arrays; the 128-bit-loaded x_reg is copied in.
                         b_frag = T.sblock_alloc_buffer((8,), dtype, scope="local")
-                        acc = T.sblock_alloc_buffer(
-                            (m_tiles * n_tiles * 4,), "float32", scope="local"
-                        )
+                        acc = T.sblock_alloc_buffer((n_tiles * 4,), "float32", scope="local")
                         g: T.let[T.int32] = tx // 4
                         q: T.let[T.int32] = tx % 4
-                        row0: T.let[T.int32] = (bx * warps + ty) * (m_tiles * 16) + g
+                        row0: T.let[T.int32] = (bx * warps + ty) * 16 + g
                         for b0 in T.serial(T.ceildiv(batch, n_tiles * 8)):
-                            for i in T.unroll(m_tiles * n_tiles * 4):
+                            for i in T.unroll(n_tiles * 4):
                                 acc[i] = T.float32(0)
-                            for ks in T.serial(k_steps):
-                                # all of this step's weight loads are issued before any mma
-                                for u in T.unroll(unroll):
-                                    for mh in T.unroll(m_tiles * 2):
-                                        # half h of m-tile m is weight row row0 + 16 m + 8 h
-                                        if row0 + mh * 8 < live:
-                                            for v in T.vectorized(8):
-                                                w_reg[u, mh, v] = w[
-                                                    row0 + mh * 8,
-                                                    (ks * unroll + u) * 32 + q * 8 + v,
-                                                ]
-                                        else:
-                                            for v in T.vectorized(8):
-                                                w_reg[u, mh, v] = T.Cast(dtype, 0)
-                                for u in T.unroll(unroll):
-                                    for nt in T.unroll(n_tiles):
-                                        if b0 * n_tiles * 8 + nt * 8 < batch:
-                                            if b0 * n_tiles * 8 + nt * 8 + g < batch:
-                                                for v in T.vectorized(8):
-                                                    x_reg[v] = x[
-                                                        b0 * n_tiles * 8 + nt * 8 + g,
-                                                        ks * 32 * unroll + q * k_lane + u * 8 + v,
-                                                    ]
-                                            else:
-                                                for v in T.vectorized(8):
-                                                    x_reg[v] = T.Cast(dtype, 0)
-                                            for e in T.unroll(8):
-                                                b_frag[e] = x_reg[e]
-                                            for m in T.unroll(m_tiles):
-                                                for s in T.unroll(2):
-                                                    # (g,k0:2) (g+8,k0:2) (g,k2:4) (g+8,k2:4)
-                                                    for e in T.unroll(8):
-                                                        a_frag[s, e] = w_reg[
-                                                            u,
-                                                            m * 2 + (e // 2) % 2,
-                                                            s * 4 + (e // 4) * 2 + e % 2,
-                                                        ]
-                                                    T.evaluate(
-                                                        T.ptx_legacy.mma(
-                                                            "m16n8k16",
-                                                            "row",
-                                                            "col",
-                                                            "bf16",
-                                                            "bf16",
-                                                            "fp32",
-                                                            a_frag.data,
-                                                            s * 8,
-                                                            b_frag.data,
-                                                            s * 4,
-                                                            acc.data,
-                                                            (m * n_tiles + nt) * 4,
-                                                            False,
-                                                            dtype="float32",
-                                                        )
-                                                    )
+                            load_w(w, w_reg, 0, 0, row0, q)
+                            for kp in T.serial(k_pairs):
+                                load_w(w, w_reg, 1, kp * 2 + 1, row0, q)
+                                mma_step(
+                                    x,
+                                    w_reg,
+                                    x_reg,
+                                    a_frag,
+                                    b_frag,
+                                    acc,
+                                    0,
+                                    kp * 2,
+                                    b0 * n_tiles * 8,
+                                    batch,
+                                    g,
+                                    q,
+                                )
+                                if kp + 1 < k_pairs:
+                                    load_w(w, w_reg, 0, kp * 2 + 2, row0, q)
+                                mma_step(
+                                    x,
+                                    w_reg,
+                                    x_reg,
+                                    a_frag,
+                                    b_frag,
+                                    acc,
+                                    1,
+                                    kp * 2 + 1,
+                                    b0 * n_tiles * 8,
+                                    batch,
+                                    g,
+                                    q,
+                                )
                             for nt in T.unroll(n_tiles):
-                                for m in T.unroll(m_tiles):
-                                    for e in T.unroll(4):
-                                        # accumulator: (row g, cols 2q, 2q+1), (row g+8, same cols)
-                                        if (
-                                            b0 * n_tiles * 8 + nt * 8 + q * 2 + e % 2 < batch
-                                            and row0 + m * 16 + (e // 2) * 8 < selection
-                                        ):
-                                            out[
-                                                b0 * n_tiles * 8 + nt * 8 + q * 2 + e % 2,
-                                                row0 + m * 16 + (e // 2) * 8,
-                                            ] = T.if_then_else(
-                                                row0 + m * 16 + (e // 2) * 8 < live,
-                                                acc[(m * n_tiles + nt) * 4 + e],
-                                                neg_inf,
-                                            )
+                                for e in T.unroll(4):
+                                    # accumulator: (row g, cols 2q, 2q+1), (row g+8, same cols)
+                                    if (
+                                        b0 * n_tiles * 8 + nt * 8 + q * 2 + e % 2 < batch
+                                        and row0 + (e // 2) * 8 < selection
+                                    ):
+                                        out[
+                                            b0 * n_tiles * 8 + nt * 8 + q * 2 + e % 2,
+                                            row0 + (e // 2) * 8,
+                                        ] = T.if_then_else(
+                                            row0 + (e // 2) * 8 < live, acc[nt * 4 + e], neg_inf
+                                        )
 
     return logits
