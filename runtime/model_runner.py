@@ -17,6 +17,7 @@ _add_sequence = tvm_ffi.get_global_func("vm.builtin.kv_state_add_sequence")
 _remove_sequence = tvm_ffi.get_global_func("vm.builtin.kv_state_remove_sequence")
 _begin_forward = tvm_ffi.get_global_func("vm.builtin.kv_state_begin_forward")
 _end_forward = tvm_ffi.get_global_func("vm.builtin.kv_state_end_forward")
+_available_pages = tvm_ffi.get_global_func("vm.builtin.attention_kv_cache_get_num_available_pages")
 
 
 class ModelRunner:
@@ -61,22 +62,31 @@ class ModelRunner:
     def remove_sequence(self, seq_id: int) -> None:
         _remove_sequence(self.kv_cache, seq_id)
 
+    def available_pages(self) -> int:
+        """Free pages as the KV cache itself counts them."""
+        return int(_available_pages(self.kv_cache))
+
     def forward(
         self,
         seq_ids: list[int],
         slots: list[int],
         tokens: list[list[int]],
         all_logits: bool = False,
+        logit_positions: np.ndarray | None = None,
     ) -> np.ndarray:
         """Append `tokens[b]` to sequence `seq_ids[b]`; logits [rows, selection] at each
-        sequence's last token, or at every token with `all_logits`."""
+        sequence's last token, at every token with `all_logits`, or at the given indices into
+        the concatenated tokens with `logit_positions`."""
         lengths = [len(t) for t in tokens]
         indptr = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
         positions = np.arange(indptr[-1]) if all_logits else indptr[1:] - 1
+        if logit_positions is not None:
+            positions = np.asarray(logit_positions)
         _begin_forward(
             self.kv_cache, tvm.runtime.ShapeTuple(seq_ids), tvm.runtime.ShapeTuple(lengths)
         )
-        single_tokens = not all_logits and all(n == 1 for n in lengths)
+        # `decode` returns exactly one row per sequence, so anything else runs `prefill`.
+        single_tokens = logit_positions is None and not all_logits and all(n == 1 for n in lengths)
         fn = self._decode if single_tokens else self._prefill
         try:
             out = fn(
