@@ -258,36 +258,6 @@ class Qwen35LM(nn.Module):
         """Any number of tokens of any number of sequences: logits [len(logit_positions),
         selection] at the given token positions. The pools come back only because they are
         updated in place."""
-        return self._forward(
-            input_ids, indptr, slots, logit_positions, kv_cache, conv_pool, rec_pool
-        )
-
-    def decode(
-        self,
-        input_ids: Tensor,
-        indptr: Tensor,
-        slots: Tensor,
-        logit_positions: Tensor,
-        kv_cache: PagedKVCache,
-        conv_pool: Tensor,
-        rec_pool: Tensor,
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        """One token for each of `batch` sequences; compiled apart from prefill so that its
-        projections get GEMV schedules instead of GEMM tiles."""
-        return self._forward(
-            input_ids, indptr, slots, logit_positions, kv_cache, conv_pool, rec_pool
-        )
-
-    def _forward(
-        self,
-        input_ids: Tensor,
-        indptr: Tensor,
-        slots: Tensor,
-        logit_positions: Tensor,
-        kv_cache: PagedKVCache,
-        conv_pool: Tensor,
-        rec_pool: Tensor,
-    ) -> tuple[Tensor, Tensor, Tensor]:
         x = self.embed_tokens(input_ids)
         positions = kv_cache.get_query_positions(input_ids.shape[0])
         for layer in self.layers:
@@ -300,6 +270,10 @@ class Qwen35LM(nn.Module):
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         hidden = self.norm(op.take(x, logit_positions, axis=0))
         return self.lm_head(hidden), conv_pool, rec_pool
+
+    # One token for each of `batch` sequences: the same graph, compiled apart from prefill so
+    # that its projections get GEMV schedules instead of GEMM tiles.
+    decode = prefill
 
     def create_kv_cache(
         self,

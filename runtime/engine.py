@@ -1,0 +1,288 @@
+"""Continuous batching: requests join and leave a running batch between steps.
+
+Each `step()` admits waiting requests that fit (pages for prompt + max_tokens and one GDN
+slot, reserved whole), runs one batched decode for every sequence past its prompt and one
+ragged prefill of up to `prefill_chunk` prompt tokens, samples each sequence with its own
+parameters and generator, and frees finished sequences at once.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence as Seq
+from typing import Any
+
+import numpy as np
+
+from .artifact import Artifact
+from .generate import PromptError
+from .kv_pool import CapacityPool, gdn_bytes_per_slot, kv_bytes_per_token, pages_for
+from .model_runner import ModelRunner
+from .sampler import Sampler, SamplingParams, make_rng
+from .scheduler import Scheduler
+from .sequence import Completion, Output, Request, Sequence, Status
+
+log = logging.getLogger(__name__)
+
+
+class Engine:
+    def __init__(
+        self,
+        artifact: Artifact,
+        max_batch_size: int = 64,
+        max_total_tokens: int | None = None,
+        num_slots: int | None = None,
+        prefill_chunk: int = 2048,
+        page_size: int = 16,
+    ):
+        self.artifact = artifact
+        self.decodable = artifact.widths.decodable
+        self.page_size = page_size
+        self.max_total_tokens = max_total_tokens or artifact.context_window
+        self.pool = CapacityPool(self.max_total_tokens // page_size, num_slots or max_batch_size)
+        self.scheduler = Scheduler(self.pool, max_batch_size, prefill_chunk)
+        # The KV cache sizes its per-forward buffers by this; a decode batch must fit too.
+        self.runner = ModelRunner(
+            artifact,
+            max_batch_size=max_batch_size,
+            max_total_tokens=self.max_total_tokens,
+            prefill_chunk=max(prefill_chunk, max_batch_size),
+            page_size=page_size,
+            num_slots=self.pool.num_slots,
+        )
+        self.sampler = Sampler(self.decodable)
+        self._live: dict[int, Sequence] = {}
+        self._pending: list[Output] = []  # abort notices, reported by the next step
+        self._next_id = 0
+        self._bytes = (kv_bytes_per_token(artifact), gdn_bytes_per_slot(artifact))
+        log.info("engine capacity: %s", self.capacity())
+
+    # ---- capacity -------------------------------------------------------------------------
+
+    def capacity(self) -> dict[str, Any]:
+        kv_token, gdn_slot = self._bytes
+        return {
+            "max_batch_size": self.scheduler.max_batch_size,
+            "prefill_chunk": self.scheduler.prefill_chunk,
+            "page_size": self.page_size,
+            "total_pages": self.pool.total_pages,
+            "max_total_tokens": self.pool.total_pages * self.page_size,
+            "num_slots": self.pool.num_slots,
+            "context_window": self.artifact.context_window,
+            "kv_bytes_per_token": kv_token,
+            "gdn_bytes_per_slot": gdn_slot,
+            "kv_bytes": self.pool.total_pages * self.page_size * kv_token,
+            "gdn_bytes": self.pool.num_slots * gdn_slot,
+        }
+
+    def free_pages(self) -> int:
+        """Pages not reserved by any admitted request."""
+        return self.pool.free_pages
+
+    def free_slots(self) -> int:
+        return self.pool.free_slots
+
+    def kv_free_pages(self) -> int:
+        """Free pages as the KV cache counts them (it holds a few more than the pool uses)."""
+        return self.runner.available_pages()
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def submit(
+        self,
+        prompt_ids: Seq[int],
+        params: SamplingParams,
+        max_tokens: int,
+        stop_token_ids: Seq[int] | None = None,
+        ignore_eos: bool = False,
+        return_prompt_logprobs: bool = False,
+    ) -> int:
+        """Queue a request; raises `PromptError` (a ValueError) if it could never run."""
+        prompt = [int(t) for t in prompt_ids]
+        pages = self._check(prompt, max_tokens)
+        stops = set() if ignore_eos else set(self.artifact.eos_token_ids)
+        stops.update(int(t) for t in stop_token_ids or ())
+        seq = Sequence(
+            request_id=self._next_id,
+            prompt=prompt,
+            params=params,
+            rng=make_rng(params.seed),
+            max_tokens=max_tokens,
+            stop_ids=frozenset(stops),
+            pages=pages,
+            return_prompt_logprobs=return_prompt_logprobs,
+        )
+        self._next_id += 1
+        self._live[seq.request_id] = seq
+        self.scheduler.add(seq)
+        return seq.request_id
+
+    def _check(self, prompt: list[int], max_tokens: int) -> int:
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise PromptError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
+        if not prompt:
+            raise PromptError("the prompt is empty")
+        bad = [t for t in prompt if not 0 <= t < self.decodable]
+        if bad:
+            raise PromptError(f"token id {bad[0]} is outside the vocabulary [0, {self.decodable})")
+        total = len(prompt) + max_tokens
+        window = self.artifact.context_window
+        if total > window:
+            raise PromptError(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds the "
+                f"context window of {window} tokens"
+            )
+        pages = pages_for(total, self.page_size)
+        if pages > self.pool.total_pages:
+            raise PromptError(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) needs {pages} KV "
+                f"pages but the engine's whole pool has {self.pool.total_pages} pages "
+                f"(max_total_tokens={self.max_total_tokens}, page size {self.page_size})"
+            )
+        return pages
+
+    def abort(self, request_id: int) -> bool:
+        """Stop a waiting or running request now; the next step reports it as 'abort'.
+        False if it is unknown or already finished."""
+        seq = self._live.get(request_id)
+        if seq is None:
+            return False
+        self._release(seq)
+        self._pending.append(Output(request_id, [], [], "abort"))
+        return True
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.status is Status.RUNNING:
+            self.runner.remove_sequence(seq.request_id)
+        self.scheduler.finish(seq)
+        del self._live[seq.request_id]
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or bool(self._pending)
+
+    # ---- stepping -------------------------------------------------------------------------
+
+    def step(self) -> list[Output]:
+        outputs, self._pending = self._pending, []
+        for seq in self.scheduler.admit():
+            self.runner.add_sequence(seq.request_id, seq.slot)  # also zeroes the slot
+        plan = self.scheduler.plan()
+        ready: list[tuple[Sequence, np.ndarray]] = []  # sequences to sample, with their row
+        if plan.decode:
+            seqs = plan.decode
+            rows = self.runner.forward(
+                [s.request_id for s in seqs], [s.slot for s in seqs], [[s.output[-1]] for s in seqs]
+            )
+            for seq, row in zip(seqs, rows, strict=True):
+                seq.num_computed += 1
+                ready.append((seq, row))
+        if plan.prefill:
+            ready += self._prefill(plan.prefill)
+        if ready:
+            outputs += self._sample(ready)
+        return outputs
+
+    def _prefill(self, chunks: list[tuple[Sequence, int]]) -> list[tuple[Sequence, np.ndarray]]:
+        """One ragged forward over every chunk; returns the sequences whose prompt is now
+        complete, with the logits row of their last prompt token."""
+        tokens = [seq.next_tokens(n) for seq, n in chunks]
+        positions, offset = [], 0
+        for seq, n in chunks:
+            # Rows at every position only where prompt logprobs are asked for.
+            if seq.return_prompt_logprobs:
+                positions += range(offset, offset + n)
+            else:
+                positions.append(offset + n - 1)
+            offset += n
+        any_all = any(seq.return_prompt_logprobs for seq, _ in chunks)
+        logits = self.runner.forward(
+            [s.request_id for s, _ in chunks],
+            [s.slot for s, _ in chunks],
+            tokens,
+            logit_positions=np.asarray(positions, dtype=np.int32) if any_all else None,
+        )
+        ready, row = [], 0
+        for seq, n in chunks:
+            if seq.return_prompt_logprobs:
+                self._score_prompt(seq, logits[row : row + n])
+                row += n
+            else:
+                row += 1
+            seq.num_computed += n
+            if not seq.prefilling:
+                ready.append((seq, logits[row - 1]))
+        return ready
+
+    def _score_prompt(self, seq: Sequence, rows: np.ndarray) -> None:
+        """Row j of the chunk predicts the prompt token after position start + j."""
+        start = seq.num_computed
+        if start == 0:
+            seq.prompt_logprobs.append(None)  # nothing predicts the first token
+        for j, row in enumerate(rows):
+            nxt = start + j + 1
+            if nxt < len(seq.prompt):
+                lp = self.sampler.logprobs(row)[seq.prompt[nxt]]
+                seq.prompt_logprobs.append(float(lp))
+
+    def _sample(self, ready: list[tuple[Sequence, np.ndarray]]) -> list[Output]:
+        seqs = [seq for seq, _ in ready]
+        rows = np.stack([row for _, row in ready])
+        tokens = self.sampler.sample_batch(rows, [s.params for s in seqs], [s.rng for s in seqs])
+        outputs = []
+        for seq, row, token in zip(seqs, rows, tokens.tolist(), strict=True):
+            logprob = float(self.sampler.logprobs(row)[token])
+            seq.output.append(token)
+            reason = None
+            if token in seq.stop_ids:
+                reason = "stop"
+            elif len(seq.output) >= seq.max_tokens:
+                reason = "length"
+            first = len(seq.output) == 1 and seq.return_prompt_logprobs
+            outputs.append(
+                Output(
+                    seq.request_id,
+                    [token],
+                    [logprob],
+                    reason,
+                    list(seq.prompt_logprobs) if first else None,
+                )
+            )
+            if reason is not None:
+                self._release(seq)
+        return outputs
+
+    # ---- convenience ----------------------------------------------------------------------
+
+    def generate(self, requests: Seq[Request]) -> list[Completion]:
+        """Submit every request, step until all of them finish; results in request order.
+        Nothing is submitted if any request is refused."""
+        for r in requests:
+            self._check([int(t) for t in r.prompt_ids], r.max_tokens)
+        ids = [
+            self.submit(
+                r.prompt_ids,
+                r.params,
+                r.max_tokens,
+                r.stop_token_ids,
+                r.ignore_eos,
+                r.return_prompt_logprobs,
+            )
+            for r in requests
+        ]
+        done = {i: Completion(i) for i in ids}
+        open_ids = set(ids)
+        while open_ids:
+            if not self.has_work():
+                raise RuntimeError(f"requests {sorted(open_ids)} vanished without finishing")
+            for out in self.step():
+                c = done.get(out.request_id)
+                if c is None:
+                    continue
+                c.token_ids += out.token_ids
+                c.logprobs += out.logprobs
+                if out.prompt_logprobs is not None:
+                    c.prompt_logprobs = out.prompt_logprobs
+                if out.finish_reason is not None:
+                    c.finish_reason = out.finish_reason
+                    open_ids.discard(out.request_id)
+        return [done[i] for i in ids]

@@ -1,0 +1,79 @@
+"""Which sequences run in the next step: FIFO admission against the capacity pool, then every
+running decode plus up to `prefill_chunk` prompt tokens, oldest admission first."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from .kv_pool import CapacityPool
+from .sequence import Sequence, Status
+
+# A prompt-logprobs chunk returns one full-vocabulary row per token; this bounds that memory.
+PROMPT_LOGPROB_ROWS = 256
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    decode: list[Sequence]
+    prefill: list[tuple[Sequence, int]]  # (sequence, prompt tokens to feed this step)
+
+    def __bool__(self) -> bool:
+        return bool(self.decode or self.prefill)
+
+
+class Scheduler:
+    def __init__(self, pool: CapacityPool, max_batch_size: int, prefill_chunk: int):
+        if max_batch_size < 1 or prefill_chunk < 1:
+            raise ValueError(f"max_batch_size {max_batch_size}, prefill_chunk {prefill_chunk}")
+        self.pool = pool
+        self.max_batch_size = max_batch_size
+        self.prefill_chunk = prefill_chunk
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def admit(self) -> list[Sequence]:
+        """Move waiting sequences to running while pages, slots and batch room last. Strictly
+        FIFO: a large request at the head is not overtaken, so it cannot starve."""
+        admitted = []
+        while (
+            self.waiting
+            and len(self.running) < self.max_batch_size
+            and self.pool.can_reserve(self.waiting[0].pages)
+        ):
+            seq = self.waiting.popleft()
+            seq.slot = self.pool.reserve(seq.pages)
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            admitted.append(seq)
+        return admitted
+
+    def plan(self) -> StepPlan:
+        decode = [s for s in self.running if not s.prefilling]
+        prefill, budget = [], self.prefill_chunk
+        for seq in self.running:
+            if budget == 0:
+                break
+            if seq.prefilling:
+                n = min(seq.remaining_prompt, budget)
+                if seq.return_prompt_logprobs:
+                    n = min(n, PROMPT_LOGPROB_ROWS)
+                prefill.append((seq, n))
+                budget -= n
+        return StepPlan(decode, prefill)
+
+    def finish(self, seq: Sequence) -> None:
+        """Drop a waiting or running sequence and return its pages and slot at once."""
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+            self.pool.release(seq.pages, seq.slot)
+            seq.slot = -1
+        elif seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+        seq.status = Status.FINISHED
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)

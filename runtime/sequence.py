@@ -1,0 +1,80 @@
+"""A request's state inside the engine, and what each step reports for it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .sampler import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    request_id: int
+    prompt: list[int]
+    params: SamplingParams
+    rng: np.random.Generator
+    max_tokens: int
+    stop_ids: frozenset[int]
+    pages: int  # reserved for prompt + max_tokens at admission
+    return_prompt_logprobs: bool = False
+    status: Status = Status.WAITING
+    slot: int = -1
+    num_computed: int = 0  # tokens already in the KV cache and GDN state
+    output: list[int] = field(default_factory=list)
+    prompt_logprobs: list[float | None] = field(default_factory=list)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.num_computed < len(self.prompt)
+
+    @property
+    def remaining_prompt(self) -> int:
+        return len(self.prompt) - self.num_computed
+
+    def next_tokens(self, n: int) -> list[int]:
+        """The `n` tokens to feed next: prompt tokens while prefilling, else the last sample."""
+        if self.prefilling:
+            return self.prompt[self.num_computed : self.num_computed + n]
+        return [self.output[-1]]
+
+
+@dataclass(frozen=True)
+class Output:
+    """New tokens of one request from one step (at most one token per step today)."""
+
+    request_id: int
+    token_ids: list[int]
+    logprobs: list[float]  # of each new token: log_softmax over the decodable vocabulary
+    finish_reason: str | None  # 'stop' | 'length' | 'abort' | None while running
+    # Given once, with the first token: None for position 0, then each prompt token's logprob.
+    prompt_logprobs: list[float | None] | None = None
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    return_prompt_logprobs: bool = False
+
+
+@dataclass
+class Completion:
+    """A request run to its end by `Engine.generate`."""
+
+    request_id: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_logprobs: list[float | None] | None = None
