@@ -1,0 +1,231 @@
+"""The continuous-batching engine (fp32, CPU): batched logprobs equal one-at-a-time ones while
+sequences join, leave and prefill in chunks; slots and pages come back whole; requests that
+could never fit are refused at submit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from qwen35_tvm.runtime.artifact import Artifact
+from qwen35_tvm.runtime.engine import Engine
+from qwen35_tvm.runtime.generate import Generator, PromptError
+from qwen35_tvm.runtime.kv_pool import gdn_bytes_per_slot, kv_bytes_per_token, plan_capacity
+from qwen35_tvm.runtime.sampler import SamplingParams
+from qwen35_tvm.runtime.sequence import Request
+
+TOL = 2e-4  # nat, over the whole decodable vocabulary
+GREEDY = SamplingParams(temperature=0.0)
+_loaded: dict = {}
+
+
+def loaded(compiled) -> tuple[Artifact, Generator]:
+    if compiled.name not in _loaded:
+        art = Artifact(compiled.artifact_dir)
+        _loaded[compiled.name] = (art, Generator(art, prefill_chunk=128))
+    return _loaded[compiled.name]
+
+
+def prompt(length: int, decodable: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(0, decodable, size=length).tolist()
+
+
+def capture_rows(engine: Engine) -> dict[int, list[np.ndarray]]:
+    """Spy on sampling: every sampled row's log_softmax, per request, in order."""
+    rows: dict[int, list[np.ndarray]] = {}
+    batch_sizes: list[int] = []
+    sample = engine._sample
+
+    def spy(ready):
+        batch_sizes.append(len(ready))
+        for seq, row in ready:
+            rows.setdefault(seq.request_id, []).append(engine.sampler.logprobs(row))
+        return sample(ready)
+
+    engine._sample = spy
+    rows[-1] = batch_sizes  # type: ignore[assignment]
+    return rows
+
+
+def run(engine: Engine, joins: dict[int, list[Request]] | None = None) -> dict[int, list]:
+    """Step to the end, submitting `joins[k]` before step k; returns tokens per request."""
+    tokens: dict[int, list] = {}
+    step = 0
+    while engine.has_work() or (joins and any(k >= step for k in joins)):
+        for r in (joins or {}).get(step, []):
+            engine.submit(r.prompt_ids, r.params, r.max_tokens, ignore_eos=r.ignore_eos)
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.token_ids)
+        step += 1
+    return tokens
+
+
+def reference_rows(gen: Generator, ids: list[int], out: list[int]) -> np.ndarray:
+    """Single-sequence log_softmax rows that sampled each of `out`: prefill, then decode."""
+    logits = gen.logits(ids + out[:-1], decode_from=len(ids))[len(ids) - 1 :]
+    return np.stack([gen.sampler.logprobs(r) for r in logits])
+
+
+def test_batch_that_grows_and_shrinks_matches_single_sequences(compiled):
+    art, gen = loaded(compiled)
+    # 4 running at most, so the 5th waits; prompts above 48 tokens prefill over several steps.
+    engine = Engine(art, max_batch_size=4, max_total_tokens=1024, prefill_chunk=48)
+    lengths, max_tokens = (1, 17, 64, 65, 130), (17, 6, 17, 11, 17)
+    requests = [
+        Request(prompt(n, gen.decodable, seed=n), GREEDY, m, ignore_eos=True)
+        for n, m in zip(lengths, max_tokens, strict=True)
+    ]
+    late = [
+        Request(prompt(n, gen.decodable, seed=100 + n), GREEDY, 9, ignore_eos=True) for n in (30, 3)
+    ]
+    rows = capture_rows(engine)
+    tokens = run(engine, joins={0: requests, 4: late[:1], 7: late[1:]})
+    batch_sizes = rows.pop(-1)
+    assert len(set(batch_sizes)) > 2, batch_sizes  # the batch really changed size
+    worst = 0.0
+    for rid, req in enumerate(requests + late):
+        assert len(tokens[rid]) == req.max_tokens
+        ref = reference_rows(gen, req.prompt_ids, tokens[rid])
+        got = np.stack(rows[rid])
+        worst = max(worst, float(np.abs(got - ref).max()))
+    print(f"{compiled.name}: batched vs single max|dlogprob| = {worst:.3g}")
+    assert worst <= TOL
+
+
+def test_long_prefill_does_not_stall_decodes(tiny_compiled):
+    art, gen = loaded(tiny_compiled)
+    engine = Engine(art, max_batch_size=4, max_total_tokens=512, prefill_chunk=32)
+    a = engine.submit(prompt(5, gen.decodable, 1), GREEDY, 12, ignore_eos=True)
+    engine.step()
+    b = engine.submit(prompt(130, gen.decodable, 2), GREEDY, 2, ignore_eos=True)
+    steps_until_b = 0
+    while True:
+        outs = {o.request_id: o for o in engine.step()}
+        steps_until_b += 1
+        assert a in outs, "the running decode got no token this step"
+        if b in outs:
+            break
+    assert steps_until_b == 5  # ceil(130 / 32) chunks, one decode of `a` each
+
+
+def two_in_one_slot(art: Artifact, gen: Generator, zero_slots: bool = True) -> float:
+    """Run X, then Y in the slot (and pages) X just freed; max |Δ| of Y's rows against Y alone
+    in a fresh engine."""
+    x = Request(prompt(40, gen.decodable, 11), GREEDY, 10, ignore_eos=True)
+    y = Request(prompt(23, gen.decodable, 12), GREEDY, 12, ignore_eos=True)
+    results = []
+    for reqs in ([x, y], [y]):
+        engine = Engine(art, max_batch_size=2, max_total_tokens=64, num_slots=1)
+        if not zero_slots:
+            engine.runner._reset = lambda *args: None
+        rows = capture_rows(engine)
+        run(engine, joins={0: reqs})
+        results.append(np.stack(rows[len(reqs) - 1]))
+    return float(np.abs(results[0] - results[1]).max())
+
+
+def test_reused_slot_gives_a_fresh_engines_logprobs(tiny_compiled):
+    art, gen = loaded(tiny_compiled)
+    assert two_in_one_slot(art, gen) == 0.0
+
+
+def test_slot_reuse_test_fails_if_slots_are_not_zeroed(tiny_compiled):
+    """The test above has teeth: skipping the reset leaks X's GDN state into Y."""
+    art, gen = loaded(tiny_compiled)
+    assert two_in_one_slot(art, gen, zero_slots=False) > 1e-2
+
+
+def test_finished_and_aborted_requests_return_every_page_and_slot(tiny_compiled):
+    art, gen = loaded(tiny_compiled)
+    engine = Engine(art, max_batch_size=3, max_total_tokens=512, num_slots=3, prefill_chunk=16)
+    start = (engine.free_pages(), engine.free_slots(), engine.kv_free_pages())
+    assert start[:2] == (32, 3)
+    ids = [
+        engine.submit(prompt(20, gen.decodable, 1), GREEDY, 40, ignore_eos=True),  # decoding
+        engine.submit(prompt(90, gen.decodable, 2), GREEDY, 5),  # aborted mid-prefill
+        engine.submit(prompt(7, gen.decodable, 3), GREEDY, 3),  # length
+        engine.submit(prompt(9, gen.decodable, 4), GREEDY, 8, stop_token_ids=range(10**6)),
+        engine.submit(prompt(5, gen.decodable, 5), GREEDY, 4),  # aborted while waiting
+    ]
+    reasons: dict[int, str] = {}
+    for _ in range(4):
+        reasons.update((o.request_id, o.finish_reason) for o in engine.step() if o.finish_reason)
+    running = [s for s in engine.scheduler.running]
+    assert engine.free_pages() == start[0] - sum(s.pages for s in running)
+    assert engine.free_slots() == start[1] - len(running)
+    assert engine.kv_free_pages() < start[2]
+    assert engine.scheduler.running[1].prefilling
+    assert engine.abort(ids[1]) and engine.abort(ids[4])
+    assert not engine.abort(ids[4]) and not engine.abort(12345)
+    for _ in range(3):
+        reasons.update((o.request_id, o.finish_reason) for o in engine.step() if o.finish_reason)
+    assert not engine.scheduler.running[0].prefilling
+    assert engine.abort(ids[0])
+    while engine.has_work():
+        reasons.update((o.request_id, o.finish_reason) for o in engine.step() if o.finish_reason)
+    assert reasons == {0: "abort", 1: "abort", 2: "length", 3: "stop", 4: "abort"}
+    assert (engine.free_pages(), engine.free_slots(), engine.kv_free_pages()) == start
+
+
+def test_requests_that_could_never_fit_are_refused_at_submit(tiny_compiled):
+    art, gen = loaded(tiny_compiled)
+    engine = Engine(art, max_batch_size=2, max_total_tokens=64)
+    window = art.context_window
+    with pytest.raises(PromptError, match="exceeds the context window"):
+        engine.submit(prompt(window - 3, gen.decodable, 0), GREEDY, 4)
+    with pytest.raises(PromptError, match=r"needs 5 KV pages .* pool has 4 pages"):
+        engine.submit(prompt(60, gen.decodable, 0), GREEDY, 10)
+    with pytest.raises(PromptError, match="empty"):
+        engine.submit([], GREEDY, 4)
+    with pytest.raises(PromptError, match="outside the vocabulary"):
+        engine.submit([gen.decodable], GREEDY, 4)
+    with pytest.raises(PromptError, match="max_tokens"):
+        engine.submit([1], GREEDY, 0)
+    ok = Request([1, 2], GREEDY, 2)
+    with pytest.raises(PromptError):  # one bad request: nothing is submitted
+        engine.generate([ok, Request(prompt(60, gen.decodable, 0), GREEDY, 10)])
+    assert not engine.has_work()
+    assert len(engine.generate([ok])[0].token_ids) <= 2
+
+
+def test_capacity_is_reported_and_derived_from_a_byte_budget(tiny_compiled):
+    art, _ = loaded(tiny_compiled)
+    cfg = art.config
+    n_full = cfg["layer_types"].count("full_attention")
+    n_gdn = cfg["num_hidden_layers"] - n_full
+    kv_token = 2 * n_full * cfg["num_key_value_heads"] * cfg["head_dim"] * 4
+    conv_dim = 2 * cfg["linear_num_key_heads"] * cfg["linear_key_head_dim"] + (
+        cfg["linear_num_value_heads"] * cfg["linear_value_head_dim"]
+    )
+    rec = cfg["linear_num_value_heads"] * cfg["linear_value_head_dim"] * cfg["linear_key_head_dim"]
+    gdn_slot = n_gdn * (conv_dim * (cfg["linear_conv_kernel_dim"] - 1) + rec) * 4
+    assert kv_bytes_per_token(art) == kv_token
+    assert gdn_bytes_per_slot(art) == gdn_slot
+    plan = plan_capacity(art, 8 * gdn_slot + 100 * 16 * kv_token + 16 * kv_token - 1, 8)
+    assert (plan.max_total_tokens, plan.num_slots) == (1600, 8)
+    with pytest.raises(ValueError, match="no KV page"):
+        plan_capacity(art, 8 * gdn_slot, 8)
+    engine = Engine(art, max_batch_size=8, max_total_tokens=plan.max_total_tokens)
+    cap = engine.capacity()
+    assert cap["total_pages"] == 100 == engine.free_pages()
+    assert cap["num_slots"] == 8 == engine.free_slots()
+    assert cap["kv_bytes"] == 1600 * kv_token and cap["gdn_bytes"] == 8 * gdn_slot
+    assert engine.kv_free_pages() >= cap["total_pages"]  # the cache never runs out first
+
+
+def test_seeded_sampling_and_prompt_logprobs_do_not_depend_on_the_batch(tiny_compiled):
+    art, gen = loaded(tiny_compiled)
+    hot = SamplingParams(temperature=1.0, top_p=0.9, seed=7)
+    scored = Request(
+        prompt(130, gen.decodable, 3), hot, 6, ignore_eos=True, return_prompt_logprobs=True
+    )
+    other = Request(
+        prompt(50, gen.decodable, 4), SamplingParams(temperature=0.8, seed=1), 9, ignore_eos=True
+    )
+    alone = Engine(art, max_batch_size=1, prefill_chunk=48).generate([scored])[0]
+    both = Engine(art, max_batch_size=4, prefill_chunk=48).generate([other, scored])[1]
+    assert both.token_ids == alone.token_ids
+    np.testing.assert_allclose(both.logprobs, alone.logprobs, atol=TOL)
+    ref = [s.logprob for s in gen.score(scored.prompt_ids)]
+    assert both.prompt_logprobs[0] is None and len(both.prompt_logprobs) == 130
+    np.testing.assert_allclose(both.prompt_logprobs[1:], ref[1:], atol=TOL)
