@@ -154,7 +154,7 @@ def _logits_gpu_mma(hidden: int, rows: int, live: int, selection: int, dtype: st
     to physical k 8q' + {0..3} and 8q' + {4..7}. Lane q streams k [32q, 32q + 32) of each
     128-wide step, so the four lanes of a row read 256 contiguous bytes; the next step's weight
     loads are issued before this step's mma (two register stages)."""
-    warps, n_tiles, unroll = 4, 8, 4  # 64 rows per block; batch passes of 64
+    warps, n_tiles, unroll = 4, 2, 4  # 64 rows per block; batch passes of 16
     step = 32 * unroll
     if hidden % (2 * step):
         raise ValueError(f"hidden size {hidden} must be a multiple of {2 * step}")
@@ -191,22 +191,24 @@ def _logits_gpu_mma(hidden: int, rows: int, live: int, selection: int, dtype: st
         q: T.int32,
     ):
         for u in T.unroll(unroll):
+            # the batch tiles' hidden-vector loads are all in flight before the first mma
             for nt in T.unroll(n_tiles):
                 if b_base + nt * 8 < batch:
                     if b_base + nt * 8 + g < batch:
                         for v in T.vectorized(8):
-                            x_reg[v] = x[b_base + nt * 8 + g, ks * step + q * 32 + u * 8 + v]
+                            x_reg[nt, v] = x[b_base + nt * 8 + g, ks * step + q * 32 + u * 8 + v]
                     else:
                         for v in T.vectorized(8):
-                            x_reg[v] = T.Cast(dtype, 0)
+                            x_reg[nt, v] = T.Cast(dtype, 0)
+            for s in T.unroll(2):
+                # fragment order: (g, k0:2) (g+8, k0:2) (g, k2:4) (g+8, k2:4)
+                for e in T.unroll(8):
+                    a_frag[s, e] = w_reg[stage, u, (e // 2) % 2, s * 4 + (e // 4) * 2 + e % 2]
+            for nt in T.unroll(n_tiles):
+                if b_base + nt * 8 < batch:
                     for e in T.unroll(8):
-                        b_frag[e] = x_reg[e]
+                        b_frag[e] = x_reg[nt, e]
                     for s in T.unroll(2):
-                        # fragment order: (g, k0:2) (g+8, k0:2) (g, k2:4) (g+8, k2:4)
-                        for e in T.unroll(8):
-                            a_frag[s, e] = w_reg[
-                                stage, u, (e // 2) % 2, s * 4 + (e // 4) * 2 + e % 2
-                            ]
                         T.evaluate(
                             T.ptx_legacy.mma(
                                 "m16n8k16",
@@ -240,7 +242,7 @@ def _logits_gpu_mma(hidden: int, rows: int, live: int, selection: int, dtype: st
                         T.reads()
                         T.writes()
                         w_reg = T.sblock_alloc_buffer((2, unroll, 2, 8), dtype, scope="local")
-                        x_reg = T.sblock_alloc_buffer((8,), dtype, scope="local")
+                        x_reg = T.sblock_alloc_buffer((n_tiles, 8), dtype, scope="local")
                         # mma operands are addressed by element offset, so they stay plain bf16
                         # arrays; the 128-bit-loaded x_reg is copied in.
                         a_frag = T.sblock_alloc_buffer((2, 8), dtype, scope="local")
