@@ -147,18 +147,21 @@ def _logits_gpu(hidden: int, rows: int, live: int, selection: int, dtype: str) -
 
 def _logits_gpu_mma(hidden: int, rows: int, live: int, selection: int, dtype: str) -> PrimFunc:
     """bf16 GPU kernel on tensor cores (mma.sync m16n8k16, fp32 accumulate). A warp owns 16
-    weight rows (one m16 tile) and the batch as n8 tiles. The dot product does not care in
+    weight rows (m_tiles m16 tiles) and the batch as n8 tiles. The dot product does not care in
     which order k is summed, so each lane loads 8 consecutive k of a row with one 128-bit load
     and the same 8 k of the hidden vector, and those 8 feed two mma k16 steps: lane (g, q)
     supplies logical k {2q, 2q+1, 2q+8, 2q+9} of each step, which both operands agree to map
-    to physical k 8q' + {0..3} and 8q' + {4..7}. Lane q streams k [32q, 32q + 32) of each
-    128-wide step, so the four lanes of a row read 256 contiguous bytes; the next step's weight
-    loads are issued before this step's mma (two register stages)."""
-    warps, n_tiles, unroll = 4, 2, 4  # 64 rows per block; batch passes of 16
+    to physical k 8q' + {0..3} and 8q' + {4..7}. Lane q streams k_lane contiguous k of each
+    step, so the four lanes of a row read one contiguous stretch; the next step's weight loads
+    are issued before this step's mma (two register stages)."""
+    # 128 rows per block; batch passes of 16. Two m-tiles per warp halve how often each warp
+    # re-reads the hidden vectors, which otherwise rival the weight stream in L2 traffic.
+    warps, m_tiles, n_tiles, unroll = 4, 2, 2, 2
     step = 32 * unroll
+    k_lane = 8 * unroll
     if hidden % (2 * step):
         raise ValueError(f"hidden size {hidden} must be a multiple of {2 * step}")
-    n_blocks = -(-selection // (warps * 16))
+    n_blocks = -(-selection // (warps * 16 * m_tiles))
     k_pairs = hidden // (2 * step)
     neg_inf = T.float32("-inf")
 
@@ -167,10 +170,10 @@ def _logits_gpu_mma(hidden: int, rows: int, live: int, selection: int, dtype: st
         w: T.Buffer, w_reg: T.Buffer, stage: T.int32, ks: T.int32, row0: T.int32, q: T.int32
     ):
         for u in T.unroll(unroll):
-            for h in T.unroll(2):  # rows row0 and row0 + 8
+            for h in T.unroll(2 * m_tiles):  # rows row0 + 8h: m-tile h // 2, half h % 2
                 if row0 + h * 8 < live:
                     for v in T.vectorized(8):
-                        w_reg[stage, u, h, v] = w[row0 + h * 8, ks * step + q * 32 + u * 8 + v]
+                        w_reg[stage, u, h, v] = w[row0 + h * 8, ks * step + q * k_lane + u * 8 + v]
                 else:
                     for v in T.vectorized(8):
                         w_reg[stage, u, h, v] = T.Cast(dtype, 0)
@@ -196,37 +199,43 @@ def _logits_gpu_mma(hidden: int, rows: int, live: int, selection: int, dtype: st
                 if b_base + nt * 8 < batch:
                     if b_base + nt * 8 + g < batch:
                         for v in T.vectorized(8):
-                            x_reg[nt, v] = x[b_base + nt * 8 + g, ks * step + q * 32 + u * 8 + v]
+                            x_reg[nt, v] = x[
+                                b_base + nt * 8 + g, ks * step + q * k_lane + u * 8 + v
+                            ]
                     else:
                         for v in T.vectorized(8):
                             x_reg[nt, v] = T.Cast(dtype, 0)
-            for s in T.unroll(2):
-                # fragment order: (g, k0:2) (g+8, k0:2) (g, k2:4) (g+8, k2:4)
-                for e in T.unroll(8):
-                    a_frag[s, e] = w_reg[stage, u, (e // 2) % 2, s * 4 + (e // 4) * 2 + e % 2]
+            for m in T.unroll(m_tiles):
+                for s in T.unroll(2):
+                    # fragment order: (g, k0:2) (g+8, k0:2) (g, k2:4) (g+8, k2:4)
+                    for e in T.unroll(8):
+                        a_frag[m, s, e] = w_reg[
+                            stage, u, m * 2 + (e // 2) % 2, s * 4 + (e // 4) * 2 + e % 2
+                        ]
             for nt in T.unroll(n_tiles):
                 if b_base + nt * 8 < batch:
                     for e in T.unroll(8):
                         b_frag[e] = x_reg[nt, e]
-                    for s in T.unroll(2):
-                        T.evaluate(
-                            T.ptx_legacy.mma(
-                                "m16n8k16",
-                                "row",
-                                "col",
-                                "bf16",
-                                "bf16",
-                                "fp32",
-                                a_frag.data,
-                                s * 8,
-                                b_frag.data,
-                                s * 4,
-                                acc.data,
-                                nt * 4,
-                                False,
-                                dtype="float32",
+                    for m in T.unroll(m_tiles):
+                        for s in T.unroll(2):
+                            T.evaluate(
+                                T.ptx_legacy.mma(
+                                    "m16n8k16",
+                                    "row",
+                                    "col",
+                                    "bf16",
+                                    "bf16",
+                                    "fp32",
+                                    a_frag.data,
+                                    (m * 2 + s) * 8,
+                                    b_frag.data,
+                                    s * 4,
+                                    acc.data,
+                                    (m * n_tiles + nt) * 4,
+                                    False,
+                                    dtype="float32",
+                                )
                             )
-                        )
 
     @T.prim_func(s_tir=True)
     def logits(x_h: T.handle, w_h: T.handle, out_h: T.handle):
@@ -241,18 +250,22 @@ def _logits_gpu_mma(hidden: int, rows: int, live: int, selection: int, dtype: st
                     with T.sblock("logits"):
                         T.reads()
                         T.writes()
-                        w_reg = T.sblock_alloc_buffer((2, unroll, 2, 8), dtype, scope="local")
+                        w_reg = T.sblock_alloc_buffer(
+                            (2, unroll, 2 * m_tiles, 8), dtype, scope="local"
+                        )
                         x_reg = T.sblock_alloc_buffer((n_tiles, 8), dtype, scope="local")
                         # mma operands are addressed by element offset, so they stay plain bf16
                         # arrays; the 128-bit-loaded x_reg is copied in.
-                        a_frag = T.sblock_alloc_buffer((2, 8), dtype, scope="local")
+                        a_frag = T.sblock_alloc_buffer((m_tiles, 2, 8), dtype, scope="local")
                         b_frag = T.sblock_alloc_buffer((8,), dtype, scope="local")
-                        acc = T.sblock_alloc_buffer((n_tiles * 4,), "float32", scope="local")
+                        acc = T.sblock_alloc_buffer(
+                            (m_tiles * n_tiles * 4,), "float32", scope="local"
+                        )
                         g: T.let[T.int32] = tx // 4
                         q: T.let[T.int32] = tx % 4
-                        row0: T.let[T.int32] = (bx * warps + ty) * 16 + g
+                        row0: T.let[T.int32] = (bx * warps + ty) * 16 * m_tiles + g
                         for b0 in T.serial(T.ceildiv(batch, n_tiles * 8)):
-                            for i in T.unroll(n_tiles * 4):
+                            for i in T.unroll(m_tiles * n_tiles * 4):
                                 acc[i] = T.float32(0)
                             load_w(w, w_reg, 0, 0, row0, q)
                             for kp in T.serial(k_pairs):
@@ -287,18 +300,17 @@ def _logits_gpu_mma(hidden: int, rows: int, live: int, selection: int, dtype: st
                                     g,
                                     q,
                                 )
-                            for nt in T.unroll(n_tiles):
-                                for e in T.unroll(4):
-                                    # accumulator: (row g, cols 2q, 2q+1), (row g+8, same cols)
-                                    if (
-                                        b0 * n_tiles * 8 + nt * 8 + q * 2 + e % 2 < batch
-                                        and row0 + (e // 2) * 8 < selection
-                                    ):
-                                        out[
-                                            b0 * n_tiles * 8 + nt * 8 + q * 2 + e % 2,
-                                            row0 + (e // 2) * 8,
-                                        ] = T.if_then_else(
-                                            row0 + (e // 2) * 8 < live, acc[nt * 4 + e], neg_inf
+                            for m in T.unroll(m_tiles):
+                                for nt in T.unroll(n_tiles):
+                                    for e in T.unroll(4):
+                                        # accumulator: (row g, cols 2q, 2q+1), (row g+8, same)
+                                        b: T.let[T.int32] = (
+                                            b0 * n_tiles * 8 + nt * 8 + q * 2 + e % 2
                                         )
+                                        r: T.let[T.int32] = row0 + m * 16 + (e // 2) * 8
+                                        if b < batch and r < selection:
+                                            out[b, r] = T.if_then_else(
+                                                r < live, acc[(m * n_tiles + nt) * 4 + e], neg_inf
+                                            )
 
     return logits

@@ -1,0 +1,101 @@
+"""Prometheus metrics, on a registry of the app's own (several apps can live in one process)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .engine_loop import EngineLoop
+
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class Metrics:
+    def __init__(self, loop: EngineLoop) -> None:
+        self.registry = reg = CollectorRegistry()
+        p = "qwen35_"
+        self.requests = Counter(
+            p + "requests",
+            "HTTP requests answered, by route and status",
+            ["route", "status"],
+            registry=reg,
+        )
+        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens submitted", registry=reg)
+        self.generated_tokens = Counter(p + "generation_tokens", "Tokens generated", registry=reg)
+        self.ttft = Histogram(
+            p + "time_to_first_token_seconds",
+            "Submit to first token",
+            buckets=_LATENCY,
+            registry=reg,
+        )
+        self.tpot = Histogram(
+            p + "time_per_output_token_seconds",
+            "Mean time per token after the first",
+            buckets=_LATENCY,
+            registry=reg,
+        )
+        self.e2e = Histogram(
+            p + "e2e_request_latency_seconds",
+            "Submit to last token",
+            buckets=_LATENCY,
+            registry=reg,
+        )
+        engine = loop.engine
+        gauges: dict[str, tuple[str, Any]] = {
+            "num_requests_running": ("Sequences running", lambda: loop.num_running),
+            "num_requests_waiting": ("Sequences waiting", lambda: loop.num_waiting),
+            "kv_pages_used": (
+                "KV pages reserved",
+                lambda: engine.pool.total_pages - engine.free_pages(),
+            ),
+            "kv_pages_total": ("KV pages in the pool", lambda: engine.pool.total_pages),
+            "gdn_slots_used": (
+                "GDN state slots in use",
+                lambda: engine.pool.num_slots - engine.free_slots(),
+            ),
+            "gdn_slots_total": ("GDN state slots", lambda: engine.pool.num_slots),
+        }
+        for name, (doc, fn) in gauges.items():
+            Gauge(p + name, doc, registry=reg).set_function(fn)
+
+    def observe(self, ttft: float | None, e2e: float, generated: int) -> None:
+        """One finished sequence: its latencies and token count."""
+        self.generated_tokens.inc(generated)
+        self.e2e.observe(e2e)
+        if ttft is not None:
+            self.ttft.observe(ttft)
+            if generated > 1:
+                self.tpot.observe((e2e - ttft) / (generated - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class StatusCounter:
+    """ASGI middleware counting every HTTP response by route and status code."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = {"code": 500}
+
+        async def spy(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, spy)
+        finally:
+            route = scope["path"] if scope["path"] in _ROUTES else "other"
+            self.metrics.requests.labels(route, str(status["code"])).inc()
+
+
+_ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"}
