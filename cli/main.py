@@ -104,6 +104,23 @@ def _score(args: argparse.Namespace) -> None:
         print(json.dumps(line))
 
 
+def _serve(args: argparse.Namespace) -> None:
+    from qwen35_tvm.server.app import ServerConfig, serve
+
+    cfg = ServerConfig(
+        api_key=args.api_key, model_name=args.model_name, max_waiting=args.max_waiting
+    )
+    serve(
+        args.artifact,
+        host=args.host,
+        port=args.port,
+        device=args.device,
+        max_batch=args.max_batch,
+        max_total_tokens=args.max_total_tokens,
+        cfg=cfg,
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="qwen35-tvm", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -170,6 +187,18 @@ def _parser() -> argparse.ArgumentParser:
             src.add_argument("--text")
             src.add_argument("--ids", help="comma-separated token ids")
             g.add_argument("--top-k", type=int, default=5)
+
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over an artifact")
+    s.add_argument("artifact")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (local only by default)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    s.add_argument("--max-batch", type=int, default=16, help="sequences decoded together")
+    s.add_argument("--device", default=None, choices=["cpu", "cuda"])
+    s.add_argument("--max-waiting", type=int, default=256, help="queued requests before 503")
+    s.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens")
+    s.add_argument("--model-name", default=None, help="served model id (default: folder name)")
+    s.set_defaults(func=_serve)
     return p
 
 

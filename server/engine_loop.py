@@ -154,9 +154,9 @@ class EngineLoop:
                 self._fail_all(EngineFailure(f"the engine failed: {err}"))
                 continue
             now = time.monotonic()
+            self._count()  # before delivering, so no client sees a count older than its output
             for out in outputs:
                 self._deliver(out, now)
-            self._count()
         self._fail_all(EngineFailure("the server is shutting down"))
 
     def _drain(self) -> None:

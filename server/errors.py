@@ -57,15 +57,17 @@ def error_response(err: APIError) -> JSONResponse:
 
 def _param(loc: tuple[Any, ...]) -> str | None:
     """'messages.0.role' from pydantic's location, without union-member tags like 'list[int]'."""
+    tags = {"str", "int", "float", "bool", "list", "dict", "literal"}
     parts: list[str] = []
     for part in loc[1:] if loc and loc[0] == "body" else loc:
-        if isinstance(part, str) and ("[" in part or part[:1].isupper() or part in _TAGS):
+        # Union members appear as tags: 'list[int]', 'constrained-str', 'str', 'TextPart'.
+        text = str(part)
+        if isinstance(part, str) and ("[" in text or "-" in text or text[:1].isupper()):
+            break
+        if text in tags:
             break
         parts.append(str(part))
     return ".".join(parts) or None
-
-
-_TAGS = {"str", "int", "float", "bool", "list", "dict", "function-after", "literal"}
 
 
 def _validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:

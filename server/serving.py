@@ -82,6 +82,12 @@ class Generation:
     async def start(self) -> None:
         """Submit every sequence; a refused prompt or a full queue becomes an `APIError`."""
         flat = [job for jobs in self._jobs for job in jobs]
+        if len(flat) > self.loop.max_waiting:  # could never be queued, however long one waits
+            raise APIError(
+                400,
+                f"{len(flat)} sequences (prompts x n) exceed the queue of {self.loop.max_waiting}",
+                "n",
+            )
         try:
             ids, self._queue = await self.loop.submit(flat)
         except PromptError as err:
@@ -164,6 +170,8 @@ class Generation:
         """Abort whatever is still running (client gone, error, or cancelled)."""
         if self._open:
             self.loop.abort(sorted(self._open))
+            stopped = [c for c in self.choices if c.request_id in self._open]
+            self.metrics.generated_tokens.inc(sum(len(c.token_ids) for c in stopped))
             self._open.clear()
 
 
