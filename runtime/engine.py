@@ -96,8 +96,10 @@ class Engine:
         stop_token_ids: Seq[int] | None = None,
         ignore_eos: bool = False,
         return_prompt_logprobs: bool = False,
+        top_logprobs: int = 0,
     ) -> int:
-        """Queue a request; raises `PromptError` (a ValueError) if it could never run."""
+        """Queue a request; raises `PromptError` (a ValueError) if it could never run.
+        `top_logprobs` > 0 reports that many alternatives with every token's logprob."""
         prompt = [int(t) for t in prompt_ids]
         pages = self._check(prompt, max_tokens)
         stops = set() if ignore_eos else set(self.artifact.eos_token_ids)
@@ -111,6 +113,7 @@ class Engine:
             stop_ids=frozenset(stops),
             pages=pages,
             return_prompt_logprobs=return_prompt_logprobs,
+            top_logprobs=top_logprobs,
         )
         self._next_id += 1
         self._live[seq.request_id] = seq
@@ -218,11 +221,14 @@ class Engine:
         start = seq.num_computed
         if start == 0:
             seq.prompt_logprobs.append(None)  # nothing predicts the first token
+            seq.prompt_top_logprobs.append(None)
         for j, row in enumerate(rows):
             nxt = start + j + 1
             if nxt < len(seq.prompt):
                 lp = self.sampler.logprobs(row)[seq.prompt[nxt]]
                 seq.prompt_logprobs.append(float(lp))
+                if seq.top_logprobs:
+                    seq.prompt_top_logprobs.append(self.sampler.top_logprobs(row, seq.top_logprobs))
 
     def _sample(self, ready: list[tuple[Sequence, np.ndarray]]) -> list[Output]:
         seqs = [seq for seq, _ in ready]
@@ -238,6 +244,7 @@ class Engine:
             elif len(seq.output) >= seq.max_tokens:
                 reason = "length"
             first = len(seq.output) == 1 and seq.return_prompt_logprobs
+            k = seq.top_logprobs
             outputs.append(
                 Output(
                     seq.request_id,
@@ -245,6 +252,8 @@ class Engine:
                     [logprob],
                     reason,
                     list(seq.prompt_logprobs) if first else None,
+                    [self.sampler.top_logprobs(row, k)] if k else None,
+                    list(seq.prompt_top_logprobs) if first and k else None,
                 )
             )
             if reason is not None:

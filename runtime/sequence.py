@@ -9,6 +9,8 @@ import numpy as np
 
 from .sampler import SamplingParams
 
+TopLogprobs = list[tuple[int, float]]
+
 
 class Status(enum.Enum):
     WAITING = "waiting"
@@ -26,11 +28,13 @@ class Sequence:
     stop_ids: frozenset[int]
     pages: int  # reserved for prompt + max_tokens at admission
     return_prompt_logprobs: bool = False
+    top_logprobs: int = 0  # alternatives reported with each sampled (and prompt) token
     status: Status = Status.WAITING
     slot: int = -1
     num_computed: int = 0  # tokens already in the KV cache and GDN state
     output: list[int] = field(default_factory=list)
     prompt_logprobs: list[float | None] = field(default_factory=list)
+    prompt_top_logprobs: list[TopLogprobs | None] = field(default_factory=list)
 
     @property
     def prefilling(self) -> bool:
@@ -57,6 +61,10 @@ class Output:
     finish_reason: str | None  # 'stop' | 'length' | 'abort' | None while running
     # Given once, with the first token: None for position 0, then each prompt token's logprob.
     prompt_logprobs: list[float | None] | None = None
+    # With `top_logprobs` > 0: the most likely (id, logprob) pairs where each token was chosen,
+    # and, with the prompt logprobs, where each prompt token stood.
+    top_logprobs: list[TopLogprobs] | None = None
+    prompt_top_logprobs: list[TopLogprobs | None] | None = None
 
 
 @dataclass(frozen=True)

@@ -16,11 +16,12 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import Receive, Scope, Send
 
 from qwen35_tvm.runtime.artifact import Artifact
+from qwen35_tvm.runtime.engine import Engine
 from qwen35_tvm.runtime.sampler import SamplingParams
 from qwen35_tvm.runtime.tokenizer import TextTokenizer
 
 from . import errors
-from .engine_loop import EngineLoop, Job, ServingEngine
+from .engine_loop import EngineLoop, Job
 from .errors import APIError, error_body
 from .formats import ChatShaper, CompletionShaper, Shaper, sse
 from .limits import BodyLimit
@@ -59,7 +60,7 @@ class GuardedStream(StreamingResponse):
 class Server:
     """Everything a route needs: the tokenizer, the engine loop, metrics and settings."""
 
-    def __init__(self, engine: ServingEngine, tokenizer: TextTokenizer, cfg: ServerConfig):
+    def __init__(self, engine: Engine, tokenizer: TextTokenizer, cfg: ServerConfig):
         self.engine = engine
         self.tokenizer = tokenizer
         self.cfg = cfg
@@ -147,7 +148,7 @@ def build_server(
     cfg: ServerConfig | None = None,
 ) -> Server:
     artifact = Artifact(artifact_dir, device=device)
-    engine = ServingEngine(artifact, max_batch_size=max_batch, max_total_tokens=max_total_tokens)
+    engine = Engine(artifact, max_batch_size=max_batch, max_total_tokens=max_total_tokens)
     return Server(engine, TextTokenizer.from_dir(artifact_dir), cfg or ServerConfig())
 
 

@@ -17,47 +17,11 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from qwen35_tvm.runtime.engine import Engine
 from qwen35_tvm.runtime.sampler import SamplingParams
-from qwen35_tvm.runtime.sequence import Output, Sequence
+from qwen35_tvm.runtime.sequence import Output, TopLogprobs
 
 log = logging.getLogger(__name__)
-
-TopList = list[tuple[int, float]]
-
-
-class ServingEngine(Engine):
-    """The engine, also recording the top-k alternatives of requests that ask for them."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.top_k: dict[int, int] = {}  # request id -> k
-        self.tops: dict[int, list[TopList]] = {}  # per sampled token, not yet delivered
-        self.prompt_tops: dict[int, list[TopList | None]] = {}
-
-    def _score_prompt(self, seq: Sequence, rows: np.ndarray) -> None:
-        k = self.top_k.get(seq.request_id, 0)
-        if k:
-            tops = self.prompt_tops.setdefault(seq.request_id, [])
-            if seq.num_computed == 0:
-                tops.append(None)  # nothing predicts the first token
-            for j, row in enumerate(rows):
-                if seq.num_computed + j + 1 < len(seq.prompt):
-                    tops.append(self.sampler.top_logprobs(row, k))
-        super()._score_prompt(seq, rows)
-
-    def _sample(self, ready: list[tuple[Sequence, np.ndarray]]) -> list[Output]:
-        for seq, row in ready:
-            k = self.top_k.get(seq.request_id, 0)
-            if k:
-                self.tops.setdefault(seq.request_id, []).append(self.sampler.top_logprobs(row, k))
-        return super()._sample(ready)
-
-    def forget(self, request_id: int) -> None:
-        for table in (self.top_k, self.tops, self.prompt_tops):
-            table.pop(request_id, None)
 
 
 @dataclass(frozen=True)
@@ -78,8 +42,8 @@ class Delta:
     """One engine output, with the alternatives recorded for it."""
 
     output: Output
-    tops: list[TopList]
-    prompt_tops: list[TopList | None] | None
+    tops: list[TopLogprobs]
+    prompt_tops: list[TopLogprobs | None] | None
     at: float  # time.monotonic() when the step finished
 
 
@@ -92,7 +56,7 @@ class QueueFull(RuntimeError):
 
 
 class EngineLoop:
-    def __init__(self, engine: ServingEngine, max_waiting: int = 256) -> None:
+    def __init__(self, engine: Engine, max_waiting: int = 256) -> None:
         self.engine = engine
         self.max_waiting = max_waiting
         self._inbox: deque[tuple[Any, ...]] = deque()
@@ -187,14 +151,12 @@ class EngineLoop:
                     job.stop_token_ids,
                     job.ignore_eos,
                     job.prompt_logprobs,
+                    job.top_logprobs,
                 )
                 ids.append(rid)
-                if job.top_logprobs:
-                    self.engine.top_k[rid] = job.top_logprobs
         except Exception as err:  # all or nothing: take back the ones already queued
             for rid in ids:
                 self.engine.abort(rid)
-                self.engine.forget(rid)
             done.set_exception(err)
         else:
             for rid in ids:
@@ -206,10 +168,9 @@ class EngineLoop:
 
     def _deliver(self, out: Output, now: float) -> None:
         rid = out.request_id
-        tops = self.engine.tops.pop(rid, [])
-        prompt_tops = self.engine.prompt_tops.pop(rid, None) if out.prompt_logprobs else None
+        tops = out.top_logprobs or []
+        prompt_tops = out.prompt_top_logprobs if out.prompt_logprobs else None
         if out.finish_reason is not None:
-            self.engine.forget(rid)
             route = self._routes.pop(rid, None)
         else:
             route = self._routes.get(rid)
@@ -230,7 +191,6 @@ class EngineLoop:
                 self.engine.abort(rid)
             except Exception:
                 log.exception("abort of request %d failed", rid)
-            self.engine.forget(rid)
         self._routes.clear()
         self._count()
 

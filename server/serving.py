@@ -11,9 +11,10 @@ from dataclasses import dataclass, field
 from fastapi import Request
 
 from qwen35_tvm.runtime.generate import PromptError
+from qwen35_tvm.runtime.sequence import TopLogprobs
 from qwen35_tvm.runtime.tokenizer import TextTokenizer
 
-from .engine_loop import Delta, EngineFailure, EngineLoop, Job, QueueFull, TopList
+from .engine_loop import Delta, EngineFailure, EngineLoop, Job, QueueFull
 from .errors import APIError
 from .metrics import Metrics
 from .stream import TextStream
@@ -30,9 +31,9 @@ class Choice:
     submitted: float
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    tops: list[TopList] = field(default_factory=list)
+    tops: list[TopLogprobs] = field(default_factory=list)
     prompt_logprobs: list[float | None] | None = None
-    prompt_tops: list[TopList | None] | None = None
+    prompt_tops: list[TopLogprobs | None] | None = None
     first_at: float | None = None
     finish_reason: str | None = None
 
