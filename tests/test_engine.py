@@ -229,3 +229,35 @@ def test_seeded_sampling_and_prompt_logprobs_do_not_depend_on_the_batch(tiny_com
     ref = [s.logprob for s in gen.score(scored.prompt_ids)]
     assert both.prompt_logprobs[0] is None and len(both.prompt_logprobs) == 130
     np.testing.assert_allclose(both.prompt_logprobs[1:], ref[1:], atol=TOL)
+
+
+def test_top_logprobs_come_with_every_token_and_prompt_position(tiny_compiled):
+    """`top_logprobs=k` reports, where each token (sampled or prompt) stood, the k most likely
+    ids; greedy picks the first of them and its logprob is the first pair's."""
+    art = Artifact(tiny_compiled.artifact_dir)
+    engine = Engine(art, max_batch_size=2, max_total_tokens=256, prefill_chunk=8)
+    gen = Generator(art)
+    prompt = np.random.default_rng(5).integers(0, engine.decodable, size=20).tolist()
+    rid = engine.submit(
+        prompt,
+        SamplingParams(temperature=0.0),
+        4,
+        stop_token_ids=[],
+        ignore_eos=True,
+        return_prompt_logprobs=True,
+        top_logprobs=3,
+    )
+    outs = []
+    while engine.has_work():
+        outs += [o for o in engine.step() if o.request_id == rid]
+    assert [len(o.top_logprobs) for o in outs] == [1, 1, 1, 1]
+    for o in outs:
+        (best, best_lp), *_ = o.top_logprobs[0]
+        assert o.token_ids == [best] and abs(o.logprobs[0] - best_lp) < 1e-9
+        assert len(o.top_logprobs[0]) == 3
+    prompt_tops = outs[0].prompt_top_logprobs
+    assert prompt_tops[0] is None and len(prompt_tops) == len(prompt)
+    ref = gen.score(prompt, top_k=3)
+    for got, want in zip(prompt_tops[1:], ref[1:], strict=True):
+        assert [i for i, _ in got] == [i for i, _ in want.top]
+        assert np.allclose([lp for _, lp in got], [lp for _, lp in want.top], atol=2e-4)
