@@ -262,22 +262,24 @@ class Engine:
 
     # ---- convenience ----------------------------------------------------------------------
 
+    def submit_request(self, r: Request) -> int:
+        """`submit` with the arguments gathered in a `Request`."""
+        return self.submit(
+            r.prompt_ids,
+            r.params,
+            r.max_tokens,
+            r.stop_token_ids,
+            r.ignore_eos,
+            r.return_prompt_logprobs,
+            r.top_logprobs,
+        )
+
     def generate(self, requests: Seq[Request]) -> list[Completion]:
         """Submit every request, step until all of them finish; results in request order.
         Nothing is submitted if any request is refused."""
         for r in requests:
             self._check([int(t) for t in r.prompt_ids], r.max_tokens)
-        ids = [
-            self.submit(
-                r.prompt_ids,
-                r.params,
-                r.max_tokens,
-                r.stop_token_ids,
-                r.ignore_eos,
-                r.return_prompt_logprobs,
-            )
-            for r in requests
-        ]
+        ids = [self.submit_request(r) for r in requests]
         done = {i: Completion(i) for i in ids}
         open_ids = set(ids)
         while open_ids:

@@ -75,6 +75,7 @@ class Request:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     return_prompt_logprobs: bool = False
+    top_logprobs: int = 0
 
 
 @dataclass

@@ -18,10 +18,11 @@ from starlette.types import Receive, Scope, Send
 from qwen35_tvm.runtime.artifact import Artifact
 from qwen35_tvm.runtime.engine import Engine
 from qwen35_tvm.runtime.sampler import SamplingParams
+from qwen35_tvm.runtime.sequence import Request as EngineRequest
 from qwen35_tvm.runtime.tokenizer import TextTokenizer
 
 from . import errors
-from .engine_loop import EngineLoop, Job
+from .engine_loop import EngineLoop
 from .errors import APIError, error_body
 from .formats import ChatShaper, CompletionShaper, Shaper, sse
 from .limits import BodyLimit
@@ -88,7 +89,7 @@ class Server:
         max_tokens: int,
         top: int,
         prompt_logprobs: bool = False,
-    ) -> list[Job]:
+    ) -> list[EngineRequest]:
         jobs = []
         for i in range(body.n):
             try:
@@ -102,7 +103,7 @@ class Server:
             except ValueError as err:
                 raise APIError(400, str(err)) from None
             jobs.append(
-                Job(
+                EngineRequest(
                     prompt,
                     params,
                     max_tokens,

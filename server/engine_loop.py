@@ -18,23 +18,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from qwen35_tvm.runtime.engine import Engine
-from qwen35_tvm.runtime.sampler import SamplingParams
-from qwen35_tvm.runtime.sequence import Output, TopLogprobs
+from qwen35_tvm.runtime.sequence import Output, Request, TopLogprobs
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Job:
-    """One sequence to run: a prompt and how to continue it."""
-
-    prompt: list[int]
-    params: SamplingParams
-    max_tokens: int
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    prompt_logprobs: bool = False
-    top_logprobs: int = 0
 
 
 @dataclass(frozen=True)
@@ -83,7 +69,7 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    async def submit(self, jobs: Seq[Job]) -> tuple[list[int], asyncio.Queue]:
+    async def submit(self, jobs: Seq[Request]) -> tuple[list[int], asyncio.Queue]:
         """Queue every job or none; returns their request ids and the queue their `Delta`s
         arrive on. Raises `QueueFull`, or the engine's `PromptError` for a refused prompt."""
         if self.num_waiting + self._queued + len(jobs) > self.max_waiting:
@@ -136,7 +122,7 @@ class EngineLoop:
 
     def _submit(
         self,
-        jobs: list[Job],
+        jobs: list[Request],
         done: concurrent.futures.Future,
         loop: asyncio.AbstractEventLoop,
         queue: asyncio.Queue,
@@ -144,15 +130,7 @@ class EngineLoop:
         ids: list[int] = []
         try:
             for job in jobs:
-                rid = self.engine.submit(
-                    job.prompt,
-                    job.params,
-                    job.max_tokens,
-                    job.stop_token_ids,
-                    job.ignore_eos,
-                    job.prompt_logprobs,
-                    job.top_logprobs,
-                )
+                rid = self.engine.submit_request(job)
                 ids.append(rid)
         except Exception as err:  # all or nothing: take back the ones already queued
             for rid in ids:

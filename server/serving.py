@@ -11,10 +11,11 @@ from dataclasses import dataclass, field
 from fastapi import Request
 
 from qwen35_tvm.runtime.generate import PromptError
+from qwen35_tvm.runtime.sequence import Request as EngineRequest
 from qwen35_tvm.runtime.sequence import TopLogprobs
 from qwen35_tvm.runtime.tokenizer import TextTokenizer
 
-from .engine_loop import Delta, EngineFailure, EngineLoop, Job, QueueFull
+from .engine_loop import Delta, EngineFailure, EngineLoop, QueueFull
 from .errors import APIError
 from .metrics import Metrics
 from .stream import TextStream
@@ -56,7 +57,7 @@ class Generation:
         tokenizer: TextTokenizer,
         metrics: Metrics,
         prompts: Sequence[list[int]],
-        jobs_per_prompt: Sequence[Sequence[Job]],
+        jobs_per_prompt: Sequence[Sequence[EngineRequest]],
         stops: Sequence[str],
         discard_output: bool = False,
     ) -> None:
