@@ -7,7 +7,9 @@ import time
 from pathlib import Path
 
 
-def build_library(shape: str, dtype: str, out: Path, arch: str = "sm_80,sm_90") -> float:
+def build_library(
+    shape: str, dtype: str, out: Path, arch: str = "sm_80,sm_90", cuda_graph: bool = True
+) -> float:
     """Compile the library of a real-shape (or tiny) config; weights come later, on the GPU
     server, through `convert`. Returns the compile time in seconds."""
     from qwen35_tvm.compile.build import compile_model
@@ -17,7 +19,9 @@ def build_library(shape: str, dtype: str, out: Path, arch: str = "sm_80,sm_90") 
     config_dir.mkdir(parents=True, exist_ok=True)
     (config_dir / "config.json").write_text(json.dumps(SHAPES[shape]))
     started = time.time()
-    compile_model(config_dir, out, target="cuda", arch=arch, dtype=dtype, convert=False)
+    compile_model(
+        config_dir, out, target="cuda", arch=arch, dtype=dtype, convert=False, cuda_graph=cuda_graph
+    )
     return time.time() - started
 
 

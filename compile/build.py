@@ -19,7 +19,7 @@ from .config import ModelConfig
 from .convert import convert_weights, log, write_meta
 from .cuda_toolchain import prepare_cuda_codegen
 from .hf_folder import HFModelFolder, resolve_model
-from .model import Qwen35LM, export_spec
+from .model import Qwen35LM, export_spec, mark_decode_for_cuda_graph
 from .pipeline import relax_pipeline
 from .targets import make_target
 from .tokenizer_build import chat_template_of, decodable_width, resolve_tokenizer
@@ -28,6 +28,7 @@ from .vocab import VocabWidths
 SCHEMA_VERSION = 1
 DTYPES = ("float32", "bfloat16")
 DEFAULT_EOS = ("<|im_end|>", "<|endoftext|>")
+MAX_DECODE_BATCH = 64  # decode's static storage (and each CUDA graph) is planned for this many
 
 
 def build_module(
@@ -40,7 +41,7 @@ def build_module(
     with target:
         model = Qwen35LM(config, widths, dtype, mask_pad=mask_pad)
         mod, named_params, _ = model.export_tvm(spec=export_spec(config, dtype), allow_extern=True)
-    return mod, named_params
+    return mark_decode_for_cuda_graph(mod, MAX_DECODE_BATCH), named_params
 
 
 def compile_model(
@@ -51,10 +52,12 @@ def compile_model(
     dtype: str = "float32",
     context_window: int | None = None,
     convert: bool = True,
+    cuda_graph: bool = True,
     _mask_pad: bool = True,
 ) -> Path:
-    """Build the library for `target` and write the artifact folder. `_mask_pad=False` is a
-    test-only switch that removes the logits pad mask, to prove the mask tests can fail."""
+    """Build the library for `target` and write the artifact folder. On CUDA, `decode` runs as
+    CUDA graphs unless `cuda_graph` is off. `_mask_pad=False` is a test-only switch that
+    removes the logits pad mask, to prove the mask tests can fail."""
     if dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {DTYPES}, got {dtype!r}")
     folder = resolve_model(model)
@@ -71,7 +74,9 @@ def compile_model(
     log(f"lowering {config.num_hidden_layers} layers to Relax ({target}, {dtype})")
     mod, named_params = build_module(config, widths, dtype, tvm_target, mask_pad=_mask_pad)
     log(f"compiling with TVM {tvm.__version__} ({len(mod.functions)} functions)")
-    executable = tvm.compile(mod, tvm_target, relax_pipeline=relax_pipeline(tvm_target))
+    cuda_graph = cuda_graph and target == "cuda"
+    with tvm.transform.PassContext(config={"relax.backend.use_cuda_graph": cuda_graph}):
+        executable = tvm.compile(mod, tvm_target, relax_pipeline=relax_pipeline(tvm_target))
     executable.export_library(str(out / "model.so"))
     compile_seconds = time.time() - started
     log(f"library built in {compile_seconds:.1f} s")
@@ -90,6 +95,8 @@ def compile_model(
         "vocab": widths.to_dict(),
         "logits_pad_masked": _mask_pad,
         "context_window": context_window or config.max_position_embeddings,
+        "max_decode_batch": MAX_DECODE_BATCH,
+        "cuda_graph": cuda_graph,
         "eos_token_ids": _eos_ids(folder, tokenizer),
         "params": [
             {"name": name, "shape": [int(s) for s in p.shape], "dtype": p.dtype}

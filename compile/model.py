@@ -10,7 +10,7 @@ positions from `begin_forward`.
 from __future__ import annotations
 
 import numpy as np
-from tvm import relax, tirx
+from tvm import IRModule, relax, tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import Tensor, op
 from tvm.relax.frontend.nn.core import wrap_nested
@@ -258,6 +258,42 @@ class Qwen35LM(nn.Module):
         """Any number of tokens of any number of sequences: logits [len(logit_positions),
         selection] at the given token positions. The pools come back only because they are
         updated in place."""
+        x, conv_pool, rec_pool = self._stack(
+            input_ids, indptr, slots, kv_cache, conv_pool, rec_pool
+        )
+        hidden = self.norm(op.take(x, logit_positions, axis=0))
+        return self.lm_head(hidden), conv_pool, rec_pool
+
+    def decode(
+        self,
+        input_ids: Tensor,
+        slots: Tensor,
+        kv_cache: PagedKVCache,
+        conv_pool: Tensor,
+        rec_pool: Tensor,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """One token for each of `batch` sequences: logits [batch, selection]. Compiled apart
+        from prefill so its projections get GEMV schedules and it can be a CUDA graph."""
+        batch = input_ids.shape[0]
+        indptr = op.arange(0, batch + 1, dtype="int32")
+        # A CUDA graph captures only kernels whose inputs sit in static storage; `slots`, read
+        # by every GDN layer, arrives in a fresh buffer each step, so it is copied in once.
+        slots = slots + op.zeros((1,), "int32")
+        x, conv_pool, rec_pool = self._stack(
+            input_ids, indptr, slots, kv_cache, conv_pool, rec_pool
+        )
+        return self.lm_head(self.norm(x)), conv_pool, rec_pool
+
+    def _stack(
+        self,
+        input_ids: Tensor,
+        indptr: Tensor,
+        slots: Tensor,
+        kv_cache: PagedKVCache,
+        conv_pool: Tensor,
+        rec_pool: Tensor,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Embedding and the decoder layers: hidden states [tokens, hidden] before the norm."""
         x = self.embed_tokens(input_ids)
         positions = kv_cache.get_query_positions(input_ids.shape[0])
         for layer in self.layers:
@@ -268,12 +304,7 @@ class Qwen35LM(nn.Module):
                 h, conv_pool, rec_pool = layer.linear_attn(h, indptr, slots, conv_pool, rec_pool)
             x = x + h
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        hidden = self.norm(op.take(x, logit_positions, axis=0))
-        return self.lm_head(hidden), conv_pool, rec_pool
-
-    # One token for each of `batch` sequences: the same graph, compiled apart from prefill so
-    # that its projections get GEMV schedules instead of GEMM tiles.
-    decode = prefill
+        return x, conv_pool, rec_pool
 
     def create_kv_cache(
         self,
@@ -353,23 +384,28 @@ def gdn_pool_shapes(cfg: ModelConfig, num_slots) -> tuple[tuple, tuple]:
 def export_spec(cfg: ModelConfig, dtype: str) -> dict:
     """The functions the artifact exports, with their argument shapes."""
     conv, rec = gdn_pool_shapes(cfg, "n_slots")
-
-    def forward_args(n_tok: str, n_out: str) -> dict:
-        return {
-            "input_ids": nn.spec.Tensor([n_tok], "int32"),
-            "indptr": nn.spec.Tensor(["n_ptr"], "int32"),
-            "slots": nn.spec.Tensor(["batch"], "int32"),
-            "logit_positions": nn.spec.Tensor([n_out], "int32"),
-            "kv_cache": nn.spec.Object(object_type=PagedKVCache),
-            "conv_pool": nn.spec.Tensor(list(conv), dtype),
-            "rec_pool": nn.spec.Tensor(list(rec), F32),
-            "$": {"param_mode": "packed", "effect_mode": "none"},
-        }
-
+    state = {
+        "kv_cache": nn.spec.Object(object_type=PagedKVCache),
+        "conv_pool": nn.spec.Tensor(list(conv), dtype),
+        "rec_pool": nn.spec.Tensor(list(rec), F32),
+    }
+    packed = {"$": {"param_mode": "packed", "effect_mode": "none"}}
     no_params = {"$": {"param_mode": "none", "effect_mode": "none"}}
     return {
-        "prefill": forward_args("n_tok", "n_out"),
-        "decode": forward_args("batch", "batch"),
+        "prefill": {
+            "input_ids": nn.spec.Tensor(["n_tok"], "int32"),
+            "indptr": nn.spec.Tensor(["n_ptr"], "int32"),
+            "slots": nn.spec.Tensor(["n_seq"], "int32"),
+            "logit_positions": nn.spec.Tensor(["n_out"], "int32"),
+            **state,
+            **packed,
+        },
+        "decode": {
+            "input_ids": nn.spec.Tensor(["batch"], "int32"),
+            "slots": nn.spec.Tensor(["batch"], "int32"),
+            **state,
+            **packed,
+        },
         "create_kv_cache": {
             "max_batch_size": int,
             "max_total_seq_len": int,
@@ -385,3 +421,20 @@ def export_spec(cfg: ModelConfig, dtype: str) -> dict:
             **no_params,
         },
     }
+
+
+def mark_decode_for_cuda_graph(mod: IRModule, max_batch: int) -> IRModule:
+    """Let TVM's RewriteCUDAGraph capture `decode`: one graph per batch size up to `max_batch`
+    (its storage is planned once, for `max_batch`). The pools count as fixed inputs beside the
+    weights: the runner passes the same two buffers on every call, so capturing their addresses
+    is sound, and without that every GDN layer would end a captured region."""
+    decode = mod["decode"]
+    fixed_from = [p.name for p in decode.params].index("conv_pool")
+    mod["decode"] = decode.with_attrs(
+        {
+            "num_input": fixed_from,
+            "tir_var_upper_bound": {"batch": max_batch},
+            "relax.rewrite_cuda_graph.capture_symbolic_vars": ["batch"],
+        }
+    )
+    return mod

@@ -82,10 +82,16 @@ class Artifact:
         default_device = "cuda" if self.meta["target"] == "cuda" else "cpu"
         self.device_name = device or default_device
         self.device = device_of(self.device_name)
-        self.vm = tvm_vm.VirtualMachine(
-            tvm.runtime.load_module(str(self.path / "model.so")), self.device
-        )
+        self.library = tvm.runtime.load_module(str(self.path / "model.so"))
+        self.vm = self.new_vm()
         self.params = self._load_params()
+
+    def new_vm(self) -> tvm_vm.VirtualMachine:
+        return tvm_vm.VirtualMachine(self.library, self.device)
+
+    @property
+    def max_decode_batch(self) -> int:
+        return int(self.meta.get("max_decode_batch", 64))
 
     @property
     def context_window(self) -> int:

@@ -50,6 +50,8 @@ class Engine:
             page_size=page_size,
             num_slots=self.pool.num_slots,
         )
+        if artifact.meta.get("cuda_graph") and artifact.device_name == "cuda":
+            self.runner.capture_decode_graphs(list(range(1, max_batch_size + 1)))
         self.sampler = Sampler(self.decodable)
         self._live: dict[int, Sequence] = {}
         self._pending: list[Output] = []  # abort notices, reported by the next step

@@ -17,6 +17,7 @@ _add_sequence = tvm_ffi.get_global_func("vm.builtin.kv_state_add_sequence")
 _remove_sequence = tvm_ffi.get_global_func("vm.builtin.kv_state_remove_sequence")
 _begin_forward = tvm_ffi.get_global_func("vm.builtin.kv_state_begin_forward")
 _end_forward = tvm_ffi.get_global_func("vm.builtin.kv_state_end_forward")
+_WARM_UP_IDS = 1 << 40  # beyond any request id
 _available_pages = tvm_ffi.get_global_func("vm.builtin.attention_kv_cache_get_num_available_pages")
 
 
@@ -37,7 +38,13 @@ class ModelRunner:
         self.prefill_chunk = prefill_chunk
         self.page_size = page_size
         self.num_slots = num_slots or max_batch_size
-        vm = artifact.vm
+        if max_batch_size > artifact.max_decode_batch:
+            raise ValueError(
+                f"max_batch_size {max_batch_size} exceeds the {artifact.max_decode_batch} "
+                "sequences the artifact's decode was compiled for"
+            )
+        # A VM of its own: captured CUDA graphs keep the addresses of this runner's pools.
+        self._vm = vm = artifact.new_vm()
         self._prefill = vm["prefill"]
         self._decode = vm["decode"]
         self._reset = vm["reset_gdn_slots"]
@@ -50,6 +57,21 @@ class ModelRunner:
         self.conv_pool, self.rec_pool = vm["create_gdn_pools"](
             tvm.runtime.ShapeTuple([self.num_slots])
         )
+
+    def capture_decode_graphs(self, batch_sizes: list[int]) -> None:
+        """Run `decode` once at each batch size on throw-away sequences, so a CUDA-graph build
+        captures its graphs now rather than during the first requests of that size. Uses the
+        highest slots and sequence ids; every slot is zeroed again when a sequence takes it."""
+        for batch in batch_sizes:
+            seq_ids = [_WARM_UP_IDS + i for i in range(batch)]
+            slots = [self.num_slots - 1 - i % self.num_slots for i in range(batch)]
+            for seq_id, slot in zip(seq_ids, slots, strict=True):
+                self.add_sequence(seq_id, slot)
+            try:
+                self.forward(seq_ids, slots, [[0]] * batch)
+            finally:
+                for seq_id in seq_ids:
+                    self.remove_sequence(seq_id)
 
     def _i32(self, values) -> tvm.runtime.Tensor:
         return tvm.runtime.tensor(np.asarray(values, dtype=np.int32), self.device)
@@ -87,18 +109,15 @@ class ModelRunner:
         )
         # `decode` returns exactly one row per sequence, so anything else runs `prefill`.
         single_tokens = logit_positions is None and not all_logits and all(n == 1 for n in lengths)
-        fn = self._decode if single_tokens else self._prefill
+        ids = self._i32(np.concatenate(tokens))
+        state = (self.kv_cache, self.conv_pool, self.rec_pool, self.artifact.params)
         try:
-            out = fn(
-                self._i32(np.concatenate(tokens)),
-                self._i32(indptr),
-                self._i32(slots),
-                self._i32(positions),
-                self.kv_cache,
-                self.conv_pool,
-                self.rec_pool,
-                self.artifact.params,
-            )
+            if single_tokens:
+                out = self._decode(ids, self._i32(slots), *state)
+            else:
+                out = self._prefill(
+                    ids, self._i32(indptr), self._i32(slots), self._i32(positions), *state
+                )
         finally:
             _end_forward(self.kv_cache)
         return out[0].numpy()
