@@ -121,6 +121,30 @@ def _serve(args: argparse.Namespace) -> None:
     )
 
 
+def _bench(args: argparse.Namespace) -> None:
+    try:
+        from qwen35_tvm.cli.bench import BenchConfig, failed_requests, parse_levels, run
+    except ImportError as e:  # httpx is in the server/test extras, not the base install
+        raise SystemExit(f"qwen35-tvm bench: needs {e.name} (pip install {e.name})") from None
+
+    cfg = BenchConfig(
+        url=args.url,
+        concurrency=parse_levels(args.concurrency),
+        input_len=args.input_len,
+        output_len=args.output_len,
+        num_prompts=args.num_prompts,
+        request_rate=args.request_rate,
+        api_key=args.api_key,
+        model=args.model,
+        seed=args.seed,
+        logprobs=args.logprobs,
+        timeout=args.timeout,
+    )
+    failed = failed_requests(run(cfg, out=args.out, plot_path=args.plot))
+    if failed:
+        raise SystemExit(f"qwen35-tvm bench: {failed} request(s) failed")
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="qwen35-tvm", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -199,6 +223,27 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens")
     s.add_argument("--model-name", default=None, help="served model id (default: folder name)")
     s.set_defaults(func=_serve)
+
+    b = sub.add_parser("bench", help="a serving benchmark against a running server (HTTP only)")
+    b.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
+    b.add_argument("--concurrency", default="1", help="levels of requests in flight, e.g. 1,8,16")
+    b.add_argument("--input-len", type=int, default=1024, help="prompt tokens per request")
+    b.add_argument("--output-len", type=int, default=256, help="generated tokens per request")
+    b.add_argument("--num-prompts", type=int, default=100, help="requests per level")
+    b.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="Poisson request starts per second (default inf: all at once, capped by level)",
+    )
+    b.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+    b.add_argument("--model", default=None, help="model id (default: the first of /v1/models)")
+    b.add_argument("--seed", type=int, default=0, help="seeds the prompts and arrival times")
+    b.add_argument("--logprobs", action="store_true", help="a chunk per token: exact ITL")
+    b.add_argument("--timeout", type=float, default=300.0, help="seconds to wait on a read")
+    b.add_argument("--out", default=None, help="write the results as JSON here")
+    b.add_argument("--plot", default=None, help="draw throughput and latency to this PNG")
+    b.set_defaults(func=_bench)
     return p
 
 
