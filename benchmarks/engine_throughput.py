@@ -111,7 +111,6 @@ def run(libs: Path, work: Path, shape: str) -> dict:
     dirs = _artifacts(libs, work, shape)
     print(f"weights ready in {time.time() - t0:.0f} s", flush=True)
     bw = copy_bandwidth(torch)
-    rng = np.random.default_rng(0)
     results: dict = {
         "shape": shape,
         "device": torch.cuda.get_device_name(),
@@ -120,6 +119,7 @@ def run(libs: Path, work: Path, shape: str) -> dict:
     max_c = max(CONCURRENCY)
     for name, art_dir in dirs.items():
         artifact = Artifact(art_dir, device="cuda")
+        rng = np.random.default_rng(0)  # the same prompts for every variant
         t0 = time.time()
         engine = Engine(
             artifact, max_batch_size=max_c, max_total_tokens=max_c * (PROMPT + OUTPUT + 64)
