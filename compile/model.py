@@ -17,7 +17,7 @@ from tvm.relax.frontend.nn.core import wrap_nested
 from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedKVCache
 from tvm.target import Target
 
-from ..schedules import gdn, logits
+from ..schedules import gdn, gdn_chunked, greedy, logits
 from .config import FULL, ModelConfig
 from .vocab import VocabWidths
 
@@ -135,8 +135,16 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = Linear(cfg.value_dim, cfg.hidden_size, dtype)
 
     def forward(
-        self, x: Tensor, indptr: Tensor, slots: Tensor, conv_pool: Tensor, rec_pool: Tensor
+        self,
+        x: Tensor,
+        indptr: Tensor,
+        slots: Tensor,
+        conv_pool: Tensor,
+        rec_pool: Tensor,
+        chunked: bool,
     ) -> tuple[Tensor, Tensor, Tensor]:
+        """`chunked` picks the chunkwise-parallel delta rule (prefill) over the recurrent one
+        (decode); both read and update the same state."""
         cfg = self.cfg
         n_tok = x.shape[0]
         hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
@@ -162,8 +170,9 @@ class GatedDeltaNet(nn.Module):
         v = op.reshape(v, (n_tok, hv, dv))
         beta = op.sigmoid(b.astype(F32))
         g = op.negative(op.exp(self.A_log)) * op.softplus(a.astype(F32) + self.dt_bias)
+        delta_rule = gdn_chunked.chunked_gated_delta_rule if chunked else gdn.gated_delta_rule
         rec_pool, o = op.tensor_ir_inplace_op(
-            gdn.gated_delta_rule(hk, hv, dk, dv, Target.current()),
+            delta_rule(hk, hv, dk, dv, Target.current()),
             "gdn_delta_rule",
             [q, k, v, g, beta, indptr, slots, rec_pool, layer],
             inplace_indices=[7, -1],
@@ -244,6 +253,7 @@ class Qwen35LM(nn.Module):
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = LogitsHead(cfg, widths, dtype, self.embed_tokens, mask_pad)
+        self.widths = widths
 
     def prefill(
         self,
@@ -259,7 +269,7 @@ class Qwen35LM(nn.Module):
         selection] at the given token positions. The pools come back only because they are
         updated in place."""
         x, conv_pool, rec_pool = self._stack(
-            input_ids, indptr, slots, kv_cache, conv_pool, rec_pool
+            input_ids, indptr, slots, kv_cache, conv_pool, rec_pool, chunked=False
         )
         hidden = self.norm(op.take(x, logit_positions, axis=0))
         return self.lm_head(hidden), conv_pool, rec_pool
@@ -271,18 +281,26 @@ class Qwen35LM(nn.Module):
         kv_cache: PagedKVCache,
         conv_pool: Tensor,
         rec_pool: Tensor,
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        """One token for each of `batch` sequences: logits [batch, selection]. Compiled apart
-        from prefill so its projections get GEMV schedules and it can be a CUDA graph."""
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """One token for each of `batch` sequences: logits [batch, selection] and each row's
+        greedy pick. Compiled apart from prefill so its projections get GEMV schedules and it
+        can be a CUDA graph."""
         batch = input_ids.shape[0]
         indptr = op.arange(0, batch + 1, dtype="int32")
         # A CUDA graph captures only kernels whose inputs sit in static storage; `slots`, read
         # by every GDN layer, arrives in a fresh buffer each step, so it is copied in once.
         slots = slots + op.zeros((1,), "int32")
         x, conv_pool, rec_pool = self._stack(
-            input_ids, indptr, slots, kv_cache, conv_pool, rec_pool
+            input_ids, indptr, slots, kv_cache, conv_pool, rec_pool, chunked=False
         )
-        return self.lm_head(self.norm(x)), conv_pool, rec_pool
+        logits = self.lm_head(self.norm(x))
+        best, best_logprob = op.tensor_ir_op(
+            greedy.greedy_pick(self.widths.decodable, self.widths.selection, Target.current()),
+            "greedy_pick",
+            [logits],
+            out=[Tensor.placeholder((batch,), "int32"), Tensor.placeholder((batch,), F32)],
+        )
+        return logits, best, best_logprob, conv_pool, rec_pool
 
     def _stack(
         self,
@@ -292,6 +310,7 @@ class Qwen35LM(nn.Module):
         kv_cache: PagedKVCache,
         conv_pool: Tensor,
         rec_pool: Tensor,
+        chunked: bool,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Embedding and the decoder layers: hidden states [tokens, hidden] before the norm."""
         x = self.embed_tokens(input_ids)
@@ -301,7 +320,9 @@ class Qwen35LM(nn.Module):
             if layer.kind == FULL:
                 h = layer.self_attn(h, positions, kv_cache)
             else:
-                h, conv_pool, rec_pool = layer.linear_attn(h, indptr, slots, conv_pool, rec_pool)
+                h, conv_pool, rec_pool = layer.linear_attn(
+                    h, indptr, slots, conv_pool, rec_pool, chunked
+                )
             x = x + h
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return x, conv_pool, rec_pool

@@ -17,12 +17,15 @@ import numpy as np
 from .artifact import Artifact
 from .generate import PromptError
 from .kv_pool import CapacityPool, gdn_bytes_per_slot, kv_bytes_per_token, pages_for
-from .model_runner import ModelRunner
-from .sampler import Sampler, SamplingParams, make_rng
+from .model_runner import ModelRunner, StepLogits
+from .sampler import Sampler, SamplingParams, is_effectively_greedy, make_rng
 from .scheduler import Scheduler
 from .sequence import Completion, Output, Request, Sequence, Status
 
 log = logging.getLogger(__name__)
+
+# A sequence to sample, the logits of its step and its row among them.
+Ready = tuple[Sequence, StepLogits, int]
 
 
 class Engine:
@@ -172,22 +175,22 @@ class Engine:
         for seq in self.scheduler.admit():
             self.runner.add_sequence(seq.request_id, seq.slot)  # also zeroes the slot
         plan = self.scheduler.plan()
-        ready: list[tuple[Sequence, np.ndarray]] = []  # sequences to sample, with their row
+        ready: list[Ready] = []  # sequences to sample, with their logits
         if plan.decode:
             seqs = plan.decode
-            rows = self.runner.forward(
-                [s.request_id for s in seqs], [s.slot for s in seqs], [[s.output[-1]] for s in seqs]
+            step = self.runner.decode(
+                [s.request_id for s in seqs], [s.slot for s in seqs], [s.output[-1] for s in seqs]
             )
-            for seq, row in zip(seqs, rows, strict=True):
+            for i, seq in enumerate(seqs):
                 seq.num_computed += 1
-                ready.append((seq, row))
+                ready.append((seq, step, i))
         if plan.prefill:
             ready += self._prefill(plan.prefill)
         if ready:
             outputs += self._sample(ready)
         return outputs
 
-    def _prefill(self, chunks: list[tuple[Sequence, int]]) -> list[tuple[Sequence, np.ndarray]]:
+    def _prefill(self, chunks: list[tuple[Sequence, int]]) -> list[Ready]:
         """One ragged forward over every chunk; returns the sequences whose prompt is now
         complete, with the logits row of their last prompt token."""
         tokens = [seq.next_tokens(n) for seq, n in chunks]
@@ -206,6 +209,7 @@ class Engine:
             tokens,
             logit_positions=np.asarray(positions, dtype=np.int32) if any_all else None,
         )
+        step = StepLogits(logits)
         ready, row = [], 0
         for seq, n in chunks:
             if seq.return_prompt_logprobs:
@@ -215,7 +219,7 @@ class Engine:
                 row += 1
             seq.num_computed += n
             if not seq.prefilling:
-                ready.append((seq, logits[row - 1]))
+                ready.append((seq, step, row - 1))
         return ready
 
     def _score_prompt(self, seq: Sequence, rows: np.ndarray) -> None:
@@ -232,13 +236,23 @@ class Engine:
                 if seq.top_logprobs:
                     seq.prompt_top_logprobs.append(self.sampler.top_logprobs(row, seq.top_logprobs))
 
-    def _sample(self, ready: list[tuple[Sequence, np.ndarray]]) -> list[Output]:
-        seqs = [seq for seq, _ in ready]
-        rows = np.stack([row for _, row in ready])
-        tokens = self.sampler.sample_batch(rows, [s.params for s in seqs], [s.rng for s in seqs])
+    def _sample(self, ready: list[Ready]) -> list[Output]:
+        """A greedy sequence that wants no alternatives takes the pick the device made; the
+        others copy their whole row to the host and sample it there."""
+        picked: list[tuple[int, float, np.ndarray | None]] = []
+        for seq, logits, i in ready:
+            if (
+                logits.best is not None
+                and not seq.top_logprobs
+                and is_effectively_greedy(seq.params, self.decodable)
+            ):
+                picked.append((int(logits.best[i]), float(logits.best_logprob[i]), None))
+                continue
+            row = logits.rows()[i]
+            token = self.sampler.sample(row, seq.params, seq.rng)
+            picked.append((token, float(self.sampler.logprobs(row)[token]), row))
         outputs = []
-        for seq, row, token in zip(seqs, rows, tokens.tolist(), strict=True):
-            logprob = float(self.sampler.logprobs(row)[token])
+        for (seq, _, _), (token, logprob, row) in zip(ready, picked, strict=True):
             seq.output.append(token)
             reason = None
             if token in seq.stop_ids:

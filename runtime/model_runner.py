@@ -7,6 +7,9 @@ sequences at once, and remove them.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import numpy as np
 import tvm
 import tvm_ffi
@@ -100,24 +103,55 @@ class ModelRunner:
         sequence's last token, at every token with `all_logits`, or at the given indices into
         the concatenated tokens with `logit_positions`."""
         lengths = [len(t) for t in tokens]
+        # `decode` returns exactly one row per sequence, so anything else runs `prefill`.
+        if logit_positions is None and not all_logits and all(n == 1 for n in lengths):
+            return self.decode(seq_ids, slots, [t[0] for t in tokens]).rows()
         indptr = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
         positions = np.arange(indptr[-1]) if all_logits else indptr[1:] - 1
         if logit_positions is not None:
             positions = np.asarray(logit_positions)
+        ids = self._i32(np.concatenate(tokens))
+        with self._step(seq_ids, lengths):
+            out = self._prefill(
+                ids, self._i32(indptr), self._i32(slots), self._i32(positions), *self._state()
+            )
+        return out[0].numpy()
+
+    def decode(self, seq_ids: list[int], slots: list[int], tokens: list[int]) -> StepLogits:
+        """One token for each sequence; the logits stay on the device until asked for."""
+        with self._step(seq_ids, [1] * len(seq_ids)):
+            out = self._decode(self._i32(tokens), self._i32(slots), *self._state())
+        return StepLogits(out[0], out[1].numpy(), out[2].numpy())
+
+    def _state(self) -> tuple:
+        return (self.kv_cache, self.conv_pool, self.rec_pool, self.artifact.params)
+
+    @contextmanager
+    def _step(self, seq_ids: list[int], lengths: list[int]) -> Iterator[None]:
         _begin_forward(
             self.kv_cache, tvm.runtime.ShapeTuple(seq_ids), tvm.runtime.ShapeTuple(lengths)
         )
-        # `decode` returns exactly one row per sequence, so anything else runs `prefill`.
-        single_tokens = logit_positions is None and not all_logits and all(n == 1 for n in lengths)
-        ids = self._i32(np.concatenate(tokens))
-        state = (self.kv_cache, self.conv_pool, self.rec_pool, self.artifact.params)
         try:
-            if single_tokens:
-                out = self._decode(ids, self._i32(slots), *state)
-            else:
-                out = self._prefill(
-                    ids, self._i32(indptr), self._i32(slots), self._i32(positions), *state
-                )
+            yield
         finally:
             _end_forward(self.kv_cache)
-        return out[0].numpy()
+
+
+class StepLogits:
+    """Logits rows of one forward. A decode step's stay on the device until `rows()` is called
+    and come with each row's greedy pick (token id, logprob over the decodable columns)."""
+
+    def __init__(
+        self,
+        rows: tvm.runtime.Tensor | np.ndarray,
+        best: np.ndarray | None = None,
+        best_logprob: np.ndarray | None = None,
+    ):
+        self._rows = rows
+        self.best = best
+        self.best_logprob = best_logprob
+
+    def rows(self) -> np.ndarray:
+        if not isinstance(self._rows, np.ndarray):
+            self._rows = self._rows.numpy()
+        return self._rows

@@ -38,8 +38,8 @@ def capture_rows(engine: Engine) -> dict[int, list[np.ndarray]]:
 
     def spy(ready):
         batch_sizes.append(len(ready))
-        for seq, row in ready:
-            rows.setdefault(seq.request_id, []).append(engine.sampler.logprobs(row))
+        for seq, logits, i in ready:
+            rows.setdefault(seq.request_id, []).append(engine.sampler.logprobs(logits.rows()[i]))
         return sample(ready)
 
     engine._sample = spy
@@ -88,6 +88,8 @@ def test_batch_that_grows_and_shrinks_matches_single_sequences(compiled):
         ref = reference_rows(gen, req.prompt_ids, tokens[rid])
         got = np.stack(rows[rid])
         worst = max(worst, float(np.abs(got - ref).max()))
+        # Greedy decode steps take the device's pick: it must be the row's argmax.
+        np.testing.assert_array_equal(tokens[rid], np.argmax(got, axis=1))
     print(f"{compiled.name}: batched vs single max|dlogprob| = {worst:.3g}")
     assert worst <= TOL
 
