@@ -1,0 +1,177 @@
+"""Benchmark of the gated delta rule kernels alone: recurrent (decode) vs chunked (prefill).
+
+Two steps, because the GPU server has no compiler:
+  here (nvcc, no GPU):  python benchmarks/gdn_kernel.py build DIR [--arch sm_90]
+  on the GPU server:    python benchmarks/gdn_kernel.py run DIR
+
+At the 4B shapes (16 key heads, 32 value heads, head dims 128), `run` times every kernel on
+one sequence of 1,024 tokens, 16 sequences of 1,024 tokens and 16 sequences of 1 token
+(decode-like), each sequence starting from a non-zero state in a scattered slot, and checks
+each chunked variant against the recurrent kernel on the GPU (max |Δ| of outputs and final
+states). Every variant and case is isolated: a failure is printed and the rest still runs.
+A table goes to stdout and all rows, as JSON, to DIR/gdn_bench_result.json and stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import traceback
+from pathlib import Path
+
+from common import cuda_time
+
+K_HEADS, V_HEADS, K_DIM, V_DIM = 16, 32, 128, 128
+CASES = {"1x1024": [1024], "16x1024": [1024] * 16, "16x1": [1] * 16}
+N_SLOTS, N_LAYERS, LAYER = 40, 2, 1
+DEVICE = "cuda"  # a CPU smoke test of `run` swaps this (and the shapes) out
+# name -> (chunk, col_tile); col_tile 128 needs ~207 KB of shared memory (sm_90 only).
+CHUNKED = {
+    "chunked": (64, 64),
+    "chunked_c32": (32, 64),
+    "chunked_c32_t32": (32, 32),
+    "chunked_c64_t128": (64, 128),
+}
+
+
+def build(out: Path, arch: str) -> None:
+    import tvm
+
+    from qwen35_tvm.compile.cuda_toolchain import prepare_cuda_codegen
+    from qwen35_tvm.compile.targets import make_target
+    from qwen35_tvm.schedules.gdn import gated_delta_rule
+    from qwen35_tvm.schedules.gdn_chunked import chunked_gated_delta_rule
+
+    target, arches = make_target("cuda", arch)
+    prepare_cuda_codegen(arches)
+    out.mkdir(parents=True, exist_ok=True)
+    funcs = {"recurrent": gated_delta_rule(K_HEADS, V_HEADS, K_DIM, V_DIM, target)}
+    for name, (chunk, col_tile) in CHUNKED.items():
+        funcs[name] = chunked_gated_delta_rule(
+            K_HEADS, V_HEADS, K_DIM, V_DIM, target, chunk, col_tile=col_tile
+        )
+    built = []
+    for name, func in funcs.items():
+        try:
+            lib = tvm.compile(tvm.IRModule({"main": func}), target=target)
+            lib.export_library(str(out / f"gdn_{name}.so"))
+            built.append(name)
+            print(f"built {name}")
+        except Exception:  # keep the other variants
+            traceback.print_exc()
+    (out / "gdn_bench.json").write_text(json.dumps({"arch": arches, "kernels": built}))
+
+
+def make_inputs(torch, lengths: list[int], seed: int = 0) -> dict:
+    """Model-like inputs on the GPU: unit q and k, beta in (0, 1), log decays in [-5, 0)."""
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    n = sum(lengths)
+
+    def randn(*shape):
+        return torch.randn(*shape, device=DEVICE, generator=gen)
+
+    def unit(x):
+        return x / x.norm(dim=-1, keepdim=True)
+
+    slots = torch.randperm(N_SLOTS, device=DEVICE, generator=gen)[: len(lengths)]
+    indptr = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    indptr[1:] = torch.cumsum(torch.tensor(lengths), 0)
+    return {
+        "q": unit(randn(n, K_HEADS, K_DIM)),
+        "k": unit(randn(n, K_HEADS, K_DIM)),
+        "v": randn(n, V_HEADS, V_DIM),
+        "g": -torch.nn.functional.softplus(randn(n, V_HEADS) * 2 - 1).clamp(max=5.0),
+        "beta": torch.sigmoid(randn(n, V_HEADS) * 2),
+        "indptr": indptr.to(DEVICE),
+        "slots": slots.to(torch.int32),
+        "pool": randn(N_SLOTS, N_LAYERS, V_HEADS, V_DIM, K_DIM) * 0.5,
+    }
+
+
+def kernel_args(tvm, x: dict, pool, out) -> list:
+    """The kernel's arguments, converted once so that timing sees only the launch."""
+    names = ("q", "k", "v", "g", "beta", "indptr", "slots")
+    args = [tvm.runtime.from_dlpack(x[name]) for name in names]
+    return [*args, tvm.runtime.from_dlpack(pool), LAYER, tvm.runtime.from_dlpack(out)]
+
+
+def run(out_dir: Path) -> None:
+    import os
+
+    os.environ.setdefault("TVM_USE_RUNTIME_LIB", "1")
+    import torch
+    import tvm
+
+    from qwen35_tvm.runtime.artifact import device_of
+
+    device_of(DEVICE)  # loads TVM's CUDA runtime
+    device = torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE
+    meta = json.loads((out_dir / "gdn_bench.json").read_text())
+    print(f"device: {device}, kernels: {meta['kernels']}")
+    fns = {}
+    for name in meta["kernels"]:
+        try:
+            fns[name] = tvm.runtime.load_module(str(out_dir / f"gdn_{name}.so"))["main"]
+        except Exception:
+            traceback.print_exc()
+    rows = []
+    print("| case | kernel | time (µs) | vs recurrent | max abs Δ out | max abs Δ state |")
+    print("|---|---|---|---|---|---|")
+    for case, lengths in CASES.items():
+        try:
+            x = make_inputs(torch, lengths)
+        except Exception:
+            traceback.print_exc()
+            continue
+        n = sum(lengths)
+        ref = None
+        for name, fn in fns.items():
+            row = {"case": case, "kernel": name, "tokens": n}
+            try:
+                pool = x["pool"].clone()
+                out = torch.full((n, V_HEADS, V_DIM), float("nan"), device=DEVICE)
+                fn(*kernel_args(tvm, x, pool, out))
+                if DEVICE == "cuda":
+                    torch.cuda.synchronize()
+                if name == "recurrent":
+                    ref = (out, pool)
+                elif ref is not None:
+                    row["max_abs_diff_out"] = (out - ref[0]).abs().max().item()
+                    row["max_abs_diff_state"] = (pool - ref[1]).abs().max().item()
+                    row["max_abs_out"] = ref[0].abs().max().item()
+                row["finite"] = bool(torch.isfinite(out).all().item())
+                # timing updates scratch state and outputs again and again; values don't matter
+                scratch = kernel_args(tvm, x, x["pool"].clone(), torch.empty_like(out))
+                seconds = cuda_time(torch, lambda f=fn, a=scratch: f(*a))
+                row["us"] = seconds * 1e6
+            except Exception as err:
+                traceback.print_exc()
+                row["error"] = repr(err)[:500]
+            rows.append(row)
+            rec_us = next((r.get("us") for r in rows if r["case"] == case and
+                           r["kernel"] == "recurrent"), None)  # fmt: skip
+            speed = f"{rec_us / row['us']:.2f}x" if rec_us and row.get("us") else "-"
+            print(
+                f"| {case} | {name} | {row.get('us', float('nan')):.1f} | {speed} | "
+                f"{row.get('max_abs_diff_out', '-')} | {row.get('max_abs_diff_state', '-')} |"
+                + (f" ERROR {row['error']}" if "error" in row else ""),
+                flush=True,
+            )
+    result = {"device": device, "rows": rows}
+    (out_dir / "gdn_bench_result.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(result))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("step", choices=["build", "run"])
+    p.add_argument("dir", type=Path)
+    p.add_argument("--arch", default="sm_90")
+    args = p.parse_args()
+    build(args.dir, args.arch) if args.step == "build" else run(args.dir)
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,144 @@
+"""The chunked gated delta rule (prefill) against the recurrent one (decode), on the CPU.
+
+Both kernels run on the same ragged batch (lengths around the chunk size, non-zero starting
+states in non-contiguous slots of a multi-layer pool); the chunked outputs and the whole
+pool afterwards must match the recurrent kernel's. The GPU layout (256 threads, column
+tiles) is also run on the CPU, which checks its index arithmetic without a GPU, and the
+chunked kernel must compile to SASS for sm_80.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tvm
+from tvm.target import Target
+
+from qwen35_tvm.compile.cuda_toolchain import fatbin_arches, prepare_cuda_codegen
+from qwen35_tvm.schedules import gdn
+from qwen35_tvm.schedules.gdn_chunked import chunked_gated_delta_rule
+
+LLVM = Target("llvm")
+N_SLOTS, N_LAYERS, LAYER = 9, 3, 1
+RTOL = 1e-4  # max |error| over max |reference|, per tensor
+_built: dict[tuple, tvm.runtime.Module] = {}
+
+
+def _compile(key: tuple, func) -> tvm.runtime.Module:
+    if key not in _built:
+        _built[key] = tvm.compile(tvm.IRModule({"main": func}), target=LLVM)
+    return _built[key]
+
+
+def recurrent(hk: int, hv: int, dk: int, dv: int) -> tvm.runtime.Module:
+    return _compile(("rec", hk, hv, dk, dv), gdn.gated_delta_rule(hk, hv, dk, dv, LLVM))
+
+
+def chunked(hk: int, hv: int, dk: int, dv: int, chunk: int, **layout: int) -> tvm.runtime.Module:
+    key = ("chunked", hk, hv, dk, dv, chunk, tuple(sorted(layout.items())))
+    return _compile(key, chunked_gated_delta_rule(hk, hv, dk, dv, LLVM, chunk, **layout))
+
+
+def make_inputs(
+    lengths: list[int], slots: list[int], hk: int, hv: int, dk: int, dv: int, seed: int = 0
+) -> dict[str, np.ndarray]:
+    """Model-like inputs: unit q and k, beta in (0, 1), log decays mostly in [-5, 0) with a
+    few very negative ones (a decay of ~e^-30 flushes the state)."""
+    rng = np.random.default_rng(seed)
+    n = sum(lengths)
+
+    def unit(x: np.ndarray) -> np.ndarray:
+        return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+    g = -np.logaddexp(0.0, rng.normal(-1.0, 2.0, (n, hv)))
+    g = np.where(rng.random((n, hv)) < 0.02, -30.0, np.maximum(g, -5.0))
+    pool = rng.normal(0.0, 0.5, (N_SLOTS, N_LAYERS, hv, dv, dk))
+    return {
+        "q": unit(rng.normal(size=(n, hk, dk))).astype("float32"),
+        "k": unit(rng.normal(size=(n, hk, dk))).astype("float32"),
+        "v": rng.normal(size=(n, hv, dv)).astype("float32"),
+        "g": g.astype("float32"),
+        "beta": (1.0 / (1.0 + np.exp(-rng.normal(0.0, 2.0, (n, hv))))).astype("float32"),
+        "indptr": np.concatenate([[0], np.cumsum(lengths)]).astype("int32"),
+        "slots": np.array(slots, "int32"),
+        "pool": pool.astype("float32"),
+    }
+
+
+def run(lib: tvm.runtime.Module, x: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """(outputs, pool after the call); the inputs are left untouched."""
+    n, hv, dv = x["v"].shape
+    names = ("q", "k", "v", "g", "beta", "indptr", "slots", "pool")
+    args = [tvm.runtime.tensor(x[name].copy()) for name in names]
+    out = tvm.runtime.tensor(np.full((n, hv, dv), np.nan, "float32"))
+    lib["main"](*args, LAYER, out)
+    return out.numpy(), args[-1].numpy()
+
+
+def max_rel_err(got: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.abs(got - ref).max() / np.abs(ref).max())
+
+
+def compare(x: dict[str, np.ndarray], rec, chk) -> tuple[float, float]:
+    ref_out, ref_pool = run(rec, x)
+    out, pool = run(chk, x)
+    assert np.isfinite(out).all(), "chunked kernel left outputs unwritten or non-finite"
+    assert np.isfinite(ref_out).all()
+    err_out, err_pool = max_rel_err(out, ref_out), max_rel_err(pool, ref_pool)
+    print(f"max rel error: outputs {err_out:.2e}, states {err_pool:.2e}")
+    assert err_out < RTOL and err_pool < RTOL, (err_out, err_pool)
+    return err_out, err_pool
+
+
+LENGTHS, SLOTS = [1, 63, 64, 65, 200], [7, 2, 5, 0, 3]
+
+# (k heads, v heads, k dim, v dim, chunk, layout): the tiny model's GDN shape with the CPU
+# layout, then the real 4B head dims (GQA 2) with the GPU layout, run serially on the CPU.
+CASES = {
+    "tiny-cpu": (2, 4, 16, 16, 64, {}),
+    "tiny-cpu-chunk16": (2, 4, 16, 16, 16, {}),
+    "4b-dims-gpu-layout": (1, 2, 128, 128, 64, {"threads": 256, "col_tile": 64}),
+    "4b-dims-gpu-layout-chunk32": (1, 2, 128, 128, 32, {"threads": 256, "col_tile": 64}),
+    "4b-dims-gpu-layout-wide": (1, 2, 128, 128, 64, {"threads": 256, "col_tile": 128}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_chunked_matches_recurrent(case: str) -> None:
+    hk, hv, dk, dv, chunk, layout = CASES[case]
+    x = make_inputs(LENGTHS, SLOTS, hk, hv, dk, dv)
+    compare(x, recurrent(hk, hv, dk, dv), chunked(hk, hv, dk, dv, chunk, **layout))
+
+
+@pytest.mark.parametrize("layout", [{}, {"threads": 64, "col_tile": 8}])
+def test_chunk_longer_than_every_sequence(layout: dict[str, int]) -> None:
+    # A single partial chunk per sequence, including a zero-length one (state untouched).
+    hk, hv, dk, dv = 2, 4, 16, 16
+    x = make_inputs([5, 0, 1, 37], [4, 8, 1, 6], hk, hv, dk, dv, seed=1)
+    compare(x, recurrent(hk, hv, dk, dv), chunked(hk, hv, dk, dv, 128, **layout))
+
+
+def test_comparison_catches_a_wrong_state() -> None:
+    # The check itself must be sensitive: a perturbed starting state is a failure.
+    hk, hv, dk, dv = 2, 4, 16, 16
+    x = make_inputs(LENGTHS, SLOTS, hk, hv, dk, dv)
+    ref_out, _ = run(recurrent(hk, hv, dk, dv), x)
+    x["pool"][SLOTS[-1], LAYER] *= 1.001
+    out, _ = run(chunked(hk, hv, dk, dv, 64), x)
+    assert max_rel_err(out, ref_out) > RTOL
+
+
+def test_chunked_compiles_for_cuda(tmp_path: Path) -> None:
+    # The 4B shapes with the default GPU layout (150 KiB of shared memory fits sm_80's 163).
+    prepare_cuda_codegen(["sm_80"])
+    target = Target({"kind": "cuda", "arch": "sm_80"}, host="llvm")
+    func = chunked_gated_delta_rule(16, 32, 128, 128, target)
+    lib = tvm.compile(tvm.IRModule({"main": func}), target=target)
+    cuda = [m for m in lib.mod.imports if m.kind == "cuda"]
+    assert len(cuda) == 1 and cuda[0].is_runnable(), "CUDA source fallback, not a binary"
+    lib.export_library(str(tmp_path / "gdn.so"))
+    assert fatbin_arches(tmp_path / "gdn.so") == {"sass": ["sm_80"], "ptx": ["compute_80"]}
+    with pytest.raises(ValueError, match="shared memory"):
+        chunked_gated_delta_rule(16, 32, 128, 128, target, col_tile=128)
