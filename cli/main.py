@@ -118,6 +118,7 @@ def _serve(args: argparse.Namespace) -> None:
         max_batch=args.max_batch,
         max_total_tokens=args.max_total_tokens,
         cfg=cfg,
+        memory_fraction=args.memory_fraction,
     )
 
 
@@ -221,6 +222,12 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--device", default=None, choices=["cpu", "cuda"])
     s.add_argument("--max-waiting", type=int, default=256, help="queued requests before 503")
     s.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens")
+    s.add_argument(
+        "--memory-fraction",
+        type=float,
+        default=0.5,
+        help="on a GPU without --max-total-tokens: share of free memory for KV pages and GDN slots",
+    )
     s.add_argument("--model-name", default=None, help="served model id (default: folder name)")
     s.set_defaults(func=_serve)
 

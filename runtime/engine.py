@@ -16,7 +16,14 @@ import numpy as np
 
 from .artifact import Artifact
 from .generate import PromptError
-from .kv_pool import CapacityPool, gdn_bytes_per_slot, kv_bytes_per_token, pages_for
+from .kv_pool import (
+    CapacityPlan,
+    CapacityPool,
+    gdn_bytes_per_slot,
+    kv_bytes_per_token,
+    pages_for,
+    plan_capacity,
+)
 from .model_runner import ModelRunner, StepLogits
 from .sampler import Sampler, SamplingParams, is_effectively_greedy, make_rng
 from .scheduler import Scheduler
@@ -37,10 +44,17 @@ class Engine:
         num_slots: int | None = None,
         prefill_chunk: int = 2048,
         page_size: int = 16,
+        memory_fraction: float | None = None,
     ):
+        """Pools: `max_total_tokens` of KV pages (default: one context window) and `num_slots`
+        GDN slots (default: `max_batch_size`), or, with `memory_fraction` on a GPU, whatever
+        that fraction of the device's free memory holds (`plan_capacity`)."""
         self.artifact = artifact
         self.decodable = artifact.widths.decodable
         self.page_size = page_size
+        if memory_fraction is not None and max_total_tokens is None:
+            plan = _plan_from_free_memory(artifact, memory_fraction, max_batch_size, page_size)
+            max_total_tokens, num_slots = plan.max_total_tokens, plan.num_slots
         self.max_total_tokens = max_total_tokens or artifact.context_window
         self.pool = CapacityPool(self.max_total_tokens // page_size, num_slots or max_batch_size)
         self.scheduler = Scheduler(self.pool, max_batch_size, prefill_chunk)
@@ -313,3 +327,16 @@ class Engine:
                     c.finish_reason = out.finish_reason
                     open_ids.discard(out.request_id)
         return [done[i] for i in ids]
+
+
+def _plan_from_free_memory(
+    artifact: Artifact, fraction: float, max_batch_size: int, page_size: int
+) -> CapacityPlan:
+    """Size the pools from `fraction` of the device memory free now (weights already loaded);
+    the rest is left for activations and the compiled functions' workspace."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"memory_fraction must be in (0, 1], got {fraction}")
+    free = artifact.device.available_global_memory
+    if not free:
+        raise ValueError(f"{artifact.device_name} does not report its free memory")
+    return plan_capacity(artifact, int(free * fraction), max_batch_size, page_size)

@@ -147,9 +147,17 @@ def build_server(
     max_batch: int = 16,
     max_total_tokens: int | None = None,
     cfg: ServerConfig | None = None,
+    memory_fraction: float | None = None,
 ) -> Server:
     artifact = Artifact(artifact_dir, device=device)
-    engine = Engine(artifact, max_batch_size=max_batch, max_total_tokens=max_total_tokens)
+    if artifact.device_name == "cpu":
+        memory_fraction = None  # the CPU device does not report free memory
+    engine = Engine(
+        artifact,
+        max_batch_size=max_batch,
+        max_total_tokens=max_total_tokens,
+        memory_fraction=memory_fraction,
+    )
     return Server(engine, TextTokenizer.from_dir(artifact_dir), cfg or ServerConfig())
 
 
@@ -268,9 +276,10 @@ def serve(
     max_batch: int = 16,
     max_total_tokens: int | None = None,
     cfg: ServerConfig | None = None,
+    memory_fraction: float | None = None,
 ) -> None:
     """Load the artifact and serve until interrupted."""
     import uvicorn
 
-    server = build_server(artifact_dir, device, max_batch, max_total_tokens, cfg)
+    server = build_server(artifact_dir, device, max_batch, max_total_tokens, cfg, memory_fraction)
     uvicorn.run(create_app(server), host=host, port=port, log_level="info")

@@ -263,3 +263,18 @@ def test_top_logprobs_come_with_every_token_and_prompt_position(tiny_compiled):
     for got, want in zip(prompt_tops[1:], ref[1:], strict=True):
         assert [i for i, _ in got] == [i for i, _ in want.top]
         assert np.allclose([lp for _, lp in got], [lp for _, lp in want.top], atol=2e-4)
+
+
+def test_memory_fraction_sizes_the_pools_from_free_memory(tiny_compiled, monkeypatch):
+    art, _ = loaded(tiny_compiled)
+    with pytest.raises(ValueError, match="memory_fraction"):
+        Engine(art, max_batch_size=2, memory_fraction=1.5)
+    with pytest.raises(ValueError, match="free memory"):
+        Engine(art, max_batch_size=2, memory_fraction=0.5)  # the CPU reports none
+    # A device reporting 64 MiB free: half of it, minus two GDN slots, in whole KV pages.
+    monkeypatch.setattr(type(art.device), "available_global_memory", property(lambda _: 1 << 26))
+    engine = Engine(art, max_batch_size=2, memory_fraction=0.5)
+    cap = engine.capacity()
+    assert cap["num_slots"] == 2
+    assert cap["kv_bytes"] + cap["gdn_bytes"] <= 1 << 25
+    assert cap["kv_bytes"] + cap["gdn_bytes"] > (1 << 25) - 16 * cap["kv_bytes_per_token"]
