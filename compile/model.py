@@ -302,6 +302,10 @@ class Qwen35LM(nn.Module):
         )
         return logits, best, best_logprob, conv_pool, rec_pool
 
+    # The same graph for 8-64 sequences, compiled apart so its projections get tensor-core
+    # tiles instead of GEMV schedules (see compile/pipeline.py).
+    decode_wide = decode
+
     def _stack(
         self,
         input_ids: Tensor,
@@ -421,11 +425,14 @@ def export_spec(cfg: ModelConfig, dtype: str) -> dict:
             **state,
             **packed,
         },
-        "decode": {
-            "input_ids": nn.spec.Tensor(["batch"], "int32"),
-            "slots": nn.spec.Tensor(["batch"], "int32"),
-            **state,
-            **packed,
+        **{
+            name: {
+                "input_ids": nn.spec.Tensor(["batch"], "int32"),
+                "slots": nn.spec.Tensor(["batch"], "int32"),
+                **state,
+                **packed,
+            }
+            for name in ("decode", "decode_wide")
         },
         "create_kv_cache": {
             "max_batch_size": int,
@@ -445,17 +452,18 @@ def export_spec(cfg: ModelConfig, dtype: str) -> dict:
 
 
 def mark_decode_for_cuda_graph(mod: IRModule, max_batch: int) -> IRModule:
-    """Let TVM's RewriteCUDAGraph capture `decode`: one graph per batch size up to `max_batch`
-    (its storage is planned once, for `max_batch`). The pools count as fixed inputs beside the
-    weights: the runner passes the same two buffers on every call, so capturing their addresses
-    is sound, and without that every GDN layer would end a captured region."""
-    decode = mod["decode"]
-    fixed_from = [p.name for p in decode.params].index("conv_pool")
-    mod["decode"] = decode.with_attrs(
-        {
-            "num_input": fixed_from,
-            "tir_var_upper_bound": {"batch": max_batch},
-            "relax.rewrite_cuda_graph.capture_symbolic_vars": ["batch"],
-        }
-    )
+    """Let TVM's RewriteCUDAGraph capture the decode functions: one graph per batch size up to
+    `max_batch` (their storage is planned once, for `max_batch`). The pools count as fixed
+    inputs beside the weights: the runner passes the same two buffers on every call, so
+    capturing their addresses is sound, and without that every GDN layer would end a region."""
+    for name in ("decode", "decode_wide"):
+        decode = mod[name]
+        fixed_from = [p.name for p in decode.params].index("conv_pool")
+        mod[name] = decode.with_attrs(
+            {
+                "num_input": fixed_from,
+                "tir_var_upper_bound": {"batch": max_batch},
+                "relax.rewrite_cuda_graph.capture_symbolic_vars": ["batch"],
+            }
+        )
     return mod

@@ -1,6 +1,14 @@
-"""Relax-to-library pipelines: TVM's default for the CPU; for CUDA, TVM's default with dlight
-kept off the tensor-core path of `gpu.Matmul`, which segfaults for fp16/bf16 on sm >= 70 in
-TVM 0.27. (`gpu.RMSNorm`, which fails on a plain norm, is not in the list.)"""
+"""Relax-to-library pipelines: TVM's default for the CPU; for CUDA, TVM's default with
+
+- `x · Wᵀ` fused into one NT matmul reading W as stored (`FuseTransposeMatmul`), so no weight is
+  transposed per call;
+- each GEMM split by the rows its callers see (FuseTIR hands every graph the same PrimFuncs) and
+  marked: bf16 GEMMs of prefill and of wide decode (8-64 sequences) get our tensor-core kernel
+  (schedules/matmul.py) with a tile for each, narrow decode's dlight's GEMV rules
+  (`gpu.Matmul` skips them);
+- dlight kept off the tensor-core path of `gpu.Matmul`, which segfaults in TVM 0.27 with
+  apache-tvm-ffi 0.1.15 (`Schedule.tensorize` -> JSON serializer; see schedules/matmul.py).
+  (`gpu.RMSNorm`, which fails on a plain norm, is not in the list.)"""
 
 from __future__ import annotations
 
@@ -8,6 +16,15 @@ import tvm
 from tvm import relax
 from tvm.relax.backend.cuda import pipeline as cuda_pipeline
 from tvm.s_tir import dlight as dl
+from tvm.s_tir.dlight import ScheduleRule
+from tvm.s_tir.dlight.gpu.base import GPUScheduleRule
+
+from ..schedules.matmul import ROWS_ATTR, WIDE_DECODE_CONFIG, MatmulMMA, match_gemm
+
+# Exported Relax functions by how many rows their projections see: prefill a whole prompt
+# chunk ("large"), decode_wide 8-64 sequences ("wide"), decode fewer ("small").
+ROW_CLASSES = {"prefill": "large", "decode_wide": "wide", "decode": "small"}
+GEMM_DTYPES = ("bfloat16", "float32")  # split and marked; only bf16 has the tensor-core kernel
 
 
 @tvm.transform.module_pass(opt_level=0, name="MarkNoTensorize")
@@ -18,6 +35,123 @@ def _mark_no_tensorize(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
     return mod
 
 
+def _called_prim_funcs(func: relax.Function) -> list[tvm.ir.GlobalVar]:
+    call_tir = tvm.ir.Op.get("relax.call_tir")
+    found: list[tvm.ir.GlobalVar] = []
+
+    def visit(expr) -> None:
+        if isinstance(expr, relax.Call) and expr.op.same_as(call_tir):
+            gv = expr.args[0]
+            if isinstance(gv, tvm.ir.GlobalVar) and not any(gv.same_as(g) for g in found):
+                found.append(gv)
+
+    relax.analysis.post_order_visit(func.body, visit)
+    return found
+
+
+@relax.expr_functor.mutator
+class _Retarget(relax.PyExprMutator):
+    """Points call_tir at other PrimFuncs: {old GlobalVar name: new GlobalVar}."""
+
+    def __init__(self, mod: tvm.IRModule, mapping: dict[str, tvm.ir.GlobalVar]):
+        super().__init__(mod)
+        self.mapping = mapping
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        call = super().visit_call_(call)
+        target = call.args[0] if call.args else None
+        if (
+            isinstance(call, relax.Call)
+            and call.op.same_as(tvm.ir.Op.get("relax.call_tir"))
+            and isinstance(target, tvm.ir.GlobalVar)
+            and target.name_hint in self.mapping
+        ):
+            args = [self.mapping[target.name_hint], *call.args[1:]]
+            return relax.Call(call.op, args, call.attrs, call.ty_args, call.span)
+        return call
+
+
+@tvm.transform.module_pass(opt_level=0, name="SplitGemmsByRows")
+def _split_gemms_by_rows(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+    """Mark each fused GEMM with the row class of its callers (ROW_CLASSES, as ROWS_ATTR); a
+    GEMM called from functions of several classes is copied, one copy per class."""
+    funcs = {gv.name_hint: f for gv, f in mod.functions_items() if isinstance(f, relax.Function)}
+    callers: dict[str, set[str]] = {}
+    for name, func in funcs.items():
+        for gv in _called_prim_funcs(func):
+            callers.setdefault(gv.name_hint, set()).add(name)
+    gemms = {
+        name
+        for name in callers
+        if not mod[name].attrs.get("tirx.is_scheduled")
+        and match_gemm(mod[name], GEMM_DTYPES) is not None
+    }
+    mutator = _Retarget(mod, {})
+    builder = mutator.builder_
+    retarget: dict[str, dict[str, tvm.ir.GlobalVar]] = {fn: {} for fn in ROW_CLASSES}
+    for name in sorted(gemms):
+        func, gv = mod[name], mod.get_global_var(name)
+        classes = sorted({ROW_CLASSES[fn] for fn in callers[name] if fn in ROW_CLASSES})
+        for i, rows in enumerate(classes):
+            marked = func.with_attr(ROWS_ATTR, rows)
+            if i == 0:
+                builder.update_func(gv, marked)
+                continue
+            copy = builder.add_func(marked, f"{name}_{rows}")
+            for fn in callers[name]:
+                if ROW_CLASSES.get(fn) == rows:
+                    retarget[fn][name] = copy
+    for fn, mapping in retarget.items():
+        if mapping:
+            mutator.mapping = mapping
+            builder.update_func(mod.get_global_var(fn), mutator.visit_expr(funcs[fn]))
+    return builder.get()
+
+
+class _LargeMOnly(GPUScheduleRule):
+    """`rule` for every function except the decode GEMMs, which are left to the GEMV rules
+    behind it (dlight's Matmul would otherwise take them first and tile m by 32+)."""
+
+    def __init__(self, rule: GPUScheduleRule):
+        self.rule = rule
+
+    def apply(self, func: tvm.tirx.PrimFunc, target: tvm.target.Target, tunable: bool):
+        if isinstance(func, tvm.tirx.PrimFunc) and func.attrs.get(ROWS_ATTR) in ("small", "wide"):
+            return None
+        return self.rule.apply(func, target, tunable)
+
+
+def fusion_passes(target: tvm.target.Target) -> list[tvm.transform.Pass]:
+    """The CUDA pipeline up to scheduling: Relax ops to fused PrimFuncs, GEMMs split and marked.
+    Run inside `with target:`."""
+    return [
+        *cuda_pipeline.library_dispatch_passes(target),
+        relax.transform.FuseTransposeMatmul(),
+        relax.transform.LegalizeOps(),
+        relax.transform.AnnotateTIROpPattern(),
+        relax.transform.FoldConstant(),
+        relax.transform.FuseOps(),
+        relax.transform.FuseTIR(),
+        _split_gemms_by_rows,
+        _mark_no_tensorize,
+    ]
+
+
+def schedule_rules() -> list[ScheduleRule]:
+    """dlight rules, first match wins: prefill's and wide decode's bf16 GEMMs to tensor cores,
+    other prefill GEMMs to SIMT tiles, the rest of decode's to GEMV."""
+    return [
+        MatmulMMA(),
+        MatmulMMA(WIDE_DECODE_CONFIG, rows="wide"),
+        _LargeMOnly(dl.gpu.Matmul()),
+        dl.gpu.GEMV(),
+        dl.gpu.LowBatchGEMV(4),
+        dl.gpu.Reduction(),
+        dl.gpu.GeneralReduction(),
+        dl.gpu.Fallback(),
+    ]
+
+
 def relax_pipeline(target: tvm.target.Target) -> tvm.transform.Pass | str:
     if target.kind.name != "cuda":
         return "default"
@@ -26,21 +160,8 @@ def relax_pipeline(target: tvm.target.Target) -> tvm.transform.Pass | str:
     def _pipeline(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         with target:
             passes = [
-                *cuda_pipeline.library_dispatch_passes(target),
-                relax.transform.LegalizeOps(),
-                relax.transform.AnnotateTIROpPattern(),
-                relax.transform.FoldConstant(),
-                relax.transform.FuseOps(),
-                relax.transform.FuseTIR(),
-                _mark_no_tensorize,
-                dl.ApplyDefaultSchedule(
-                    dl.gpu.Matmul(),
-                    dl.gpu.GEMV(),
-                    dl.gpu.LowBatchGEMV(4),
-                    dl.gpu.Reduction(),
-                    dl.gpu.GeneralReduction(),
-                    dl.gpu.Fallback(),
-                ),
+                *fusion_passes(target),
+                dl.ApplyDefaultSchedule(*schedule_rules()),
                 *cuda_pipeline.dataflow_lower_passes(target),
                 *cuda_pipeline.finalize_passes(target),
             ]

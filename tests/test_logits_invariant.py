@@ -118,7 +118,7 @@ def test_only_the_logits_kernel_reads_the_output_projection(tied):
     mod, named = build_module(config, widths, "float32", make_target("llvm")[0])
     names = [n for n, _ in named]
     head = "embed_tokens.weight" if tied else "lm_head.weight"
-    for fn in ("prefill", "decode"):
+    for fn in ("prefill", "decode", "decode_wide"):
         users = _weight_users(mod[fn], names.index(head))
         expected = ["relax.take", "call_tir:logits"] if tied else ["call_tir:logits"]
         assert sorted(users) == sorted(expected), fn

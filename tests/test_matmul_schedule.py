@@ -1,0 +1,304 @@
+"""The bf16 tensor-core GEMM of prefill (schedules/matmul.py), checked without a GPU.
+
+- Its index math (swizzled cp.async tiles, ldmatrix addresses, fragment and accumulator
+  positions, the stage ring, clamped edge rows) is run in a numpy emulation of the kernel whose
+  ldmatrix and mma.sync follow the PTX ISA's fragment layouts, and must reproduce A · Bᵀ.
+- The CUDA pipeline must give prefill's GEMMs this kernel (mma in the source, SASS for sm_80
+  and sm_90) and leave decode's GEMMs to dlight's GEMV rules.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+from tvm.relax.frontend import nn
+
+from qwen35_tvm.compile.build import build_module
+from qwen35_tvm.compile.config import ModelConfig
+from qwen35_tvm.compile.model import Linear
+from qwen35_tvm.compile.pipeline import fusion_passes, relax_pipeline
+from qwen35_tvm.compile.random_model import SHAPES
+from qwen35_tvm.compile.targets import make_target
+from qwen35_tvm.compile.vocab import VocabWidths
+from qwen35_tvm.schedules import matmul as mm
+
+MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
+
+# ---- numpy emulation of the kernel --------------------------------------------------------
+
+_LANE = np.arange(32)
+_G, _Q = _LANE // 4, _LANE % 4
+# PTX ISA, mma.m16n8k16 with .bf16: where each lane's fragment elements sit in the matrices.
+_E8, _E4 = np.arange(8), np.arange(4)
+_A_ROW = _G[:, None] + 8 * (_E8 // 2 % 2)  # a0..a7: (g | g+8, 2q + {0,1} | +8)
+_A_COL = 2 * _Q[:, None] + _E8 % 2 + 8 * (_E8 // 4)
+_B_K = 2 * _Q[:, None] + _E4 % 2 + 8 * (_E4 // 2)  # b0..b3: (k 2q+{0,1} | +8, n g)
+_B_N = np.broadcast_to(_G[:, None], (32, 4))
+_C_ROW = _G[:, None] + 8 * (_E4 // 2)  # c0..c3: (g | g+8, 2q + {0,1})
+_C_COL = 2 * _Q[:, None] + _E4 % 2
+
+
+def _ldmatrix_x4(smem: np.ndarray, addrs: list[int]) -> np.ndarray:
+    """Lane 8j + r gives the address of row r of matrix j (8 consecutive b16); lane t receives
+    row t // 4, elements 2(t % 4) and 2(t % 4) + 1 of each matrix, matrix j in register j."""
+    rows = np.stack([smem[a : a + 8] for a in addrs]).reshape(4, 8, 8)
+    pairs = rows[:, _G, :].reshape(4, 32, 4, 2)[:, _LANE, _Q, :]  # [matrix, lane, 2]
+    return pairs.transpose(1, 0, 2).reshape(32, 8)
+
+
+def _mma(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> None:
+    """c[32, 4] += the 16x8 product of the fragments a[32, 8] (16x16) and b[32, 4] (16x8)."""
+    am = np.full((16, 16), np.nan)
+    bm = np.full((16, 8), np.nan)
+    am[_A_ROW, _A_COL] = a
+    bm[_B_K, _B_N] = b
+    c += (am @ bm)[_C_ROW, _C_COL]
+
+
+def _emulate(a: np.ndarray, b: np.ndarray, cfg: mm.GemmConfig) -> np.ndarray:
+    """The kernel's data movement, one thread block and warp at a time."""
+    (m, k), n = a.shape, b.shape[0]
+    bm_, bn_, bk, stages = cfg.block_m, cfg.block_n, cfg.block_k, cfg.stages
+    chunks, threads = bk // 8, cfg.threads
+    warp_m, warp_n = bm_ // cfg.warps_m, bn_ // cfg.warps_n
+    mtc, ntc, k_tiles = warp_m // 16, warp_n // 8, k // bk
+    out = np.full((m, n), np.nan)
+    for bx in range(-(-m // bm_)):
+        for by in range(-(-n // bn_)):
+            tiles = {
+                "a": np.full(stages * bm_ * bk, np.nan),
+                "b": np.full(stages * bn_ * bk, np.nan),
+            }
+            acc = np.zeros((threads // 32, 32, mtc * ntc * 4))
+
+            def load(stage: int, kt: int, bx: int = bx, by: int = by, tiles: dict = tiles) -> None:
+                for name, src, rows, first in (("a", a, bm_, bx * bm_), ("b", b, bn_, by * bn_)):
+                    for it in range(rows * chunks // threads):
+                        for tid in range(threads):
+                            row, chunk = mm.copy_coords(it * threads + tid, chunks)
+                            dst = stage * rows * bk + mm.tile_offset(row, chunk, chunks)
+                            col = kt * bk + chunk * 8
+                            tiles[name][dst : dst + 8] = src[min(first + row, len(src) - 1)][
+                                col : col + 8
+                            ]
+
+            for s in range(stages - 1):
+                if s < k_tiles:
+                    load(s, s)
+            for kt in range(k_tiles):
+                if kt + stages - 1 < k_tiles:
+                    load((kt + stages - 1) % stages, kt + stages - 1)
+                stage = kt % stages
+                for w in range(threads // 32):
+                    row_w, col_w = w // cfg.warps_n * warp_m, w % cfg.warps_n * warp_n
+                    for kk in range(bk // 16):
+                        a_frag = []
+                        for mt in range(mtc):
+                            coords = [mm.ldmatrix_a_coords(lane, kk) for lane in range(32)]
+                            addrs = [
+                                stage * bm_ * bk + mm.tile_offset(row_w + mt * 16 + r, c, chunks)
+                                for r, c in coords
+                            ]
+                            a_frag.append(_ldmatrix_x4(tiles["a"], addrs))
+                        b_frag = []
+                        for pair in range(ntc // 2):
+                            coords = [mm.ldmatrix_b_coords(lane, kk) for lane in range(32)]
+                            addrs = [
+                                stage * bn_ * bk + mm.tile_offset(col_w + pair * 16 + r, c, chunks)
+                                for r, c in coords
+                            ]
+                            regs = _ldmatrix_x4(tiles["b"], addrs)
+                            b_frag += [regs[:, :4], regs[:, 4:]]
+                        for mt in range(mtc):
+                            for nt in range(ntc):
+                                at = (mt * ntc + nt) * 4
+                                _mma(a_frag[mt], b_frag[nt], acc[w, :, at : at + 4])
+            for w in range(threads // 32):
+                row_w, col_w = w // cfg.warps_n * warp_m, w % cfg.warps_n * warp_n
+                for lane in range(32):
+                    for mt in range(mtc):
+                        for nt in range(ntc):
+                            for e in range(4):
+                                er, ec = mm.acc_coords(lane, e)
+                                r = bx * bm_ + row_w + mt * 16 + er
+                                c = by * bn_ + col_w + nt * 8 + ec
+                                if r < m and c < n:
+                                    out[r, c] = acc[w, lane, (mt * ntc + nt) * 4 + e]
+    return out
+
+
+@pytest.mark.parametrize(
+    "cfg, m, n, k",
+    [
+        (mm.DEFAULT_CONFIG, 1, 136, 32),  # one k tile: fewer tiles than prologue stages
+        (mm.DEFAULT_CONFIG, 130, 200, 160),  # m and n off the tile, k through the ring twice
+        (mm.GemmConfig(block_k=64), 70, 128, 256),
+        (mm.GemmConfig(block_m=64, block_k=64, stages=4), 65, 72, 320),
+        (mm.GemmConfig(block_n=256, warps_n=4, stages=4), 17, 264, 96),
+    ],
+)
+def test_emulated_kernel_computes_a_times_b_transposed(cfg, m, n, k) -> None:
+    rng = np.random.default_rng(m * n + k)
+    # small multiples of 1/8: every product and sum is exact, in bf16 and in fp32
+    a = rng.integers(-8, 9, (m, k)) / 8
+    b = rng.integers(-8, 9, (n, k)) / 8
+    np.testing.assert_array_equal(_emulate(a, b, cfg), a @ b.T)
+
+
+def test_swizzle_is_a_permutation_and_conflict_free() -> None:
+    for chunks in (4, 8):
+        offsets = [mm.tile_offset(r, c, chunks) for r in range(32) for c in range(chunks)]
+        assert sorted(offsets) == list(range(0, 32 * chunks * 8, 8))
+        for kk in range(chunks // 2):
+            for base in (0, 8, 16):
+                # ldmatrix: each 8-lane phase reads 8 rows; their 16-byte chunks must fall in
+                # 8 different 16-byte bank groups of the 128-byte bank window
+                for phase in range(4):
+                    groups = set()
+                    for lane in range(8 * phase, 8 * phase + 8):
+                        r, c = mm.ldmatrix_a_coords(lane, kk)
+                        groups.add(mm.tile_offset(base + r, c, chunks) // 8 % 8)
+                    assert len(groups) == 8
+
+
+# ---- the pipeline --------------------------------------------------------------------------
+
+TARGET, ARCHES = make_target("cuda", "sm_80,sm_90")
+
+
+def _callees(mod: tvm.IRModule, name: str) -> list[str]:
+    """PrimFuncs a lowered Relax function calls (call_tir becomes a direct call)."""
+    found: set[str] = set()
+
+    def visit(expr) -> None:
+        if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.GlobalVar):
+            if isinstance(mod[expr.op], tvm.tirx.PrimFunc):
+                found.add(expr.op.name_hint)
+
+    relax.analysis.post_order_visit(mod[name].body, visit)
+    return sorted(found)
+
+
+@pytest.fixture(scope="module")
+def lowered_tiny() -> tvm.IRModule:
+    """The tiny bf16 model through the CUDA pipeline (scheduled and lowered, no codegen)."""
+    cfg = ModelConfig.from_hf(SHAPES["tiny"])
+    widths = VocabWidths.resolve(cfg.vocab_size, cfg.vocab_size)
+    mod, _ = build_module(cfg, widths, "bfloat16", TARGET)
+    return relax_pipeline(TARGET)(mod)
+
+
+@pytest.mark.parametrize("fn, rows", [("prefill", "large"), ("decode_wide", "wide")])
+def test_prefill_and_wide_decode_gemms_run_on_tensor_cores(lowered_tiny, fn, rows) -> None:
+    gemms = [f for f in _callees(lowered_tiny, fn) if "matmul" in f]
+    # in_proj, out_proj, qkv_proj, gate_up_proj, down_proj (o_proj shares down_proj's shapes);
+    # decode fuses its last down_proj with the residual's cast, a sixth
+    assert len(gemms) == {"prefill": 5, "decode_wide": 6}[fn], gemms
+    for name in gemms:
+        func = lowered_tiny[name]
+        assert func.attrs.get(mm.ROWS_ATTR) == rows, name
+        assert "ptx_legacy.mma" in func.script(), f"{name} is not on tensor cores"
+
+
+def test_decode_gemms_keep_gemv(lowered_tiny) -> None:
+    gemms = [f for f in _callees(lowered_tiny, "decode") if "matmul" in f]
+    assert len(gemms) >= 5, gemms
+    prefill = set(_callees(lowered_tiny, "prefill"))
+    for name in gemms:
+        func = lowered_tiny[name]
+        script = func.script()
+        assert name not in prefill and func.attrs.get(mm.ROWS_ATTR) == "small", name
+        assert "ptx_legacy.mma" not in script, name
+        assert "_rf_local" in script, f"{name} is not a GEMV (rfactor) schedule"
+
+
+def test_weights_are_not_transposed_per_call(lowered_tiny) -> None:
+    # x · Wᵀ reads W as stored (FuseTransposeMatmul); before, every call transposed every weight
+    for name in ("prefill", "decode", "decode_wide"):
+        assert not [f for f in _callees(lowered_tiny, name) if f.startswith("transpose")], name
+
+
+class _Proj(nn.Module):
+    """One `Linear` (optionally + a residual input), exported as prefill (n_tok rows) and
+    decode (batch rows) like the model's projections."""
+
+    def __init__(self, k: int, n: int, residual: bool = False):
+        self.proj = Linear(k, n, "bfloat16")
+        self.residual = residual
+
+    def prefill(self, x: nn.Tensor, res: nn.Tensor) -> nn.Tensor:
+        return res + self.proj(x) if self.residual else self.proj(x)
+
+    decode = prefill
+
+    def export(self) -> tvm.IRModule:
+        k, n = self.proj.in_features, self.proj.out_features
+        spec = {
+            name: {
+                "x": nn.spec.Tensor([rows, k], "bfloat16"),
+                "res": nn.spec.Tensor([rows, n], "bfloat16"),
+                "$": {"param_mode": "plain"},
+            }
+            for name, rows in (("prefill", "n_tok"), ("decode", "batch"))
+        }
+        with TARGET:
+            return self.export_tvm(spec=spec)[0]
+
+
+def _fused(module: _Proj) -> tvm.IRModule:
+    with TARGET:
+        return tvm.transform.Sequential(fusion_passes(TARGET))(module.export())
+
+
+def test_epilogue_and_parameter_order_survive() -> None:
+    mod = _fused(_Proj(256, 256, residual=True))
+    large = [gv for gv, f in mod.functions_items() if f.attrs.get(mm.ROWS_ATTR) == "large"]
+    assert len(large) == 1
+    func = mod[large[0]]
+    match = mm.match_gemm(func)
+    assert match is not None and match.extra_shapes == ("mn",)
+    kernel = mm.gemm_for(func)
+    assert [str(p.dtype) for p in kernel.params] == [str(p.dtype) for p in func.params]
+    text = kernel.script()
+    assert "ptx_legacy.mma" in text
+    # the residual is added to the bf16-rounded product, as in the fused function
+    assert 'T.Cast("bfloat16", acc[' in text and " + T.Cast(" in text
+
+
+def test_unsupported_shapes_fall_back() -> None:
+    # k not a multiple of 32: dlight keeps it
+    mod = _fused(_Proj(40, 64))
+    large = [f for _, f in mod.functions_items() if f.attrs.get(mm.ROWS_ATTR) == "large"]
+    assert large and mm.gemm_for(large[0]) is None
+    assert mm.MatmulMMA().apply(large[0], TARGET, False) is None
+
+
+@pytest.mark.parametrize("n, k, residual", [(12352, 2560, False), (2560, 9216, True)])
+def test_4b_gemm_builds_mma_sass_for_sm80_and_sm90(tmp_path, n, k, residual) -> None:
+    """4B-shaped projections (in_proj; down_proj with its residual add) through the whole
+    pipeline and nvcc: the prefill kernel is mma.sync + ldmatrix + cp.async, SASS for both."""
+    from qwen35_tvm.compile.cuda_toolchain import fatbin_arches, prepare_cuda_codegen
+
+    prepare_cuda_codegen(ARCHES)
+    mod = _Proj(k, n, residual).export()
+    executable = tvm.compile(mod, TARGET, relax_pipeline=relax_pipeline(TARGET))
+    library = tmp_path / "gemm.so"
+    executable.export_library(str(library))
+    assert fatbin_arches(library)["sass"] == ["sm_80", "sm_90"]
+
+    def modules(m):
+        yield m
+        for sub in m.imports:
+            yield from modules(sub)
+
+    source = "".join(m.inspect_source() for m in modules(executable.mod) if m.kind == "cuda")
+    kernels = source.split('extern "C" __global__')
+    # A GEMM of several row classes keeps its name for the first ("large") and is copied as
+    # NAME_small for the others.
+    decode = [s for s in kernels if "_small_kernel(" in s.split("\n", 1)[0]]
+    prefill = [s for s in kernels if "matmul" in s.split("\n", 1)[0] and s not in decode]
+    assert len(prefill) == 2 and len(decode) == 2  # declaration + definition each
+    assert all(MMA in s and "ldmatrix" in s and "cp_async" in s for s in prefill[1:])
+    assert not any(MMA in s for s in decode)
