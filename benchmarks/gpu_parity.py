@@ -54,7 +54,9 @@ def _summary(d: list[np.ndarray]) -> dict:
     return dict(max=float(x.max()), mean=float(x.mean()), p99=float(np.quantile(x, 0.99)))
 
 
-def run(libs: Path, work: Path, dtypes: tuple[str, ...] = DTYPES) -> list[dict]:
+def run(
+    libs: Path, work: Path, dtypes: tuple[str, ...] = DTYPES, shapes: tuple[str, ...] = SHAPES
+) -> list[dict]:
     import torch
     from transformers import Qwen3_5ForCausalLM
 
@@ -67,7 +69,7 @@ def run(libs: Path, work: Path, dtypes: tuple[str, ...] = DTYPES) -> list[dict]:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     results = []
-    for shape in SHAPES:
+    for shape in shapes:
         for dtype in dtypes:
             t0 = time.time()
             hf_dir = write_random_model(CONFIGS[shape], work / f"hf-{shape}-{dtype}", dtype=dtype)
@@ -123,11 +125,12 @@ def main() -> None:
     p.add_argument("dir", type=Path)
     p.add_argument("work", type=Path, nargs="?", default=Path("/tmp/qwen35-parity"))
     p.add_argument("--dtypes", default=",".join(DTYPES))
+    p.add_argument("--shapes", default=",".join(SHAPES))
     args = p.parse_args()
     if args.step == "build":
         build(args.dir)
     else:
-        out = run(args.dir, args.work, tuple(args.dtypes.split(",")))
+        out = run(args.dir, args.work, tuple(args.dtypes.split(",")), tuple(args.shapes.split(",")))
         (args.work / "parity.json").write_text(json.dumps(out, indent=2))
 
 

@@ -25,7 +25,7 @@ from .targets import make_target
 from .tokenizer_build import chat_template_of, decodable_width, resolve_tokenizer
 from .vocab import VocabWidths
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: decode takes (ids, slots) and returns greedy picks; decode_wide
 DTYPES = ("float32", "bfloat16")
 DEFAULT_EOS = ("<|im_end|>", "<|endoftext|>")
 MAX_DECODE_BATCH = 64  # decode's static storage (and each CUDA graph) is planned for this many

@@ -18,7 +18,7 @@ import tvm  # noqa: E402
 from safetensors.numpy import load_file  # noqa: E402
 from tvm.runtime import vm as tvm_vm  # noqa: E402
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: decode takes (ids, slots) and returns greedy picks; decode_wide
 
 
 class ArtifactError(RuntimeError):
