@@ -22,6 +22,7 @@ def _compile(args: argparse.Namespace) -> None:
         dtype=args.dtype,
         context_window=args.context_window,
         convert=not args.no_convert,
+        cuda_graph=not args.no_cuda_graph,
     )
     print(f"artifact written to {out}")
 
@@ -158,6 +159,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     c.add_argument("--context-window", type=int, default=None, help="longest sequence served")
     c.add_argument("--no-convert", action="store_true", help="build the library only")
+    c.add_argument("--no-cuda-graph", action="store_true", help="CUDA: run decode kernel by kernel")
     c.set_defaults(func=_compile)
 
     v = sub.add_parser("convert", help="convert a checkpoint's weights into an artifact")
