@@ -269,7 +269,7 @@ class Qwen35LM(nn.Module):
         selection] at the given token positions. The pools come back only because they are
         updated in place."""
         x, conv_pool, rec_pool = self._stack(
-            input_ids, indptr, slots, kv_cache, conv_pool, rec_pool, chunked=False
+            input_ids, indptr, slots, kv_cache, conv_pool, rec_pool, chunked=True
         )
         hidden = self.norm(op.take(x, logit_positions, axis=0))
         return self.lm_head(hidden), conv_pool, rec_pool
