@@ -12,6 +12,8 @@ from tvm.script import tirx as T
 from tvm.target import Target
 from tvm.tirx import PrimFunc
 
+from .ptx import mma_bf16
+
 
 def logits_projection(
     hidden: int,
@@ -219,21 +221,13 @@ def _logits_gpu_mma(hidden: int, rows: int, live: int, selection: int, dtype: st
                     for m in T.unroll(m_tiles):
                         for s in T.unroll(2):
                             T.evaluate(
-                                T.ptx_legacy.mma(
-                                    "m16n8k16",
-                                    "row",
-                                    "col",
-                                    "bf16",
-                                    "bf16",
-                                    "fp32",
+                                mma_bf16(
                                     a_frag.data,
                                     (m * 2 + s) * 8,
                                     b_frag.data,
                                     s * 4,
                                     acc.data,
                                     (m * n_tiles + nt) * 4,
-                                    False,
-                                    dtype="float32",
                                 )
                             )
 

@@ -33,6 +33,8 @@ from tvm.s_tir.dlight.gpu.base import GPUScheduleRule
 from tvm.script import tirx as T
 from tvm.target import Target
 
+from .ptx import mma_bf16
+
 DTYPE = "bfloat16"
 # Set on fused GEMM PrimFuncs by the pipeline: "large" (prefill: this kernel) or "small" (decode:
 # dlight's GEMV rules). Prefill and decode share PrimFuncs until the pipeline splits them.
@@ -268,21 +270,13 @@ def gemm_kernel(
                                     for mt in T.unroll(mt_count):
                                         for nt in T.unroll(nt_count):
                                             T.evaluate(
-                                                T.ptx_legacy.mma(
-                                                    "m16n8k16",
-                                                    "row",
-                                                    "col",
-                                                    "bf16",
-                                                    "bf16",
-                                                    "fp32",
+                                                mma_bf16(
                                                     a_frag.data,
                                                     (kk * mt_count + mt) * 8,
                                                     b_frag.data,
                                                     (kk * nt_count + nt) * 4,
                                                     acc.data,
                                                     (mt * nt_count + nt) * 4,
-                                                    False,
-                                                    dtype="float32",
                                                 )
                                             )
                             for mt in T.unroll(mt_count):
