@@ -103,7 +103,7 @@ def _fused_pair(n: int, k: int, residual: bool, target):
 
 
 def _roles(func) -> dict[str, int]:
-    from qwen35_tvm.schedules.matmul import match_gemm
+    from qwen35_tvm.schedules.gemm_match import match_gemm
 
     m = match_gemm(func)
     roles = {"x": m.a_param, "w": m.b_param, "out": m.out_param}

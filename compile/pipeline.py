@@ -19,7 +19,8 @@ from tvm.s_tir import dlight as dl
 from tvm.s_tir.dlight import ScheduleRule
 from tvm.s_tir.dlight.gpu.base import GPUScheduleRule
 
-from ..schedules.matmul import ROWS_ATTR, WIDE_DECODE_CONFIG, MatmulMMA, match_gemm
+from ..schedules.gemm_match import match_gemm
+from ..schedules.matmul import ROWS_ATTR, WIDE_DECODE_CONFIG, MatmulMMA
 
 # Exported Relax functions by how many rows their projections see: prefill a whole prompt
 # chunk ("large"), decode_wide 8-64 sequences ("wide"), decode fewer ("small").

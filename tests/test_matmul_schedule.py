@@ -23,6 +23,7 @@ from qwen35_tvm.compile.random_model import SHAPES
 from qwen35_tvm.compile.targets import make_target
 from qwen35_tvm.compile.vocab import VocabWidths
 from qwen35_tvm.schedules import matmul as mm
+from qwen35_tvm.schedules.gemm_match import match_gemm
 
 MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
 
@@ -257,7 +258,7 @@ def test_epilogue_and_parameter_order_survive() -> None:
     large = [gv for gv, f in mod.functions_items() if f.attrs.get(mm.ROWS_ATTR) == "large"]
     assert len(large) == 1
     func = mod[large[0]]
-    match = mm.match_gemm(func)
+    match = match_gemm(func)
     assert match is not None and match.extra_shapes == ("mn",)
     kernel = mm.gemm_for(func)
     assert [str(p.dtype) for p in kernel.params] == [str(p.dtype) for p in func.params]
