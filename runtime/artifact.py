@@ -91,7 +91,7 @@ class Artifact:
 
     @property
     def max_decode_batch(self) -> int:
-        return int(self.meta.get("max_decode_batch", 64))
+        return int(self.meta["max_decode_batch"])  # schema 2 always records it
 
     @property
     def context_window(self) -> int:

@@ -75,7 +75,7 @@ class ModelRunner:
             for seq_id, slot in zip(seq_ids, slots, strict=True):
                 self.add_sequence(seq_id, slot)
             try:
-                self.forward(seq_ids, slots, [[0]] * batch)
+                self.decode(seq_ids, slots, [0] * batch)  # rows stay on the device
             finally:
                 for seq_id in seq_ids:
                     self.remove_sequence(seq_id)

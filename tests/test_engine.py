@@ -11,6 +11,7 @@ from qwen35_tvm.runtime.artifact import Artifact
 from qwen35_tvm.runtime.engine import Engine
 from qwen35_tvm.runtime.generate import Generator, PromptError
 from qwen35_tvm.runtime.kv_pool import gdn_bytes_per_slot, kv_bytes_per_token, plan_capacity
+from qwen35_tvm.runtime.model_runner import ModelRunner
 from qwen35_tvm.runtime.sampler import SamplingParams
 from qwen35_tvm.runtime.sequence import Request
 
@@ -278,3 +279,22 @@ def test_memory_fraction_sizes_the_pools_from_free_memory(tiny_compiled, monkeyp
     assert cap["num_slots"] == 2
     assert cap["kv_bytes"] + cap["gdn_bytes"] <= 1 << 25
     assert cap["kv_bytes"] + cap["gdn_bytes"] > (1 << 25) - 16 * cap["kv_bytes_per_token"]
+
+
+def test_graph_capture_warm_up_leaves_no_trace(tiny_compiled):
+    """The start-up decode at each batch size frees its pages, and a sequence that then takes
+    one of its slots computes exactly what it would on a fresh runner."""
+    art, gen = loaded(tiny_compiled)
+    ids = prompt(40, gen.decodable, seed=7)
+    fresh = ModelRunner(art, max_batch_size=4)
+    warmed = ModelRunner(art, max_batch_size=4)
+    pages = warmed.available_pages()
+    warmed.capture_decode_graphs([1, 2, 4])
+    assert warmed.available_pages() == pages
+    rows = []
+    for runner in (fresh, warmed):
+        runner.add_sequence(0, 3)  # slot 3 is the first the warm-up used
+        rows.append(runner.forward([0], [3], [ids]))
+        rows.append(runner.forward([0], [3], [[ids[0]]]))
+    np.testing.assert_array_equal(rows[0], rows[2])
+    np.testing.assert_array_equal(rows[1], rows[3])
