@@ -15,6 +15,7 @@ from typing import Any
 import tvm
 from tvm.relax.frontend import nn
 
+from ..schedules.attention import PAGE_SIZE
 from .config import ModelConfig
 from .convert import convert_weights, log, write_meta
 from .cuda_toolchain import prepare_cuda_codegen
@@ -25,7 +26,7 @@ from .targets import make_target
 from .tokenizer_build import chat_template_of, decodable_width, resolve_tokenizer
 from .vocab import VocabWidths
 
-SCHEMA_VERSION = 2  # 2: decode takes (ids, slots) and returns greedy picks; decode_wide
+SCHEMA_VERSION = 3  # 3: our own paged KV cache (pools + page table); decode writes into buffers
 DTYPES = ("float32", "bfloat16")
 DEFAULT_EOS = ("<|im_end|>", "<|endoftext|>")
 MAX_DECODE_BATCH = 64  # decode's static storage (and each CUDA graph) is planned for this many
@@ -40,7 +41,8 @@ def build_module(
 ) -> tuple[tvm.IRModule, list[tuple[str, nn.Parameter]]]:
     with target:
         model = Qwen35LM(config, widths, dtype, mask_pad=mask_pad)
-        mod, named_params, _ = model.export_tvm(spec=export_spec(config, dtype), allow_extern=True)
+        spec = export_spec(config, widths, dtype)
+        mod, named_params, _ = model.export_tvm(spec=spec, allow_extern=True)
     return mark_decode_for_cuda_graph(mod, MAX_DECODE_BATCH), named_params
 
 
@@ -96,6 +98,7 @@ def compile_model(
         "logits_pad_masked": _mask_pad,
         "context_window": context_window or config.max_position_embeddings,
         "max_decode_batch": MAX_DECODE_BATCH,
+        "page_size": PAGE_SIZE,
         "cuda_graph": cuda_graph,
         "eos_token_ids": _eos_ids(folder, tokenizer),
         "params": [

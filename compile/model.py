@@ -1,23 +1,24 @@
 """Qwen3.5's language model in TVM Relax (`relax.frontend.nn`), one module per block.
 
 Every forward works on a ragged token array: `T` tokens of `B` sequences laid end to end,
-`indptr[b]` marking where sequence b starts and `slots[b]` naming its rows in the GDN state
-pools. Prefill of one sequence is B = 1; decode is B sequences of one token each. The
-full-attention layers keep K/V in TVM's paged KV cache, which knows each sequence's
-positions from `begin_forward`.
+`indptr[b]` marking where sequence b starts, `slots[b]` naming its rows in the state pools (GDN
+state and the page table) and `positions[t]` giving each token's absolute position. The
+full-attention layers keep K/V in our own paged cache (schedules/attention.py): two page pools
+and a page table, all plain tensors, so a decode step can be one CUDA graph.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 from tvm import IRModule, relax, tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import Tensor, op
 from tvm.relax.frontend.nn.core import wrap_nested
-from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedKVCache
 from tvm.target import Target
 
-from ..schedules import gdn, gdn_chunked, greedy, logits
+from ..schedules import attention, gdn, gdn_chunked, greedy, logits
 from .config import FULL, ModelConfig
 from .vocab import VocabWidths
 
@@ -83,12 +84,22 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor, rotary_dim: int) -> Tensor:
     return op.concat(parts, dim=-1).astype(x.dtype)
 
 
+class KVCache(NamedTuple):
+    """The paged K/V cache: pools [full layers, pages, kv heads, page size, head dim] and the
+    page table [slots, pages per sequence] of page ids."""
+
+    k_pool: Tensor
+    v_pool: Tensor
+    page_table: Tensor
+
+
 class GatedAttention(nn.Module):
     """Full attention: q carries a per-head output gate; q/k RMSNorm; partial RoPE; GQA."""
 
     def __init__(self, cfg: ModelConfig, kv_layer: int, dtype: str):
         self.cfg = cfg
         self.kv_layer = kv_layer
+        self.dtype = dtype
         nh, nkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, (2 * nh + 2 * nkv) * d, dtype)
         self.o_proj = Linear(nh * d, cfg.hidden_size, dtype)
@@ -99,7 +110,9 @@ class GatedAttention(nn.Module):
         )
         self.inv_freq = inv_freq.astype(np.float32)
 
-    def forward(self, x: Tensor, positions: Tensor, kv_cache: PagedKVCache) -> Tensor:
+    def forward(
+        self, x: Tensor, indptr: Tensor, slots: Tensor, positions: Tensor, kv: KVCache
+    ) -> tuple[Tensor, KVCache]:
         cfg = self.cfg
         n_tok = x.shape[0]
         nh, nkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -112,10 +125,27 @@ class GatedAttention(nn.Module):
         cos, sin = _unary(relax.op.cos, freqs, "cos"), _unary(relax.op.sin, freqs, "sin")
         q = rope(q, cos, sin, cfg.rotary_dim)
         k = rope(k, cos, sin, cfg.rotary_dim)
-        qkv = op.reshape(op.concat([q, k, v], dim=1), (1, n_tok, nh + 2 * nkv, d))
-        o = kv_cache.attention_with_fused_qkv(self.kv_layer, qkv, nh, sm_scale=d**-0.5)
-        o = op.reshape(o, (n_tok, nh * d)) * op.sigmoid(op.reshape(gate, (n_tok, nh * d)))
-        return self.o_proj(o)
+        layer = tirx.IntImm("int32", self.kv_layer)
+        k_pool, v_pool = op.tensor_ir_inplace_op(
+            attention.append_kv(nkv, d, self.dtype, Target.current()),
+            "attn_append_kv",
+            [k, v, indptr, slots, positions, kv.page_table, kv.k_pool, kv.v_pool, layer],
+            inplace_indices=[6, 7],
+            out=[kv.k_pool, kv.v_pool],
+        )
+        heads = nh * d
+        o, _, _ = op.tensor_ir_op(
+            attention.paged_attention(nh, nkv, d, self.dtype, Target.current()),
+            "attn_paged",
+            [q, indptr, slots, positions, kv.page_table, k_pool, v_pool, layer],
+            out=[
+                Tensor.placeholder((n_tok, nh, d), self.dtype),
+                Tensor.placeholder((attention.SPLIT_BUDGET, nh, d), F32),
+                Tensor.placeholder((attention.SPLIT_BUDGET, nh, 2), F32),
+            ],
+        )
+        o = op.reshape(o, (n_tok, heads)) * op.sigmoid(op.reshape(gate, (n_tok, heads)))
+        return self.o_proj(o), KVCache(k_pool, v_pool, kv.page_table)
 
 
 class GatedDeltaNet(nn.Module):
@@ -231,8 +261,13 @@ class LogitsHead(nn.Module):
         else:
             self.weight = nn.Parameter((widths.rows, cfg.hidden_size), dtype)
 
-    def forward(self, hidden: Tensor) -> Tensor:
+    def forward(self, hidden: Tensor, out: Tensor | None = None) -> Tensor:
+        """Logits [rows, selection], into `out` when given (decode's fixed output buffer)."""
         weight = self._tied[0].weight if hasattr(self, "_tied") else self.weight
+        if out is not None:
+            return op.tensor_ir_inplace_op(
+                self._kernel, "logits", [hidden, weight, out], inplace_indices=[2], out=out
+            )
         return op.tensor_ir_op(
             self._kernel,
             "logits",
@@ -260,47 +295,59 @@ class Qwen35LM(nn.Module):
         input_ids: Tensor,
         indptr: Tensor,
         slots: Tensor,
+        positions: Tensor,
         logit_positions: Tensor,
-        kv_cache: PagedKVCache,
+        k_pool: Tensor,
+        v_pool: Tensor,
+        page_table: Tensor,
         conv_pool: Tensor,
         rec_pool: Tensor,
-    ) -> tuple[Tensor, Tensor, Tensor]:
+    ) -> tuple[Tensor, ...]:
         """Any number of tokens of any number of sequences: logits [len(logit_positions),
         selection] at the given token positions. The pools come back only because they are
         updated in place."""
-        x, conv_pool, rec_pool = self._stack(
-            input_ids, indptr, slots, kv_cache, conv_pool, rec_pool, chunked=True
+        kv = KVCache(k_pool, v_pool, page_table)
+        x, kv, conv_pool, rec_pool = self._stack(
+            input_ids, indptr, slots, positions, kv, conv_pool, rec_pool, chunked=True
         )
         hidden = self.norm(op.take(x, logit_positions, axis=0))
-        return self.lm_head(hidden), conv_pool, rec_pool
+        return self.lm_head(hidden), kv.k_pool, kv.v_pool, conv_pool, rec_pool
 
     def decode(
         self,
-        input_ids: Tensor,
-        slots: Tensor,
-        kv_cache: PagedKVCache,
+        step: Tensor,
+        logits_out: Tensor,
+        best_out: Tensor,
+        logprob_out: Tensor,
+        k_pool: Tensor,
+        v_pool: Tensor,
+        page_table: Tensor,
         conv_pool: Tensor,
         rec_pool: Tensor,
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    ) -> tuple[Tensor, ...]:
         """One token for each of `batch` sequences: logits [batch, selection] and each row's
-        greedy pick. Compiled apart from prefill so its projections get GEMV schedules and it
-        can be a CUDA graph."""
-        batch = input_ids.shape[0]
-        indptr = op.arange(0, batch + 1, dtype="int32")
-        # A CUDA graph captures only kernels whose inputs sit in static storage; `slots`, read
-        # by every GDN layer, arrives in a fresh buffer each step, so it is copied in once.
-        slots = slots + op.zeros((1,), "int32")
-        x, conv_pool, rec_pool = self._stack(
-            input_ids, indptr, slots, kv_cache, conv_pool, rec_pool, chunked=False
+        greedy pick, written into the given output buffers. Compiled apart from prefill so its
+        projections get GEMV schedules; every argument is a buffer the runner keeps at a fixed
+        address, so the whole step is one CUDA graph per batch size. `step` [batch, 3] holds
+        each row's token id, slot and position: one host-to-device copy a step."""
+        batch = step.shape[0]
+        input_ids, slots, positions = (
+            op.reshape(c, (batch,)) for c in op.split(step, 3, axis=1)
         )
-        logits = self.lm_head(self.norm(x))
-        best, best_logprob = op.tensor_ir_op(
+        indptr = op.arange(0, batch + 1, dtype="int32")
+        kv = KVCache(k_pool, v_pool, page_table)
+        x, kv, conv_pool, rec_pool = self._stack(
+            input_ids, indptr, slots, positions, kv, conv_pool, rec_pool, chunked=False
+        )
+        logits_out = self.lm_head(self.norm(x), out=logits_out)
+        best, best_logprob = op.tensor_ir_inplace_op(
             greedy.greedy_pick(self.widths.decodable, self.widths.selection, Target.current()),
             "greedy_pick",
-            [logits],
-            out=[Tensor.placeholder((batch,), "int32"), Tensor.placeholder((batch,), F32)],
+            [logits_out, best_out, logprob_out],
+            inplace_indices=[1, 2],
+            out=[best_out, logprob_out],
         )
-        return logits, best, best_logprob, conv_pool, rec_pool
+        return logits_out, best, best_logprob, kv.k_pool, kv.v_pool, conv_pool, rec_pool
 
     # The same graph for 8-64 sequences, compiled apart so its projections get tensor-core
     # tiles instead of GEMV schedules (see compile/pipeline.py).
@@ -311,59 +358,42 @@ class Qwen35LM(nn.Module):
         input_ids: Tensor,
         indptr: Tensor,
         slots: Tensor,
-        kv_cache: PagedKVCache,
+        positions: Tensor,
+        kv: KVCache,
         conv_pool: Tensor,
         rec_pool: Tensor,
         chunked: bool,
-    ) -> tuple[Tensor, Tensor, Tensor]:
+    ) -> tuple[Tensor, KVCache, Tensor, Tensor]:
         """Embedding and the decoder layers: hidden states [tokens, hidden] before the norm."""
         x = self.embed_tokens(input_ids)
-        positions = kv_cache.get_query_positions(input_ids.shape[0])
         for layer in self.layers:
             h = layer.input_layernorm(x)
             if layer.kind == FULL:
-                h = layer.self_attn(h, positions, kv_cache)
+                h, kv = layer.self_attn(h, indptr, slots, positions, kv)
             else:
                 h, conv_pool, rec_pool = layer.linear_attn(
                     h, indptr, slots, conv_pool, rec_pool, chunked
                 )
             x = x + h
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return x, conv_pool, rec_pool
+        return x, kv, conv_pool, rec_pool
 
-    def create_kv_cache(
-        self,
-        max_batch_size: tirx.Var,
-        max_total_seq_len: tirx.Var,
-        prefill_chunk_size: tirx.Var,
-        page_size: tirx.Var,
-    ) -> PagedKVCache:
-        cfg = self.cfg
-        n_full = len(cfg.full_layers)
-        return TIRPagedKVCache(
-            attn_kind="mha",
-            max_batch_size=max_batch_size,
-            max_total_seq_len=max_total_seq_len,
-            prefill_chunk_size=prefill_chunk_size,
-            page_size=page_size,
-            support_sliding_window=0,
-            layer_partition=relax.ShapeExpr([0, n_full]),
-            num_hidden_layers=n_full,
-            num_attention_heads=cfg.num_attention_heads,
-            num_key_value_heads=cfg.num_key_value_heads,
-            qk_head_dim=cfg.head_dim,
-            v_head_dim=cfg.head_dim,
-            mla_original_qk_head_dim=0,
-            mla_original_v_head_dim=0,
-            rope_mode=RopeMode.NONE,  # RoPE is applied by the model, on the rotary dims only
-            rope_scale=1,
-            rope_theta=cfg.rope_theta,
-            rope_scaling={},
-            rope_ext_factors=relax.prim_value(0),
-            rotary_dim=cfg.rotary_dim,
-            enable_disaggregation=False,
-            dtype=self.dtype,
-            target=Target.current(),
+    def create_kv_pools(
+        self, num_pages: tirx.Var, num_slots: tirx.Var, pages_per_seq: tirx.Var
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Zeroed K and V page pools and page table (zeros keep never-written rows finite:
+        masked keys still meet a zero weight in P.V)."""
+        pool, table = kv_pool_shapes(self.cfg, num_pages, num_slots, pages_per_seq)
+        return op.zeros(pool, self.dtype), op.zeros(pool, self.dtype), op.zeros(table, "int32")
+
+    def assign_pages(self, page_table: Tensor, slot: Tensor, pages: Tensor) -> Tensor:
+        """Give the sequence in `slot` its pages: row `slot` of the table starts with `pages`."""
+        return op.tensor_ir_inplace_op(
+            attention.assign_pages(Target.current()),
+            "attn_assign_pages",
+            [page_table, slot, pages],
+            inplace_indices=[0],
+            out=Tensor.placeholder(page_table.shape, "int32"),
         )
 
     def create_gdn_pools(self, num_slots: tirx.Var) -> tuple[Tensor, Tensor]:
@@ -406,11 +436,25 @@ def gdn_pool_shapes(cfg: ModelConfig, num_slots) -> tuple[tuple, tuple]:
     return conv, rec
 
 
-def export_spec(cfg: ModelConfig, dtype: str) -> dict:
+def kv_pool_shapes(cfg: ModelConfig, num_pages, num_slots, pages_per_seq) -> tuple[tuple, tuple]:
+    pool = (
+        len(cfg.full_layers),
+        num_pages,
+        cfg.num_key_value_heads,
+        attention.PAGE_SIZE,
+        cfg.head_dim,
+    )
+    return pool, (num_slots, pages_per_seq)
+
+
+def export_spec(cfg: ModelConfig, widths: VocabWidths, dtype: str) -> dict:
     """The functions the artifact exports, with their argument shapes."""
     conv, rec = gdn_pool_shapes(cfg, "n_slots")
+    pool, table = kv_pool_shapes(cfg, "n_pages", "n_slots", "pages_per_seq")
     state = {
-        "kv_cache": nn.spec.Object(object_type=PagedKVCache),
+        "k_pool": nn.spec.Tensor(list(pool), dtype),
+        "v_pool": nn.spec.Tensor(list(pool), dtype),
+        "page_table": nn.spec.Tensor(list(table), "int32"),
         "conv_pool": nn.spec.Tensor(list(conv), dtype),
         "rec_pool": nn.spec.Tensor(list(rec), F32),
     }
@@ -421,24 +465,27 @@ def export_spec(cfg: ModelConfig, dtype: str) -> dict:
             "input_ids": nn.spec.Tensor(["n_tok"], "int32"),
             "indptr": nn.spec.Tensor(["n_ptr"], "int32"),
             "slots": nn.spec.Tensor(["n_seq"], "int32"),
+            "positions": nn.spec.Tensor(["n_tok"], "int32"),
             "logit_positions": nn.spec.Tensor(["n_out"], "int32"),
             **state,
             **packed,
         },
         **{
             name: {
-                "input_ids": nn.spec.Tensor(["batch"], "int32"),
-                "slots": nn.spec.Tensor(["batch"], "int32"),
+                "step": nn.spec.Tensor(["batch", 3], "int32"),
+                "logits_out": nn.spec.Tensor(["batch", widths.selection], F32),
+                "best_out": nn.spec.Tensor(["batch"], "int32"),
+                "logprob_out": nn.spec.Tensor(["batch"], F32),
                 **state,
                 **packed,
             }
             for name in ("decode", "decode_wide")
         },
-        "create_kv_cache": {
-            "max_batch_size": int,
-            "max_total_seq_len": int,
-            "prefill_chunk_size": int,
-            "page_size": int,
+        "create_kv_pools": {"num_pages": int, "num_slots": int, "pages_per_seq": int, **no_params},
+        "assign_pages": {
+            "page_table": nn.spec.Tensor(list(table), "int32"),
+            "slot": nn.spec.Tensor([1], "int32"),
+            "pages": nn.spec.Tensor(["count"], "int32"),
             **no_params,
         },
         "create_gdn_pools": {"num_slots": int, **no_params},
@@ -452,16 +499,14 @@ def export_spec(cfg: ModelConfig, dtype: str) -> dict:
 
 
 def mark_decode_for_cuda_graph(mod: IRModule, max_batch: int) -> IRModule:
-    """Let TVM's RewriteCUDAGraph capture the decode functions: one graph per batch size up to
-    `max_batch` (their storage is planned once, for `max_batch`). The pools count as fixed
-    inputs beside the weights: the runner passes the same two buffers on every call, so
-    capturing their addresses is sound, and without that every GDN layer would end a region."""
+    """Let TVM's RewriteCUDAGraph capture each decode function whole: one graph per batch size
+    up to `max_batch` (storage is planned once, for `max_batch`). Every argument counts as a
+    fixed input (`num_input` 0): the runner passes views of the same buffers on every call
+    (inputs, outputs, pools), so capturing their addresses is sound."""
     for name in ("decode", "decode_wide"):
-        decode = mod[name]
-        fixed_from = [p.name for p in decode.params].index("conv_pool")
-        mod[name] = decode.with_attrs(
+        mod[name] = mod[name].with_attrs(
             {
-                "num_input": fixed_from,
+                "num_input": 0,
                 "tir_var_upper_bound": {"batch": max_batch},
                 "relax.rewrite_cuda_graph.capture_symbolic_vars": ["batch"],
             }

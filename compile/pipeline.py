@@ -153,6 +153,39 @@ def schedule_rules() -> list[ScheduleRule]:
     ]
 
 
+@tvm.transform.module_pass(opt_level=0, name="ReturnOutsideGraph")
+def _return_outside_graph(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+    """Move the binding of a captured function's return value into a block of its own.
+
+    RewriteCUDAGraph lifts a static tuple into the region around it but counts only later
+    bindings as uses, not the function's return: a decode whose outputs all come from inside
+    its one graph would return a variable the graph never hands back. A binding block of its
+    own starts no region, and its reads mark the region's outputs."""
+    for gv, func in list(mod.functions_items()):
+        if not isinstance(func, relax.Function) or not func.attrs:
+            continue
+        if "relax.rewrite_cuda_graph.capture_symbolic_vars" not in func.attrs:
+            continue
+        body = func.body
+        last = body.blocks[-1]
+        ret = last.bindings[-1] if last.bindings else None
+        if ret is None or not ret.var.same_as(body.body):
+            continue
+        head = relax.BindingBlock(last.bindings[:-1])
+        blocks = [*body.blocks[:-1], head, relax.BindingBlock([ret])]
+        new_body = relax.SeqExpr(blocks, body.body, body.span)
+        mod[gv] = relax.Function(
+            func.params, new_body, func.ret_ty, func.is_pure, func.attrs, func.span
+        )
+    return mod
+
+
+def _finalize_passes(target: tvm.target.Target) -> list[tvm.transform.Pass]:
+    passes = cuda_pipeline.finalize_passes(target)
+    at = next(i for i, p in enumerate(passes) if p.info.name == "RewriteCUDAGraph")
+    return [*passes[:at], _return_outside_graph, *passes[at:]]
+
+
 def relax_pipeline(target: tvm.target.Target) -> tvm.transform.Pass | str:
     if target.kind.name != "cuda":
         return "default"
@@ -164,7 +197,7 @@ def relax_pipeline(target: tvm.target.Target) -> tvm.transform.Pass | str:
                 *fusion_passes(target),
                 dl.ApplyDefaultSchedule(*schedule_rules()),
                 *cuda_pipeline.dataflow_lower_passes(target),
-                *cuda_pipeline.finalize_passes(target),
+                *_finalize_passes(target),
             ]
             return tvm.transform.Sequential(passes)(mod)
 

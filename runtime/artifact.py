@@ -18,7 +18,7 @@ import tvm  # noqa: E402
 from safetensors.numpy import load_file  # noqa: E402
 from tvm.runtime import vm as tvm_vm  # noqa: E402
 
-SCHEMA_VERSION = 2  # 2: decode takes (ids, slots) and returns greedy picks; decode_wide
+SCHEMA_VERSION = 3  # 3: our own paged KV cache (pools + page table); decode writes into buffers
 
 
 class ArtifactError(RuntimeError):
@@ -91,7 +91,12 @@ class Artifact:
 
     @property
     def max_decode_batch(self) -> int:
-        return int(self.meta["max_decode_batch"])  # schema 2 always records it
+        return int(self.meta["max_decode_batch"])  # every schema since 2 records it
+
+    @property
+    def page_size(self) -> int:
+        """Tokens a KV page holds, fixed by the compiled attention kernels."""
+        return int(self.meta["page_size"])
 
     @property
     def context_window(self) -> int:

@@ -16,6 +16,7 @@ import numpy as np
 
 from .artifact import Artifact
 from .generate import PromptError
+from .grammar import GrammarState
 from .kv_pool import (
     CapacityPlan,
     CapacityPool,
@@ -43,7 +44,6 @@ class Engine:
         max_total_tokens: int | None = None,
         num_slots: int | None = None,
         prefill_chunk: int = 2048,
-        page_size: int = 16,
         memory_fraction: float | None = None,
     ):
         """Pools: `max_total_tokens` of KV pages (default: one context window) and `num_slots`
@@ -51,20 +51,17 @@ class Engine:
         that fraction of the device's free memory holds (`plan_capacity`)."""
         self.artifact = artifact
         self.decodable = artifact.widths.decodable
-        self.page_size = page_size
+        self.page_size = page_size = artifact.page_size
         if memory_fraction is not None and max_total_tokens is None:
             plan = _plan_from_free_memory(artifact, memory_fraction, max_batch_size, page_size)
             max_total_tokens, num_slots = plan.max_total_tokens, plan.num_slots
         self.max_total_tokens = max_total_tokens or artifact.context_window
         self.pool = CapacityPool(self.max_total_tokens // page_size, num_slots or max_batch_size)
         self.scheduler = Scheduler(self.pool, max_batch_size, prefill_chunk)
-        # The KV cache sizes its per-forward buffers by this; a decode batch must fit too.
         self.runner = ModelRunner(
             artifact,
             max_batch_size=max_batch_size,
-            max_total_tokens=self.max_total_tokens,
-            prefill_chunk=max(prefill_chunk, max_batch_size),
-            page_size=page_size,
+            max_total_tokens=self.pool.total_pages * page_size,
             num_slots=self.pool.num_slots,
         )
         if artifact.meta.get("cuda_graph") and artifact.device_name == "cuda":
@@ -101,10 +98,6 @@ class Engine:
     def free_slots(self) -> int:
         return self.pool.free_slots
 
-    def kv_free_pages(self) -> int:
-        """Free pages as the KV cache counts them (it holds a few more than the pool uses)."""
-        return self.runner.available_pages()
-
     # ---- requests -------------------------------------------------------------------------
 
     def submit(
@@ -116,9 +109,11 @@ class Engine:
         ignore_eos: bool = False,
         return_prompt_logprobs: bool = False,
         top_logprobs: int = 0,
+        grammar: GrammarState | None = None,
     ) -> int:
         """Queue a request; raises `PromptError` (a ValueError) if it could never run.
-        `top_logprobs` > 0 reports that many alternatives with every token's logprob."""
+        `top_logprobs` > 0 reports that many alternatives with every token's logprob;
+        `grammar` (this request's own) constrains every token it samples."""
         prompt = [int(t) for t in prompt_ids]
         pages = self._check(prompt, max_tokens)
         stops = set() if ignore_eos else set(self.artifact.eos_token_ids)
@@ -133,6 +128,7 @@ class Engine:
             pages=pages,
             return_prompt_logprobs=return_prompt_logprobs,
             top_logprobs=top_logprobs,
+            grammar=grammar,
         )
         self._next_id += 1
         self._live[seq.request_id] = seq
@@ -175,7 +171,7 @@ class Engine:
 
     def _release(self, seq: Sequence) -> None:
         if seq.status is Status.RUNNING:
-            self.runner.remove_sequence(seq.request_id)
+            self.runner.remove_sequence(seq.slot)
         self.scheduler.finish(seq)
         del self._live[seq.request_id]
 
@@ -187,14 +183,12 @@ class Engine:
     def step(self) -> list[Output]:
         outputs, self._pending = self._pending, []
         for seq in self.scheduler.admit():
-            self.runner.add_sequence(seq.request_id, seq.slot)  # also zeroes the slot
+            self.runner.add_sequence(seq.slot, seq.page_ids)  # also zeroes the slot
         plan = self.scheduler.plan()
         ready: list[Ready] = []  # sequences to sample, with their logits
         if plan.decode:
             seqs = plan.decode
-            step = self.runner.decode(
-                [s.request_id for s in seqs], [s.slot for s in seqs], [s.output[-1] for s in seqs]
-            )
+            step = self.runner.decode([s.slot for s in seqs], [s.output[-1] for s in seqs])
             for i, seq in enumerate(seqs):
                 seq.num_computed += 1
                 ready.append((seq, step, i))
@@ -218,7 +212,6 @@ class Engine:
             offset += n
         any_all = any(seq.return_prompt_logprobs for seq, _ in chunks)
         logits = self.runner.forward(
-            [s.request_id for s, _ in chunks],
             [s.slot for s, _ in chunks],
             tokens,
             logit_positions=np.asarray(positions, dtype=np.int32) if any_all else None,
@@ -252,22 +245,28 @@ class Engine:
 
     def _sample(self, ready: list[Ready]) -> list[Output]:
         """A greedy sequence that wants no alternatives takes the pick the device made; the
-        others copy their whole row to the host and sample it there."""
+        others copy their whole row to the host and sample it there. A constrained sequence
+        never takes the device's pick (it ignores the grammar): its row is masked first."""
         picked: list[tuple[int, float, np.ndarray | None]] = []
         for seq, logits, i in ready:
             if (
                 logits.best is not None
                 and not seq.top_logprobs
+                and seq.grammar is None
                 and is_effectively_greedy(seq.params, self.decodable)
             ):
                 picked.append((int(logits.best[i]), float(logits.best_logprob[i]), None))
                 continue
             row = logits.rows()[i]
+            if seq.grammar is not None:
+                seq.grammar.mask(row)  # in place: the row belongs to this sequence alone
             token = self.sampler.sample(row, seq.params, seq.rng)
             picked.append((token, float(self.sampler.logprobs(row)[token]), row))
         outputs = []
         for (seq, _, _), (token, logprob, row) in zip(ready, picked, strict=True):
             seq.output.append(token)
+            if seq.grammar is not None:
+                seq.grammar.accept(token)  # also starts the next mask, overlapping the next step
             reason = None
             if token in seq.stop_ids:
                 reason = "stop"
@@ -302,6 +301,7 @@ class Engine:
             r.ignore_eos,
             r.return_prompt_logprobs,
             r.top_logprobs,
+            r.grammar,
         )
 
     def generate(self, requests: Seq[Request]) -> list[Completion]:

@@ -11,7 +11,7 @@ from .artifact import Artifact
 from .model_runner import ModelRunner
 from .sampler import Sampler, SamplingParams, make_rng
 
-_SEQ, _SLOT = 0, 0
+_SLOT = 0
 
 
 class PromptError(ValueError):
@@ -31,7 +31,7 @@ class Generator:
         self.artifact = artifact
         self.decodable = artifact.widths.decodable
         self.prefill_chunk = prefill_chunk
-        self.runner = ModelRunner(artifact, max_batch_size=1, prefill_chunk=prefill_chunk)
+        self.runner = ModelRunner(artifact, max_batch_size=1)
         self.sampler = Sampler(self.decodable)
 
     def check_prompt(self, ids: Sequence[int], max_tokens: int = 0) -> None:
@@ -93,25 +93,25 @@ class Generator:
 
 
 class _Session:
-    """One live sequence in slot 0; removed from the KV cache however the caller exits."""
+    """One live sequence in slot 0, holding every page; removed however the caller exits."""
 
     def __init__(self, runner: ModelRunner, chunk: int):
         self.runner = runner
         self.chunk = chunk
 
     def __enter__(self) -> _Session:
-        self.runner.add_sequence(_SEQ, _SLOT)
+        self.runner.add_sequence(_SLOT, list(range(self.runner.pages_per_seq)))
         return self
 
     def __exit__(self, *exc) -> None:
-        self.runner.remove_sequence(_SEQ)
+        self.runner.remove_sequence(_SLOT)
 
     def prefill(self, ids: list[int], all_logits: bool = False) -> np.ndarray:
         rows = []
         for start in range(0, len(ids), self.chunk):
             part = ids[start : start + self.chunk]
-            rows.append(self.runner.forward([_SEQ], [_SLOT], [part], all_logits=all_logits))
+            rows.append(self.runner.forward([_SLOT], [part], all_logits=all_logits))
         return np.concatenate(rows, axis=0) if all_logits else rows[-1]
 
     def step(self, token: int) -> np.ndarray:
-        return self.runner.forward([_SEQ], [_SLOT], [[token]])[0]
+        return self.runner.forward([_SLOT], [[token]])[0]

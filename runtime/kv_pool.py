@@ -1,8 +1,9 @@
-"""Capacity bookkeeping: KV pages and GDN state slots, and sizing them from a byte budget.
+"""The page manager: KV pages and GDN state slots, and sizing them from a byte budget.
 
-TVM's paged KV cache hands out pages itself; this pool only reserves page *counts*, a
-request's whole worst case (prompt + max_tokens) at admission, so a running sequence can
-never run out of pages mid-generation and nothing ever has to be evicted.
+This is the only bookkeeping of pages there is: the artifact's page pools are plain tensors
+and the page table is written from here. A request gets its whole worst case (prompt +
+max_tokens) at admission, as a list of page ids, so a running sequence can never run out of
+pages mid-generation and nothing ever has to be evicted.
 """
 
 from __future__ import annotations
@@ -22,45 +23,47 @@ def pages_for(tokens: int, page_size: int = PAGE_SIZE) -> int:
 
 
 class CapacityPool:
-    """Free page count and free GDN slot list; every reservation is returned whole."""
+    """Free page ids and free GDN slots; every reservation is returned whole."""
 
     def __init__(self, total_pages: int, num_slots: int):
         if total_pages < 1 or num_slots < 1:
             raise ValueError(f"need >= 1 page and slot, got {total_pages} and {num_slots}")
         self.total_pages = total_pages
         self.num_slots = num_slots
-        self._free_pages = total_pages
-        # Popped from the end, so slot 0 goes first and a just-freed slot is reused next.
+        # Both popped from the end: page 0 and slot 0 go first, and what was just freed is
+        # reused next.
+        self._free_page_ids = list(range(total_pages - 1, -1, -1))
         self._free_slots = list(range(num_slots - 1, -1, -1))
 
     @property
     def free_pages(self) -> int:
-        return self._free_pages
+        return len(self._free_page_ids)
 
     @property
     def free_slots(self) -> int:
         return len(self._free_slots)
 
     def can_reserve(self, pages: int) -> bool:
-        return pages <= self._free_pages and bool(self._free_slots)
+        return pages <= self.free_pages and bool(self._free_slots)
 
-    def reserve(self, pages: int) -> int:
-        """Take `pages` pages and one slot; returns the slot."""
+    def reserve(self, pages: int) -> tuple[int, list[int]]:
+        """Take `pages` pages and one slot; returns the slot and the page ids, in order."""
         if not self.can_reserve(pages):
             raise RuntimeError(f"cannot reserve {pages} pages and a slot: {self}")
-        self._free_pages -= pages
-        return self._free_slots.pop()
+        taken = [self._free_page_ids.pop() for _ in range(pages)]
+        return self._free_slots.pop(), taken
 
-    def release(self, pages: int, slot: int) -> None:
+    def release(self, pages: list[int], slot: int) -> None:
         if slot in self._free_slots or not 0 <= slot < self.num_slots:
             raise RuntimeError(f"slot {slot} released twice or never reserved")
-        self._free_pages += pages
+        if len(self._free_page_ids) + len(pages) > self.total_pages:
+            raise RuntimeError("pages released twice")
         self._free_slots.append(slot)
-        assert self._free_pages <= self.total_pages, "pages released twice"
+        self._free_page_ids.extend(reversed(pages))
 
     def __repr__(self) -> str:
         return (
-            f"CapacityPool({self._free_pages}/{self.total_pages} pages, "
+            f"CapacityPool({self.free_pages}/{self.total_pages} pages, "
             f"{self.free_slots}/{self.num_slots} slots free)"
         )
 

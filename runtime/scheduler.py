@@ -45,7 +45,7 @@ class Scheduler:
             and self.pool.can_reserve(self.waiting[0].pages)
         ):
             seq = self.waiting.popleft()
-            seq.slot = self.pool.reserve(seq.pages)
+            seq.slot, seq.page_ids = self.pool.reserve(seq.pages)
             seq.status = Status.RUNNING
             self.running.append(seq)
             admitted.append(seq)
@@ -69,8 +69,8 @@ class Scheduler:
         """Drop a waiting or running sequence and return its pages and slot at once."""
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
-            self.pool.release(seq.pages, seq.slot)
-            seq.slot = -1
+            self.pool.release(seq.page_ids, seq.slot)
+            seq.slot, seq.page_ids = -1, []
         elif seq.status is Status.WAITING:
             self.waiting.remove(seq)
         seq.status = Status.FINISHED

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .sampler import SamplingParams
+
+if TYPE_CHECKING:
+    from .grammar import GrammarState
 
 TopLogprobs = list[tuple[int, float]]
 
@@ -29,8 +33,10 @@ class Sequence:
     pages: int  # reserved for prompt + max_tokens at admission
     return_prompt_logprobs: bool = False
     top_logprobs: int = 0  # alternatives reported with each sampled (and prompt) token
+    grammar: GrammarState | None = None  # constrains each sampled token (structured output)
     status: Status = Status.WAITING
     slot: int = -1
+    page_ids: list[int] = field(default_factory=list)  # the KV pages, in order
     num_computed: int = 0  # tokens already in the KV cache and GDN state
     output: list[int] = field(default_factory=list)
     prompt_logprobs: list[float | None] = field(default_factory=list)
@@ -76,6 +82,7 @@ class Request:
     ignore_eos: bool = False
     return_prompt_logprobs: bool = False
     top_logprobs: int = 0
+    grammar: GrammarState | None = None  # one per request: matchers hold per-sequence state
 
 
 @dataclass

@@ -141,7 +141,7 @@ def test_slot_reuse_test_fails_if_slots_are_not_zeroed(tiny_compiled):
 def test_finished_and_aborted_requests_return_every_page_and_slot(tiny_compiled):
     art, gen = loaded(tiny_compiled)
     engine = Engine(art, max_batch_size=3, max_total_tokens=512, num_slots=3, prefill_chunk=16)
-    start = (engine.free_pages(), engine.free_slots(), engine.kv_free_pages())
+    start = (engine.free_pages(), engine.free_slots())
     assert start[:2] == (32, 3)
     ids = [
         engine.submit(prompt(20, gen.decodable, 1), GREEDY, 40, ignore_eos=True),  # decoding
@@ -156,7 +156,6 @@ def test_finished_and_aborted_requests_return_every_page_and_slot(tiny_compiled)
     running = [s for s in engine.scheduler.running]
     assert engine.free_pages() == start[0] - sum(s.pages for s in running)
     assert engine.free_slots() == start[1] - len(running)
-    assert engine.kv_free_pages() < start[2]
     assert engine.scheduler.running[1].prefilling
     assert engine.abort(ids[1]) and engine.abort(ids[4])
     assert not engine.abort(ids[4]) and not engine.abort(12345)
@@ -167,7 +166,8 @@ def test_finished_and_aborted_requests_return_every_page_and_slot(tiny_compiled)
     while engine.has_work():
         reasons.update((o.request_id, o.finish_reason) for o in engine.step() if o.finish_reason)
     assert reasons == {0: "abort", 1: "abort", 2: "length", 3: "stop", 4: "abort"}
-    assert (engine.free_pages(), engine.free_slots(), engine.kv_free_pages()) == start
+    assert (engine.free_pages(), engine.free_slots()) == start
+    assert sorted(engine.pool._free_page_ids) == list(range(32))  # every page id, once
 
 
 def test_requests_that_could_never_fit_are_refused_at_submit(tiny_compiled):
@@ -213,7 +213,7 @@ def test_capacity_is_reported_and_derived_from_a_byte_budget(tiny_compiled):
     assert cap["total_pages"] == 100 == engine.free_pages()
     assert cap["num_slots"] == 8 == engine.free_slots()
     assert cap["kv_bytes"] == 1600 * kv_token and cap["gdn_bytes"] == 8 * gdn_slot
-    assert engine.kv_free_pages() >= cap["total_pages"]  # the cache never runs out first
+    assert engine.runner.total_pages == cap["total_pages"]  # the pools hold what is planned
 
 
 def test_seeded_sampling_and_prompt_logprobs_do_not_depend_on_the_batch(tiny_compiled):
@@ -282,19 +282,17 @@ def test_memory_fraction_sizes_the_pools_from_free_memory(tiny_compiled, monkeyp
 
 
 def test_graph_capture_warm_up_leaves_no_trace(tiny_compiled):
-    """The start-up decode at each batch size frees its pages, and a sequence that then takes
-    one of its slots computes exactly what it would on a fresh runner."""
+    """The start-up decode at each batch size frees its slots, and a sequence that then takes
+    one of them computes exactly what it would on a fresh runner."""
     art, gen = loaded(tiny_compiled)
     ids = prompt(40, gen.decodable, seed=7)
-    fresh = ModelRunner(art, max_batch_size=4)
-    warmed = ModelRunner(art, max_batch_size=4)
-    pages = warmed.available_pages()
+    fresh = ModelRunner(art, max_batch_size=4, max_total_tokens=256)
+    warmed = ModelRunner(art, max_batch_size=4, max_total_tokens=256)
     warmed.capture_decode_graphs([1, 2, 4])
-    assert warmed.available_pages() == pages
     rows = []
     for runner in (fresh, warmed):
-        runner.add_sequence(0, 3)  # slot 3 is the first the warm-up used
-        rows.append(runner.forward([0], [3], [ids]))
-        rows.append(runner.forward([0], [3], [[ids[0]]]))
+        runner.add_sequence(3, [4, 5, 6])  # slot 3 is the first the warm-up used
+        rows.append(runner.forward([3], [ids]))
+        rows.append(runner.forward([3], [[ids[0]]]))
     np.testing.assert_array_equal(rows[0], rows[2])
     np.testing.assert_array_equal(rows[1], rows[3])

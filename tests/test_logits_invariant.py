@@ -25,14 +25,14 @@ def pad_mask_violations(artifact_dir) -> list[str]:
     whose decodable columns are not finite."""
     artifact = Artifact(artifact_dir)
     w = artifact.widths
-    runner = ModelRunner(artifact, max_batch_size=2, num_slots=2, prefill_chunk=64)
+    runner = ModelRunner(artifact, max_batch_size=2, max_total_tokens=64, num_slots=2)
     ids = np.random.default_rng(0).integers(0, w.decodable, size=20).tolist()
     paths = {}
-    runner.add_sequence(0, 0)
-    runner.add_sequence(1, 1)
-    paths["prefill, last token"] = runner.forward([0], [0], [ids])
-    paths["prefill, every token"] = runner.forward([1], [1], [ids], all_logits=True)
-    paths["batched decode"] = runner.forward([0, 1], [0, 1], [[ids[0]], [ids[1]]])
+    runner.add_sequence(0, [0, 1])
+    runner.add_sequence(1, [2, 3])
+    paths["prefill, last token"] = runner.forward([0], [ids])
+    paths["prefill, every token"] = runner.forward([1], [ids], all_logits=True)
+    paths["batched decode"] = runner.forward([0, 1], [[ids[0]], [ids[1]]])
     violations = []
     for name, logits in paths.items():
         if logits.shape[1] != w.selection:
@@ -99,7 +99,8 @@ def _weight_users(func: relax.Function, param_index: int) -> list[str]:
         args = list(value.args) if isinstance(value, relax.Call) else [value]
         flat = [f for a in args for f in (a.fields if isinstance(a, relax.Tuple) else [a])]
         if any(isinstance(a, relax.Var) and a.same_as(weight[0]) for a in flat):
-            if isinstance(value, relax.Call) and value.op.name == "relax.call_tir":
+            # decode writes its logits into a fixed buffer: call_tir_inplace
+            if isinstance(value, relax.Call) and value.op.name.startswith("relax.call_tir"):
                 users.append("call_tir:" + value.args[0].name_hint)
             elif isinstance(value, relax.Call):
                 users.append(value.op.name)

@@ -1,0 +1,401 @@
+"""Paged attention over our own KV cache: appending a step's K/V, and split-KV attention.
+
+The cache is two page pools, K and V, each [layers, pages, kv_heads, page_size, head_dim] in the
+activation dtype, plus a page table [slots, pages_per_seq] of int32 page ids: row `slot` lists
+the pages of the sequence living in that GDN slot, in order. A step is a ragged token array
+(`indptr` marks where each sequence starts, `slots` names its rows); token t sits at absolute
+position `positions[t]` and attends to positions 0..positions[t] of its sequence, so causality
+inside a prefill chunk, earlier chunks and decode are one rule. The step's own K/V are written
+to the pages first (`append_kv`), then read back with everything before them.
+
+`paged_attention` serves prefill and decode alike: a block owns (token, kv head, split) and all
+`heads / kv_heads` query heads of that kv head, so each K/V element is loaded once for the
+whole GQA group. The kv range of a token is cut into `splits` pieces (flash-decoding) when there
+are few tokens, so one long sequence fills the GPU; a second kernel in the same function merges
+the pieces. Per page of keys the block runs three phases: scores (a thread per key x dim slice),
+the online softmax (a thread per query head), and P.V (a thread per key group x 8-dim chunk,
+accumulating in registers). On the CPU the same loop nest runs its lanes serially, so the CPU
+tests check the GPU kernel's indexing.
+"""
+
+from __future__ import annotations
+
+from tvm.script import tirx as T
+from tvm.target import Target
+from tvm.tirx import PrimFunc
+
+PAGE_SIZE = 16
+# Split pieces of all tokens together: with few tokens each one's kv range is cut so that
+# tokens x splits stays at this many (x kv heads blocks), enough to fill an H200's 132 SMs.
+SPLIT_BUDGET = 128
+
+
+def num_splits(n_tok):
+    """Pieces each token's kv range is cut into; a TIR expression of the token count."""
+    return T.max(1, SPLIT_BUDGET // n_tok)
+
+
+def _vector(head_dim: int) -> int:
+    return next(v for v in (8, 4, 2, 1) if head_dim % v == 0)
+
+
+def append_kv(kv_heads: int, head_dim: int, dtype: str, target: Target) -> PrimFunc:
+    """Write each token's K and V into its page: (k, v, indptr, slots, positions, page_table,
+    k_pool, v_pool, layer), the pools in place."""
+    gpu = target.kind.name == "cuda"
+    tj = PAGE_SIZE
+    width = kv_heads * head_dim
+
+    def tokens(n):
+        return T.thread_binding(n, thread="blockIdx.x") if gpu else T.parallel(n)
+
+    def lanes():
+        return T.thread_binding(width, thread="threadIdx.x") if gpu else T.serial(width)
+
+    @T.prim_func(s_tir=True)
+    def attn_append_kv(
+        k_h: T.handle,
+        v_h: T.handle,
+        indptr_h: T.handle,
+        slots_h: T.handle,
+        pos_h: T.handle,
+        table_h: T.handle,
+        kp_h: T.handle,
+        vp_h: T.handle,
+        layer: T.int32,
+    ):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        n_tok, n_ptr, n_seq = T.int32(), T.int32(), T.int32()
+        n_slots, width_pt = T.int32(), T.int32()
+        n_layers, n_pages = T.int64(), T.int64()
+        k = T.match_buffer(k_h, (n_tok, kv_heads, head_dim), dtype)
+        v = T.match_buffer(v_h, (n_tok, kv_heads, head_dim), dtype)
+        indptr = T.match_buffer(indptr_h, (n_ptr,), "int32")
+        slots = T.match_buffer(slots_h, (n_seq,), "int32")
+        positions = T.match_buffer(pos_h, (n_tok,), "int32")
+        table = T.match_buffer(table_h, (n_slots, width_pt), "int32")
+        kp = T.match_buffer(kp_h, (n_layers, n_pages, kv_heads, tj, head_dim), dtype)
+        vp = T.match_buffer(vp_h, (n_layers, n_pages, kv_heads, tj, head_dim), dtype)
+        for t in tokens(n_tok):
+            with T.sblock("append"):
+                T.reads()
+                T.writes()
+                lo = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                hi = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                seq_of_token(indptr, n_ptr - 1, t, lo, hi)
+                pos: T.let[T.int32] = positions[t]
+                page: T.let[T.int64] = T.Cast("int64", table[slots[lo[0]], pos // tj])
+                for x in lanes():
+                    with T.sblock("copy"):
+                        T.reads()
+                        T.writes()
+                        kp[T.Cast("int64", layer), page, x // head_dim, pos % tj, x % head_dim] = k[
+                            t, x // head_dim, x % head_dim
+                        ]
+                        vp[T.Cast("int64", layer), page, x // head_dim, pos % tj, x % head_dim] = v[
+                            t, x // head_dim, x % head_dim
+                        ]
+
+    return attn_append_kv
+
+
+@T.macro
+def seq_of_token(indptr, n_seq, t, lo, hi):
+    # lo[0] <- the sequence b with indptr[b] <= t < indptr[b + 1] (31 halvings cover int32)
+    lo[0] = 0
+    hi[0] = n_seq
+    for _ in T.serial(31):
+        if hi[0] - lo[0] > 1:
+            if indptr[(lo[0] + hi[0]) // 2] <= t:
+                lo[0] = (lo[0] + hi[0]) // 2
+            else:
+                hi[0] = (lo[0] + hi[0]) // 2
+
+
+def paged_attention(
+    heads: int, kv_heads: int, head_dim: int, dtype: str, target: Target
+) -> PrimFunc:
+    """o[t, h] = softmax(q[t, h] . K[0..pos_t] * head_dim^-0.5) V[0..pos_t] over the pages of
+    t's sequence: (q, indptr, slots, positions, page_table, k_pool, v_pool, layer) ->
+    (o [n_tok, heads, head_dim], and two workspaces for the split pieces)."""
+    if heads % kv_heads:
+        raise ValueError(f"heads {heads} must be a multiple of kv_heads {kv_heads}")
+    gpu = target.kind.name == "cuda"
+    group, d, tj = heads // kv_heads, head_dim, PAGE_SIZE
+    vec = _vector(d)
+    parts = min(8, d // vec)  # score phase: dim slices per key
+    chunks = d // vec  # P.V phase: vec-wide dim chunks
+    nt = tj * parts  # threads a block
+    fits = chunks % nt == 0 if nt < chunks else nt % chunks == 0 and tj % (nt // chunks) == 0
+    if not fits:
+        raise ValueError(f"head_dim {d}: no thread layout for the P.V phase")
+    key_groups = max(1, nt // chunks)  # P.V: keys split over this many thread groups
+    keys_per_group = tj // key_groups
+    chunk_passes = max(1, chunks // nt)
+    per_part = d // parts // vec  # vec-wide loads per thread in the score phase
+    scale = float(d) ** -0.5
+    shared = "shared" if gpu else "global"
+    ws_rows = SPLIT_BUDGET
+
+    def grid(n):
+        return T.thread_binding(n, thread="blockIdx.x") if gpu else T.parallel(n)
+
+    def lanes():
+        return T.thread_binding(nt, thread="threadIdx.x") if gpu else T.serial(nt)
+
+    def own(tx, i, n):
+        """A thread's private element i of n: registers on the GPU; on the CPU, where lanes
+        run one after another in one buffer, the lane's own row."""
+        return i if gpu else tx * n + i
+
+    n_acc = chunk_passes * group * vec  # a thread's P.V accumulators
+    reg = "local" if gpu else "global"
+    reg_rows = 1 if gpu else nt
+
+    def dim(p, e, i):
+        """Score phase: dims of slice p, interleaved so a warp's loads cover whole rows."""
+        return (e * parts + p) * vec + i
+
+    @T.prim_func(s_tir=True)
+    def attn_paged(
+        q_h: T.handle,
+        indptr_h: T.handle,
+        slots_h: T.handle,
+        pos_h: T.handle,
+        table_h: T.handle,
+        kp_h: T.handle,
+        vp_h: T.handle,
+        layer: T.int32,
+        o_h: T.handle,
+        ws_acc_h: T.handle,
+        ws_ml_h: T.handle,
+    ):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        n_tok, n_ptr, n_seq = T.int32(), T.int32(), T.int32()
+        n_slots, width_pt = T.int32(), T.int32()
+        n_layers, n_pages = T.int64(), T.int64()
+        q = T.match_buffer(q_h, (n_tok, heads, d), dtype)
+        indptr = T.match_buffer(indptr_h, (n_ptr,), "int32")
+        slots = T.match_buffer(slots_h, (n_seq,), "int32")
+        positions = T.match_buffer(pos_h, (n_tok,), "int32")
+        table = T.match_buffer(table_h, (n_slots, width_pt), "int32")
+        kp = T.match_buffer(kp_h, (n_layers, n_pages, kv_heads, tj, d), dtype)
+        vp = T.match_buffer(vp_h, (n_layers, n_pages, kv_heads, tj, d), dtype)
+        o = T.match_buffer(o_h, (n_tok, heads, d), dtype)
+        ws_acc = T.match_buffer(ws_acc_h, (ws_rows, heads, d), "float32")
+        ws_ml = T.match_buffer(ws_ml_h, (ws_rows, heads, 2), "float32")
+        splits: T.let[T.int32] = num_splits(n_tok)
+        for blk in grid(n_tok * kv_heads * splits):
+            with T.sblock("attend"):
+                T.reads()
+                T.writes()
+                q_sh = T.sblock_alloc_buffer((group * d,), "float32", scope=shared)
+                part = T.sblock_alloc_buffer((group * tj * parts,), "float32", scope=shared)
+                p_sh = T.sblock_alloc_buffer((group * tj,), "float32", scope=shared)
+                alpha = T.sblock_alloc_buffer((group,), "float32", scope=shared)
+                ml_sh = T.sblock_alloc_buffer((group * 2,), "float32", scope=shared)
+                red = T.sblock_alloc_buffer((key_groups * group * d,), "float32", scope=shared)
+                acc = T.sblock_alloc_buffer(
+                    (reg_rows * n_acc,), "float32", scope=reg
+                )
+                ml = T.sblock_alloc_buffer((reg_rows * 2,), "float32", scope=reg)
+                lo = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                hi = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                t: T.let[T.int32] = blk // (kv_heads * splits)
+                kvh: T.let[T.int32] = blk // splits % kv_heads
+                s: T.let[T.int32] = blk % splits
+                seq_of_token(indptr, n_ptr - 1, t, lo, hi)
+                slot: T.let[T.int32] = slots[lo[0]]
+                kv_len: T.let[T.int32] = positions[t] + 1
+                n_kv_pages: T.let[T.int32] = (kv_len + tj - 1) // tj
+                per_split: T.let[T.int32] = (n_kv_pages + splits - 1) // splits
+                layer64: T.let[T.int64] = T.Cast("int64", layer)
+                p0: T.let[T.int32] = T.min(s * per_split, n_kv_pages)
+                p1: T.let[T.int32] = T.min(p0 + per_split, n_kv_pages)
+                for tx in lanes():
+                    with T.sblock("init"):
+                        T.reads()
+                        T.writes()
+                        for e in T.serial((group * d + nt - 1) // nt):
+                            x: T.let[T.int32] = e * nt + tx
+                            if x < group * d:
+                                q_sh[x] = T.Cast("float32", q[t, kvh * group + x // d, x % d])
+                        for x in T.serial(chunk_passes * group * vec):
+                            acc[own(tx, x, n_acc)] = T.float32(0)
+                        ml[own(tx, 0, 2)] = T.float32("-inf")
+                        ml[own(tx, 1, 2)] = T.float32(0)
+                for pg in T.serial(p1 - p0):
+                    page: T.let[T.int64] = T.Cast("int64", table[slot, p0 + pg])
+                    # Phase 1: partial scores of key j over dim slice p, for every query head.
+                    for tx in lanes():
+                        with T.sblock("scores"):
+                            T.reads()
+                            T.writes()
+                            kr = T.sblock_alloc_buffer((per_part * vec,), dtype, scope="local")
+                            sc = T.sblock_alloc_buffer((group,), "float32", scope="local")
+                            j: T.let[T.int32] = tx // parts
+                            p: T.let[T.int32] = tx % parts
+                            for e in T.serial(per_part):
+                                for i in T.vectorized(vec):
+                                    kr[e * vec + i] = kp[layer64, page, kvh, j, dim(p, e, i)]
+                            for g in T.serial(group):
+                                sc[g] = T.float32(0)
+                                for e in T.serial(per_part):
+                                    for i in T.unroll(vec):
+                                        sc[g] += q_sh[g * d + dim(p, e, i)] * T.Cast(
+                                            "float32", kr[e * vec + i]
+                                        )
+                            for g in T.serial(group):
+                                part[(g * tj + j) * parts + p] = sc[g]
+                    # Phase 2: the online softmax, one thread per query head.
+                    for tx in lanes():
+                        with T.sblock("softmax"):
+                            T.reads()
+                            T.writes()
+                            sv = T.sblock_alloc_buffer((tj,), "float32", scope="local")
+                            mx = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                            sm = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                            if tx < group:
+                                mx[0] = ml[own(tx, 0, 2)]
+                                for j in T.serial(tj):
+                                    sv[j] = T.float32(0)
+                                    for p in T.serial(parts):
+                                        sv[j] += part[(tx * tj + j) * parts + p]
+                                    sv[j] = T.Select(
+                                        (p0 + pg) * tj + j < kv_len,
+                                        sv[j] * T.float32(scale),
+                                        T.float32("-inf"),
+                                    )
+                                    mx[0] = T.max(mx[0], sv[j])
+                                sm[0] = T.float32(0)
+                                for j in T.serial(tj):
+                                    sv[j] = T.exp(sv[j] - mx[0])
+                                    sm[0] += sv[j]
+                                a: T.let[T.float32] = T.exp(ml[own(tx, 0, 2)] - mx[0])
+                                ml[own(tx, 1, 2)] = ml[own(tx, 1, 2)] * a + sm[0]
+                                ml[own(tx, 0, 2)] = mx[0]
+                                alpha[tx] = a
+                                for j in T.serial(tj):
+                                    p_sh[tx * tj + j] = sv[j]
+                    # Phase 3: acc = alpha acc + P V over this thread's keys and dim chunk.
+                    for tx in lanes():
+                        with T.sblock("pv"):
+                            T.reads()
+                            T.writes()
+                            vr = T.sblock_alloc_buffer((vec,), dtype, scope="local")
+                            kg: T.let[T.int32] = tx // chunks if nt >= chunks else 0
+                            for cp in T.serial(chunk_passes):
+                                c: T.let[T.int32] = (cp * nt + tx) % chunks
+                                for g in T.serial(group):
+                                    for i in T.unroll(vec):
+                                        acc[own(tx, (cp * group + g) * vec + i, n_acc)] *= alpha[g]
+                                for jj in T.serial(keys_per_group):
+                                    j: T.let[T.int32] = kg * keys_per_group + jj
+                                    for i in T.vectorized(vec):
+                                        vr[i] = vp[layer64, page, kvh, j, c * vec + i]
+                                    for g in T.serial(group):
+                                        pj: T.let[T.float32] = p_sh[g * tj + j]
+                                        for i in T.unroll(vec):
+                                            a_i: T.let[T.int32] = own(
+                                                tx, (cp * group + g) * vec + i, n_acc
+                                            )
+                                            acc[a_i] += pj * T.Cast("float32", vr[i])
+                # Combine the key groups' accumulators; write o, or this split's piece.
+                for tx in lanes():
+                    with T.sblock("publish"):
+                        T.reads()
+                        T.writes()
+                        kg: T.let[T.int32] = tx // chunks if nt >= chunks else 0
+                        for cp in T.serial(chunk_passes):
+                            c: T.let[T.int32] = (cp * nt + tx) % chunks
+                            for g in T.serial(group):
+                                for i in T.serial(vec):
+                                    red[(kg * group + g) * d + c * vec + i] = acc[
+                                        own(tx, (cp * group + g) * vec + i, n_acc)
+                                    ]
+                        if tx < group:
+                            ml_sh[tx * 2] = ml[own(tx, 0, 2)]
+                            ml_sh[tx * 2 + 1] = ml[own(tx, 1, 2)]
+                for tx in lanes():
+                    with T.sblock("store"):
+                        T.reads()
+                        T.writes()
+                        sum_ = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                        for e in T.serial((group * d + nt - 1) // nt):
+                            x: T.let[T.int32] = e * nt + tx
+                            if x < group * d:
+                                g: T.let[T.int32] = x // d
+                                sum_[0] = T.float32(0)
+                                for kg in T.serial(key_groups):
+                                    sum_[0] += red[(kg * group + g) * d + x % d]
+                                if splits == 1:
+                                    o[t, kvh * group + g, x % d] = T.Cast(
+                                        dtype, sum_[0] / ml_sh[g * 2 + 1]
+                                    )
+                                else:
+                                    ws_acc[t * splits + s, kvh * group + g, x % d] = sum_[0]
+                                    if x % d == 0:
+                                        ws_ml[t * splits + s, kvh * group + g, 0] = ml_sh[g * 2]
+                                        ws_ml[t * splits + s, kvh * group + g, 1] = ml_sh[
+                                            g * 2 + 1
+                                        ]
+        # Merge the split pieces of each (token, head); nothing to do with a single split.
+        for row in grid(T.min(n_tok, ws_rows) * heads):
+            with T.sblock("merge"):
+                T.reads()
+                T.writes()
+                if splits > 1:
+                    for x in lanes():
+                        with T.sblock("merge_dims"):
+                            T.reads()
+                            T.writes()
+                            mx = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                            num = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                            den = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                            t: T.let[T.int32] = row // heads
+                            h: T.let[T.int32] = row % heads
+                            mx[0] = T.float32("-inf")
+                            for s in T.serial(splits):
+                                mx[0] = T.max(mx[0], ws_ml[t * splits + s, h, 0])
+                            for e in T.serial((d + nt - 1) // nt):
+                                if e * nt + x < d:
+                                    num[0] = T.float32(0)
+                                    den[0] = T.float32(0)
+                                    for s in T.serial(splits):
+                                        wt: T.let[T.float32] = T.exp(
+                                            ws_ml[t * splits + s, h, 0] - mx[0]
+                                        )
+                                        num[0] += wt * ws_acc[t * splits + s, h, e * nt + x]
+                                        den[0] += wt * ws_ml[t * splits + s, h, 1]
+                                    o[t, h, e * nt + x] = T.Cast(dtype, num[0] / den[0])
+
+    return attn_paged
+
+
+def assign_pages(target: Target) -> PrimFunc:
+    """page_table[slot[0], :len(pages)] = pages, in place."""
+    gpu = target.kind.name == "cuda"
+
+    def one():
+        return T.thread_binding(1, thread="blockIdx.x") if gpu else T.serial(1)
+
+    def entries(n):
+        return T.thread_binding(n, thread="threadIdx.x") if gpu else T.serial(n)
+
+    @T.prim_func(s_tir=True)
+    def attn_assign_pages(table_h: T.handle, slot_h: T.handle, pages_h: T.handle):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        n_slots, width, count = T.int32(), T.int32(), T.int32()
+        table = T.match_buffer(table_h, (n_slots, width), "int32")
+        slot = T.match_buffer(slot_h, (1,), "int32")
+        pages = T.match_buffer(pages_h, (count,), "int32")
+        for _ in one():
+            for tx in entries(256):
+                with T.sblock("assign"):
+                    T.reads()
+                    T.writes()
+                    for e in T.serial((count + 255) // 256):
+                        if e * 256 + tx < count:
+                            table[slot[0], e * 256 + tx] = pages[e * 256 + tx]
+
+    return attn_assign_pages

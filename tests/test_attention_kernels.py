@@ -1,0 +1,122 @@
+"""Our paged attention kernels (schedules/attention.py) against a plain numpy reference, on the
+CPU, built with the GPU kernel's thread layout (the CPU runs its lanes one after another).
+
+Edges: kv length 1, lengths at and across page boundaries, several split pieces merged (few
+tokens) and a single piece (more tokens than the split budget), GQA groups 1-4, head_dim 16-256,
+ragged prefill chunks behind earlier pages, pages scattered over the pool. Mutation checks show
+the comparison notices a swapped page-table entry and an off-by-one position."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tvm
+
+from qwen35_tvm.schedules import attention
+
+PAGE = attention.PAGE_SIZE
+LAYERS, POOL_PAGES, SLOTS, TABLE_WIDTH = 2, 160, 5, 48
+_built: dict = {}
+
+
+def kernels(heads: int, kv_heads: int, d: int):
+    key = (heads, kv_heads, d)
+    if key not in _built:
+        target = tvm.target.Target("llvm")
+        _built[key] = (
+            tvm.compile(attention.append_kv(kv_heads, d, "float32", target), target=target),
+            tvm.compile(attention.paged_attention(heads, kv_heads, d, "float32", target), target),
+            tvm.compile(attention.assign_pages(target), target=target),
+        )
+    return _built[key]
+
+
+def reference(q, kp, vp, table, indptr, slots, positions, layer) -> np.ndarray:
+    n_tok, heads, d = q.shape
+    group = heads // kp.shape[2]
+    out = np.zeros(q.shape)
+    for t in range(n_tok):
+        slot = slots[np.searchsorted(indptr, t, side="right") - 1]
+        kv = np.arange(positions[t] + 1)
+        pages = table[slot, kv // PAGE]
+        ks, vs = kp[layer, pages, :, kv % PAGE], vp[layer, pages, :, kv % PAGE]
+        for h in range(heads):
+            s = ks[:, h // group].astype(np.float64) @ q[t, h] * d**-0.5
+            w = np.exp(s - s.max())
+            out[t, h] = w @ vs[:, h // group] / w.sum()
+    return out
+
+
+def attend(heads, kv_heads, d, before, chunk, seed=0, mutate=None) -> float:
+    """Append a ragged step (sequence b had `before[b]` tokens and adds `chunk[b]`), attend, and
+    return max |ours - reference|. `mutate` breaks one input of ours only."""
+    rng = np.random.default_rng(seed)
+    app, att, assign = kernels(heads, kv_heads, d)
+    dev = tvm.cpu()
+
+    def tensor(a):
+        return tvm.runtime.tensor(np.ascontiguousarray(a), dev)
+
+    shape = (LAYERS, POOL_PAGES, kv_heads, PAGE, d)
+    kp, vp = (tensor(rng.standard_normal(shape).astype("float32")) for _ in range(2))
+    table = tensor(np.zeros((SLOTS, TABLE_WIDTH), "int32"))
+    slots = np.array([3, 0, 4, 1][: len(before)], "int32")
+    order = rng.permutation(POOL_PAGES)  # a sequence's pages are scattered over the pool
+    per_seq = POOL_PAGES // len(slots)
+    for i, slot in enumerate(slots):
+        pages = order[i * per_seq : (i + 1) * per_seq][:TABLE_WIDTH]
+        assign(table, tensor(np.array([slot], "int32")), tensor(pages.astype("int32")))
+    indptr = np.concatenate([[0], np.cumsum(chunk)]).astype("int32")
+    positions = np.concatenate([np.arange(b, b + c) for b, c in zip(before, chunk, strict=True)])
+    positions = positions.astype("int32")
+    n_tok = int(indptr[-1])
+    q = rng.standard_normal((n_tok, heads, d)).astype("float32")
+    k, v = (rng.standard_normal((n_tok, kv_heads, d)).astype("float32") for _ in range(2))
+    layer = 1
+    args = [tensor(indptr), tensor(slots), tensor(positions), table, kp, vp]
+    app(tensor(k), tensor(v), *args, layer)
+    ref = reference(q, kp.numpy(), vp.numpy(), table.numpy(), indptr, slots, positions, layer)
+    if mutate == "swap_pages":
+        t = table.numpy()
+        t[slots[0], [0, 1]] = t[slots[0], [1, 0]]
+        args[3] = tensor(t)
+    elif mutate == "position_off_by_one":
+        args[2] = tensor(np.maximum(positions - 1, 0))
+    out = tensor(np.zeros((n_tok, heads, d), "float32"))
+    ws = (
+        tensor(np.zeros((attention.SPLIT_BUDGET, heads, d), "float32")),
+        tensor(np.zeros((attention.SPLIT_BUDGET, heads, 2), "float32")),
+    )
+    att(tensor(q), *args, layer, out, *ws)
+    return float(np.abs(out.numpy() - ref).max())
+
+
+@pytest.mark.parametrize(
+    "heads, kv_heads, d",
+    [(4, 2, 16), (8, 2, 32), (6, 3, 64), (4, 4, 64), (4, 1, 256)],
+)
+def test_decode_rows_split_and_merged(heads, kv_heads, d):
+    # one token a sequence (decode): kv lengths 1, 16, 17, 33, 200 -> several split pieces
+    for before in ([0], [15, 16], [32, 199, 0]):
+        err = attend(heads, kv_heads, d, before, [1] * len(before))
+        assert err < 2e-5, (before, err)
+
+
+@pytest.mark.parametrize("heads, kv_heads, d", [(4, 2, 16), (8, 2, 32), (6, 3, 64)])
+def test_ragged_prefill_behind_earlier_pages(heads, kv_heads, d):
+    # chunks that start mid-page and end on and past page boundaries, next to a decode row
+    err = attend(heads, kv_heads, d, before=[0, 5, 31, 100], chunk=[16, 27, 1, 33])
+    assert err < 2e-5
+    # more tokens than the split budget: one piece each, written directly
+    err = attend(heads, kv_heads, d, before=[7, 0], chunk=[90, 70])
+    assert err < 2e-5
+
+
+@pytest.mark.parametrize("mutate", ["swap_pages", "position_off_by_one"])
+def test_comparison_notices_broken_paging(mutate):
+    assert attend(4, 2, 16, before=[20, 40], chunk=[3, 1], mutate=mutate) > 1e-2
+
+
+def test_split_count_follows_the_token_count():
+    for n, expected in ((1, 128), (16, 8), (64, 2), (128, 1), (4096, 1)):
+        assert int(attention.num_splits(tvm.tirx.IntImm("int32", n))) == expected
