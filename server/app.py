@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import time
 from collections.abc import AsyncIterator, Callable
@@ -17,18 +18,25 @@ from starlette.types import Receive, Scope, Send
 
 from qwen35_tvm.runtime.artifact import Artifact
 from qwen35_tvm.runtime.engine import Engine
+from qwen35_tvm.runtime.grammar import GrammarCompiler
 from qwen35_tvm.runtime.sampler import SamplingParams
 from qwen35_tvm.runtime.sequence import Request as EngineRequest
 from qwen35_tvm.runtime.tokenizer import TextTokenizer
 
 from . import errors
+from .chat_output import OutputRules
+from .chat_shaper import ChatShaper
+from .chat_template import ChatRenderer
 from .engine_loop import EngineLoop
 from .errors import APIError, error_body
-from .formats import ChatShaper, CompletionShaper, Shaper, sse
+from .formats import CompletionShaper, Shaper, sse
 from .limits import BodyLimit
+from .markup import reveal_markup
 from .metrics import Metrics, StatusCounter
 from .protocol import ChatCompletionRequest, CompletionRequest, _Sampling
+from .reasoning import Mode, prompt_mode
 from .serving import Generation, collect
+from .structured import constraint, tool_schemas
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -69,6 +77,13 @@ class Server:
         self.loop = EngineLoop(engine, max_waiting=cfg.max_waiting)
         self.metrics = Metrics(self.loop)
         self.window = engine.artifact.context_window
+        # Chat answers decode their markup tags as text, to be parsed (markup.py).
+        self.chat_tokenizer = reveal_markup(tokenizer)
+        self.renderer = ChatRenderer(tokenizer.chat_template)
+        artifact = engine.artifact
+        self.grammars = GrammarCompiler(
+            tokenizer.tokenizer, artifact.widths.decodable, artifact.eos_token_ids
+        )
 
     def check(self, body: _Sampling) -> None:
         problem = body.problem()
@@ -89,7 +104,9 @@ class Server:
         max_tokens: int,
         top: int,
         prompt_logprobs: bool = False,
+        grammar: Any = None,
     ) -> list[EngineRequest]:
+        """One engine request per choice; with a compiled `grammar`, each its own matcher."""
         jobs = []
         for i in range(body.n):
             try:
@@ -111,6 +128,7 @@ class Server:
                     body.ignore_eos,
                     prompt_logprobs,
                     top,
+                    None if grammar is None else self.grammars.state(grammar),
                 )
             )
         return jobs
@@ -245,11 +263,17 @@ def create_app(server: Server) -> FastAPI:
     @app.post("/v1/chat/completions", dependencies=secured)
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         server.check(body)
-        tok = server.tokenizer
-        try:
-            text = tok.render_chat(body.chat_messages())
-        except Exception as err:  # template errors are the conversation's fault
-            raise APIError(400, f"cannot format the conversation: {err}", "messages") from None
+        tok = server.chat_tokenizer
+        schemas = tool_schemas(body)
+        text = server.renderer.render(body)
+        mode = prompt_mode(text)
+        spec = constraint(body, schemas, reasoning=mode is Mode.REASONING)
+        grammar = None
+        if spec is not None:
+            try:  # off the event loop: a new schema can take a while to compile
+                grammar = await asyncio.to_thread(server.grammars.compile, spec[0])
+            except ValueError as err:
+                raise APIError(400, f"cannot compile a grammar: {err}", spec[1]) from None
         prompt = tok.encode(text)
         max_tokens = body.limit() or server.window - len(prompt)
         if max_tokens < 1:
@@ -260,9 +284,14 @@ def create_app(server: Server) -> FastAPI:
                 "messages",
             )
         top = body.top_logprobs or 0
-        jobs = [server.jobs(body, prompt, max_tokens, top)]
+        jobs = [server.jobs(body, prompt, max_tokens, top, grammar=grammar)]
         gen = Generation(server.loop, tok, server.metrics, [prompt], jobs, body.stop_strings())
-        shaper = ChatShaper(tok, server.model, gen, top if body.logprobs else None)
+        rules = OutputRules(
+            mode,
+            schemas if schemas and body.tool_choice != "none" else None,
+            None if body.parallel_tool_calls else 1,
+        )
+        shaper = ChatShaper(tok, server.model, gen, top if body.logprobs else None, rules=rules)
         return await server.respond(body, gen, shaper, request)
 
     return app

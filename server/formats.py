@@ -1,4 +1,5 @@
-"""OpenAI response JSON for completions and chat completions, whole or as stream chunks."""
+"""OpenAI response JSON for completions, whole or as stream chunks, and the envelope that chat
+completions (`chat_shaper.py`) share."""
 
 from __future__ import annotations
 
@@ -133,69 +134,4 @@ class CompletionShaper(Shaper):
         if self.top is not None:
             lp = self._logprobs(c, d.start, d.first and self.echo, 0)
         choice = {"index": c.index, "text": text, "logprobs": lp, "finish_reason": d.finish_reason}
-        return self.envelope([choice], chunk=True)
-
-
-class ChatShaper(Shaper):
-    object_name = "chat.completion"
-    chunk_name = "chat.completion.chunk"
-    prefix = "chatcmpl"
-
-    def _entry(self, token: int, lp: float) -> dict[str, Any]:
-        s = self.token_text(token)
-        return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
-
-    def _logprobs(self, c: Choice, start: int) -> dict[str, Any]:
-        content = []
-        for i in range(start, len(c.token_ids)):
-            entry = self._entry(c.token_ids[i], c.logprobs[i])
-            pairs = c.tops[i] if i < len(c.tops) else []
-            entry["top_logprobs"] = [self._entry(t, v) for t, v in pairs]
-            content.append(entry)
-        return {"content": content}
-
-    def response(self) -> dict[str, Any]:
-        choices = []
-        for c in self.gen.choices:
-            choices.append(
-                {
-                    "index": c.index,
-                    "message": {"role": "assistant", "content": c.text.text},
-                    "logprobs": self._logprobs(c, 0) if self.top is not None else None,
-                    "finish_reason": c.finish_reason,
-                }
-            )
-        body = self.envelope(choices, chunk=False)
-        body["usage"] = usage(self.gen)
-        return body
-
-    def role_chunks(self) -> list[dict[str, Any]]:
-        return [
-            self.envelope(
-                [
-                    {
-                        "index": c.index,
-                        "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                ],
-                chunk=True,
-            )
-            for c in self.gen.choices
-        ]
-
-    def chunk(self, d: ChoiceDelta) -> dict[str, Any] | None:
-        c = d.choice
-        new_tokens = len(c.token_ids) > d.start
-        if not d.text and d.finish_reason is None and not (self.top is not None and new_tokens):
-            return None
-        delta = {"content": d.text} if d.text or d.finish_reason is None else {}
-        lp = self._logprobs(c, d.start) if self.top is not None else None
-        choice = {
-            "index": c.index,
-            "delta": delta,
-            "logprobs": lp,
-            "finish_reason": d.finish_reason,
-        }
         return self.envelope([choice], chunk=True)

@@ -7,7 +7,7 @@ fields we do not implement are accepted only at their neutral value, so stock cl
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -98,15 +98,83 @@ class TextPart(_Body):
     text: str
 
 
+ToolName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
+
+
+class FunctionCall(_Body):
+    name: ToolName
+    arguments: str  # a JSON object, as text (OpenAI's convention)
+
+
+class ToolCall(_Body):
+    id: Annotated[str, Field(min_length=1, max_length=128)]
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
-    role: Literal["system", "user", "assistant"]
-    content: str | Annotated[list[TextPart], Field(min_length=1)]
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | Annotated[list[TextPart], Field(min_length=1)] | None = None
     name: str | None = None
+    tool_calls: Annotated[list[ToolCall], Field(max_length=128)] | None = None  # assistant
+    tool_call_id: Annotated[str, Field(min_length=1)] | None = None  # tool
+    reasoning_content: str | None = None  # assistant: its <think> part
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+    def problem(self) -> tuple[str, str] | None:
+        """(field under this message, message) when the role's required fields are wrong."""
+        if self.role != "assistant" and self.content is None:
+            return "content", f"a {self.role} message needs content"
+        if self.role == "assistant" and self.content is None and not self.tool_calls:
+            return "content", "an assistant message needs content or tool_calls"
+        if self.tool_calls is not None and self.role != "assistant":
+            return "tool_calls", "only assistant messages carry tool_calls"
+        if self.role == "tool" and self.tool_call_id is None:
+            return "tool_call_id", "a tool message needs the tool_call_id it answers"
+        if self.reasoning_content is not None and self.role != "assistant":
+            return "reasoning_content", "only assistant messages carry reasoning_content"
+        return None
+
+
+class FunctionDef(_Body):
+    name: ToolName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JSONSchemaFormat(_Body):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
 
 
 class ChatCompletionRequest(_Sampling):
@@ -114,16 +182,30 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def problem(self) -> tuple[str, str] | None:
         if self.max_tokens == 0:
             return "max_tokens", "max_tokens must be >= 1"
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs", "top_logprobs requires logprobs to be true"
+        for i, message in enumerate(self.messages):
+            found = message.problem()
+            if found is not None:
+                return f"messages.{i}.{found[0]}", found[1]
+        fmt = self.response_format
+        if fmt is not None and (fmt.type == "json_schema") != (fmt.json_schema is not None):
+            return "response_format", "json_schema goes with, and only with, type json_schema"
+        if fmt is not None and fmt.json_schema is not None and fmt.json_schema.schema_ is None:
+            return "response_format.json_schema.schema", "json_schema needs a schema"
         return super().problem()
+
+    def tool_names(self) -> list[str]:
+        return [t.function.name for t in self.tools or []]
 
     def limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
-
-    def chat_messages(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]

@@ -64,7 +64,7 @@ CASES: list[tuple[str, object, dict | None, int, str | None]] = [
     (C, OK, {"Authorization": KEY}, 401, None),
     (C, {"prompt": "x" * (MAX_BODY + 10)}, None, 413, None),
     (CHAT, {"messages": []}, None, 400, "messages"),
-    (CHAT, {"messages": [{"role": "tool", "content": "x"}]}, None, 400, "messages.0.role"),
+    (CHAT, {"messages": [{"role": "function", "content": "x"}]}, None, 400, "messages.0.role"),
     (CHAT, {"messages": [{"role": "user", "content": 5}]}, None, 400, "messages.0.content"),
     (CHAT, {"messages": [{"role": "user", "content": "x", "age": 3}]}, None, 400, "messages.0.age"),
     (CHAT, {"messages": "hello"}, None, 400, "messages"),

@@ -1,0 +1,125 @@
+"""Constrained decoding with xgrammar: grammars compiled once per spec, one matcher per sequence.
+
+A `GrammarState` is what the engine sees: `mask(row)` sets every decodable column the grammar
+forbids to -inf before the sampler (or argmax) looks at the row, `accept(token)` advances the
+matcher. The next bitmask is computed on a worker thread right after `accept`, so it overlaps
+the next forward pass instead of delaying it. The mask covers `decodable` columns only: the
+arena's pad columns are never touched (they stay -inf).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+import xgrammar as xgr
+from tokenizers import Tokenizer
+
+# Chat markup the grammars spell out; every other added special token is never allowed.
+MARKUP_TOKENS = ("<think>", "</think>", "<tool_call>", "</tool_call>")
+
+_MASKING = True  # a test-only switch: False leaves logits unmasked (the mutation check)
+_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar")
+
+
+def set_masking(enabled: bool) -> None:
+    """Test hook: turn the bitmask off to show what the grammar is responsible for."""
+    global _MASKING
+    _MASKING = enabled
+
+
+def tokenizer_info(tokenizer: Tokenizer, decodable: int, stop_ids: Sequence[int]) -> Any:
+    """xgrammar's view of the vocabulary: byte-level strings by id, control tokens as ''
+    (xgrammar treats empty tokens as special, never allowed inside text)."""
+    vocab = [""] * decodable
+    for token, tid in tokenizer.get_vocab(with_added_tokens=True).items():
+        if tid < decodable:
+            vocab[tid] = token
+    for tid, added in tokenizer.get_added_tokens_decoder().items():
+        if tid < decodable and added.special and added.content not in MARKUP_TOKENS:
+            vocab[tid] = ""
+    return xgr.TokenizerInfo(
+        vocab,
+        xgr.VocabType.BYTE_LEVEL,
+        vocab_size=decodable,
+        stop_token_ids=list(stop_ids),
+    )
+
+
+class GrammarCompiler:
+    """Compiles structural-tag specs (plain JSON-able dicts) to grammars, cached by spec."""
+
+    def __init__(self, tokenizer: Tokenizer, decodable: int, stop_ids: Sequence[int]) -> None:
+        self.decodable = decodable
+        self._info = tokenizer_info(tokenizer, decodable, stop_ids)
+        self._compiler = xgr.GrammarCompiler(self._info)
+        self._cache: dict[str, Future] = {}
+        self._lock = threading.Lock()
+        self.compilations = 0  # grammars actually compiled (cache misses)
+
+    def compile(self, spec: Mapping[str, Any]) -> Any:
+        """A compiled grammar for a structural tag; raises ValueError for a bad spec. Requests
+        that ask for the same spec at once wait for one compilation."""
+        key = json.dumps(spec)  # key order kept: a schema's property order is its output order
+        with self._lock:
+            pending = self._cache.get(key)
+            owner = pending is None
+            if owner:
+                pending = self._cache[key] = Future()
+        if owner:
+            try:
+                pending.set_result(self._compiler.compile_structural_tag(key))
+                self.compilations += 1
+            except Exception as err:  # xgrammar raises several types for a spec it rejects
+                with self._lock:
+                    del self._cache[key]  # not cached: the next request gets the error too
+                lines = str(err).strip().splitlines()
+                pending.set_exception(ValueError(lines[-1] if lines else repr(err)))
+        return pending.result()
+
+    def state(self, compiled: Any) -> GrammarState:
+        return GrammarState(compiled, self.decodable)
+
+
+class GrammarState:
+    """One sequence's matcher and its next-token bitmask."""
+
+    def __init__(self, compiled: Any, decodable: int) -> None:
+        self.decodable = decodable
+        self._matcher = xgr.GrammarMatcher(compiled)
+        self._bitmask = xgr.allocate_token_bitmask(1, decodable)
+        self._next: Future | None = _POOL.submit(self._fill)
+        self.broken = False  # a token the grammar refused was accepted (masking switched off)
+
+    def _fill(self) -> bool:
+        """Compute the bitmask for the next token; False once nothing more is constrained."""
+        if self._matcher.is_terminated():
+            return False
+        self._matcher.fill_next_token_bitmask(self._bitmask)
+        return True
+
+    def mask(self, row: np.ndarray) -> None:
+        """Forbid, in place, the decodable columns the grammar does not allow next."""
+        pending, self._next = self._next, None
+        ready = pending.result() if pending is not None else self._fill()
+        if not ready or self.broken or not _MASKING:
+            return
+        view = torch.from_numpy(row[: self.decodable]).unsqueeze(0)
+        xgr.apply_token_bitmask_inplace(view, self._bitmask, vocab_size=self.decodable)
+
+    def accept(self, token: int) -> None:
+        """Advance with the chosen token and start computing the next mask."""
+        if self._next is not None:  # mask() was skipped: let the pending fill finish first
+            self._next.result()
+            self._next = None
+        if self.broken or self._matcher.is_terminated():
+            return
+        if not self._matcher.accept_token(int(token)):
+            self.broken = True
+            return
+        self._next = _POOL.submit(self._fill)
