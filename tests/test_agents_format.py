@@ -203,3 +203,51 @@ def test_mask_covers_decodable_columns_only(tiny_random_artifact):
     assert np.all(np.isneginf(row[widths.decodable :]))  # pad columns stay -inf
     with pytest.raises(ValueError):
         compiler.compile({"type": "structural_tag", "format": {"type": "nonsense"}})
+
+
+@pytest.mark.parametrize(
+    ("fields", "good", "bad"),
+    [
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "w", "schema": WEATHER},
+                }
+            },
+            'plan</think>\n\n{"city": "Oslo", "days": 2}',
+            'plan</think>\n\n{"days": 2}',  # city is required
+        ),
+        (
+            {"response_format": {"type": "json_object"}},
+            'plan</think>\n\n{"any": [1, {"x": null}]}',
+            "plan</think>\n\n[1, 2]",
+        ),
+        (
+            {"tools": TOOLS, "tool_choice": "required"},
+            "plan</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n"
+            "</parameter>\n</function>\n</tool_call>",
+            "plan</think>\n\nSure! <tool_call>",  # required: no text around the calls
+        ),
+    ],
+)
+def test_constraints_accept_well_formed_answers_after_free_reasoning(
+    tiny_random_artifact, fields, good, bad
+):
+    from qwen35_tvm.runtime.grammar import GrammarCompiler
+    from qwen35_tvm.runtime.tokenizer import TextTokenizer
+    from qwen35_tvm.server.markup import reveal_markup
+    from qwen35_tvm.server.structured import constraint, tool_schemas
+
+    tok = reveal_markup(TextTokenizer.from_dir(tiny_random_artifact))
+    meta = json.loads((tiny_random_artifact / "artifact.json").read_text())
+    compiler = GrammarCompiler(tok.tokenizer, meta["vocab"]["decodable"], [248046])
+    body = ChatCompletionRequest.model_validate({"messages": CONVERSATION[:2], **fields})
+    spec, _ = constraint(body, tool_schemas(body), reasoning=True)
+    grammar = compiler.compile(spec)
+    for text, accepted in ((good, True), (bad, False)):
+        state = compiler.state(grammar)
+        for token in tok.encode(text):
+            state.accept(token)
+        state.accept(248046)  # <|im_end|>: only allowed once the answer is complete
+        assert state.broken is not accepted, text
