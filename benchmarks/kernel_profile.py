@@ -65,21 +65,25 @@ def main() -> None:
 
     batches = [int(b) for b in args.batch.split(",")]
     artifact = Artifact(args.artifact, device=args.device)
-    runner = ModelRunner(artifact, max_batch_size=max(batches), prefill_chunk=args.prompt)
+    per_seq = 2 * args.prompt + 64  # a profiled prefill runs twice on sequence 0
+    runner = ModelRunner(
+        artifact, max_batch_size=max(batches), max_total_tokens=max(batches) * per_seq
+    )
+    pages = -(-per_seq // artifact.page_size)
     rng = np.random.default_rng(0)
     report = {}
     for b in batches:
         ids = list(range(b))
         for i in ids:
-            runner.add_sequence(i, i)
+            runner.add_sequence(i, list(range(i * pages, (i + 1) * pages)))
         prompts = [rng.integers(1000, 100000, args.prompt).tolist() for _ in ids]
-        runner.forward(ids[:1], ids[:1], prompts[:1])  # warm-up (kernel loading)
-        runner.forward(ids[:1], ids[:1], [[1]])
+        runner.forward(ids[:1], prompts[:1])  # warm-up (kernel loading)
+        runner.forward(ids[:1], [[1]])
         for i in ids[1:]:
-            runner.forward([i], [i], [prompts[i]])
+            runner.forward([i], [prompts[i]])
         if b == batches[0]:
-            report["prefill"] = profile(runner, partial(runner.forward, [0], [0], prompts[:1]))
-        step = partial(runner.forward, ids, ids, [[1]] * b)
+            report["prefill"] = profile(runner, partial(runner.forward, [0], prompts[:1]))
+        step = partial(runner.forward, ids, [[1]] * b)
         step()
         report[f"decode_b{b}"] = profile(runner, step)
         for i in ids:

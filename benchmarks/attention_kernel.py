@@ -1,0 +1,195 @@
+"""Benchmark of our paged attention kernel (schedules/attention.py) against torch SDPA.
+
+Two steps, because the GPU server has no compiler:
+  here (nvcc, no GPU):  python benchmarks/attention_kernel.py build DIR [--arch sm_90]
+  on the GPU server:    python benchmarks/attention_kernel.py run DIR [--out docs/results]
+
+4B heads (16 query heads, 4 kv heads, head_dim 256), bf16. Decode: one query token a sequence at
+the end of B sequences of L tokens whose pages are scattered over the pool; reported as K/V bytes
+read per second over the copy bandwidth of the same run. Prefill: a fresh causal prompt (or 16
+ragged ones) attending to itself through the pages. torch runs SDPA on contiguous K/V in the same
+run (flash for the causal prefill, GQA expanded). Every case is also checked against SDPA's
+output (max |Δ|). JSON: DIR/attention_bench_result.json and, with --out, a copy there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import traceback
+from pathlib import Path
+
+from common import copy_bandwidth, cuda_time
+
+HEADS, KV_HEADS, HEAD_DIM, PAGE = 16, 4, 256, 16
+DECODE = {"B1xL32768": (1, 32768), "B16xL4096": (16, 4096), "B64xL1024": (64, 1024)}
+PREFILL = {"1x1024": [1024], "1x8192": [8192], "16x1024": [1024] * 16}
+
+
+def build(out: Path, arch: str) -> None:
+    import tvm
+
+    from qwen35_tvm.compile.cuda_toolchain import prepare_cuda_codegen
+    from qwen35_tvm.compile.targets import make_target
+    from qwen35_tvm.schedules import attention
+
+    target, arches = make_target("cuda", arch)
+    prepare_cuda_codegen(arches)
+    out.mkdir(parents=True, exist_ok=True)
+    funcs = {
+        "append": attention.append_kv(KV_HEADS, HEAD_DIM, "bfloat16", target),
+        "attend": attention.paged_attention(HEADS, KV_HEADS, HEAD_DIM, "bfloat16", target),
+    }
+    for name, func in funcs.items():
+        tvm.compile(tvm.IRModule({"main": func}), target=target).export_library(
+            str(out / f"attn_{name}.so")
+        )
+        print(f"built {name}")
+    (out / "attention_bench.json").write_text(json.dumps({"arch": arches}))
+
+
+def make_case(torch, lengths: list[int], queries: list[int], seed: int = 0) -> dict:
+    """Sequences of `lengths` tokens (K/V already cached) whose last `queries[b]` tokens query;
+    pages of all sequences shuffled over one pool."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    pages = [-(-n // PAGE) for n in lengths]
+    total = sum(pages)
+    order = torch.randperm(total, device="cuda", generator=gen).to(torch.int32)
+    width = max(pages)
+    table = torch.zeros(len(lengths), width, dtype=torch.int32, device="cuda")
+    start = 0
+    for b, p in enumerate(pages):
+        table[b, :p] = order[start : start + p]
+        start += p
+    shape = (1, total, KV_HEADS, PAGE, HEAD_DIM)
+    kp = torch.randn(shape, device="cuda", generator=gen, dtype=torch.bfloat16)
+    vp = torch.randn(shape, device="cuda", generator=gen, dtype=torch.bfloat16)
+    positions = torch.cat([torch.arange(n - q, n) for n, q in zip(lengths, queries, strict=True)])
+    indptr = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    indptr[1:] = torch.cumsum(torch.tensor(queries), 0)
+    n_tok = int(indptr[-1])
+    q = torch.randn(n_tok, HEADS, HEAD_DIM, device="cuda", generator=gen, dtype=torch.bfloat16)
+    return {
+        "q": q,
+        "indptr": indptr.to("cuda"),
+        "slots": torch.arange(len(lengths), dtype=torch.int32, device="cuda"),
+        "positions": positions.to(torch.int32).to("cuda"),
+        "table": table,
+        "kp": kp,
+        "vp": vp,
+        "lengths": lengths,
+        "queries": queries,
+    }
+
+
+def contiguous_kv(torch, x: dict, b: int):
+    """Sequence b's K and V as [1, kv_heads, L, head_dim]."""
+    n = x["lengths"][b]
+    pages = x["table"][b, : -(-n // PAGE)].long()
+    k = x["kp"][0, pages].permute(1, 0, 2, 3).reshape(KV_HEADS, -1, HEAD_DIM)[:, :n]
+    v = x["vp"][0, pages].permute(1, 0, 2, 3).reshape(KV_HEADS, -1, HEAD_DIM)[:, :n]
+    return k[None].contiguous(), v[None].contiguous()
+
+
+def sdpa_reference(torch, x: dict) -> tuple:
+    """SDPA's output for every query token, and a closure timing SDPA on contiguous K/V."""
+    f = torch.nn.functional
+    outs, calls = [], []
+    group = HEADS // KV_HEADS
+    qi = 0
+    same = len(set(x["lengths"])) == 1 and len(set(x["queries"])) == 1
+    kvs = [contiguous_kv(torch, x, b) for b in range(len(x["lengths"]))]
+    for b, (k, v) in enumerate(kvs):
+        nq = x["queries"][b]
+        q = x["q"][qi : qi + nq].permute(1, 0, 2)[None]
+        causal = nq > 1
+        ke, ve = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        outs.append(f.scaled_dot_product_attention(q, ke, ve, is_causal=causal)[0].permute(1, 0, 2))
+        qi += nq
+    if same:  # time one batched call, as a server would issue it
+        qb = x["q"].reshape(len(kvs), x["queries"][0], HEADS, HEAD_DIM).permute(0, 2, 1, 3)
+        kb = torch.cat([k for k, _ in kvs]).repeat_interleave(group, 1)
+        vb = torch.cat([v for _, v in kvs]).repeat_interleave(group, 1)
+        causal = x["queries"][0] > 1
+        calls.append(lambda: f.scaled_dot_product_attention(qb, kb, vb, is_causal=causal))
+    return torch.cat(outs), calls
+
+
+def run(out_dir: Path, results: Path | None) -> None:
+    import os
+
+    os.environ.setdefault("TVM_USE_RUNTIME_LIB", "1")
+    import torch
+    import tvm
+
+    from qwen35_tvm.runtime.artifact import device_of
+
+    device_of("cuda")
+    attend = tvm.runtime.load_module(str(out_dir / "attn_attend.so"))["main"]
+    bw = copy_bandwidth(torch)
+    print(f"device: {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s")
+    rows = []
+    cases = [("decode", name, [L] * B, [1] * B) for name, (B, L) in DECODE.items()]
+    cases += [("prefill", name, lens, lens) for name, lens in PREFILL.items()]
+    print("| kind | case | ours (µs) | SDPA (µs) | ours / SDPA speed | % of copy bw | max abs Δ |")
+    print("|---|---|---|---|---|---|---|")
+    for kind, name, lengths, queries in cases:
+        row = {"kind": kind, "case": name}
+        try:
+            x = make_case(torch, lengths, queries)
+            n_tok = x["q"].shape[0]
+            o = torch.empty_like(x["q"])
+            ws = torch.empty(128, HEADS, HEAD_DIM, device="cuda")
+            ml = torch.empty(128, HEADS, 2, device="cuda")
+            names = ("q", "indptr", "slots", "positions", "table", "kp", "vp")
+            args = [tvm.runtime.from_dlpack(x[k]) for k in names]
+            args += [0, *(tvm.runtime.from_dlpack(t) for t in (o, ws, ml))]
+            attend(*args)
+            torch.cuda.synchronize()
+            ref, calls = sdpa_reference(torch, x)
+            row["max_abs_diff"] = (o.float() - ref.float()).abs().max().item()
+            row["us"] = cuda_time(torch, lambda a=args: attend(*a)) * 1e6
+            if calls:
+                row["sdpa_us"] = cuda_time(torch, calls[0]) * 1e6
+                row["speed_vs_sdpa"] = row["sdpa_us"] / row["us"]
+            kv_bytes = sum(lengths) * KV_HEADS * HEAD_DIM * 2 * 2
+            row["kv_bytes"] = kv_bytes
+            row["copy_bw_fraction"] = kv_bytes / (row["us"] * 1e-6) / bw
+            row["tokens"] = n_tok
+            if kind == "prefill":
+                flops = sum(4 * n * (n + 1) / 2 * HEAD_DIM * HEADS for n in lengths)
+                row["tflops"] = flops / (row["us"] * 1e-6) / 1e12
+        except Exception as err:
+            traceback.print_exc()
+            row["error"] = repr(err)[:500]
+        rows.append(row)
+        print(
+            f"| {kind} | {name} | {row.get('us', float('nan')):.1f} | "
+            f"{row.get('sdpa_us', float('nan')):.1f} | {row.get('speed_vs_sdpa', float('nan')):.2f}x"
+            f" | {100 * row.get('copy_bw_fraction', float('nan')):.1f}% | "
+            f"{row.get('max_abs_diff', '-')} |" + (f" ERROR {row['error']}" if "error" in row else ""),
+            flush=True,
+        )
+    result = {"device": torch.cuda.get_device_name(), "copy_bw_tbs": bw / 1e12, "rows": rows}
+    text = json.dumps(result, indent=1)
+    (out_dir / "attention_bench_result.json").write_text(text)
+    if results is not None:
+        results.mkdir(parents=True, exist_ok=True)
+        (results / "attention_kernel.json").write_text(text)
+    print(text)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("step", choices=["build", "run"])
+    p.add_argument("dir", type=Path)
+    p.add_argument("--arch", default="sm_90")
+    p.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    args = p.parse_args()
+    build(args.dir, args.arch) if args.step == "build" else run(args.dir, args.out)
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
