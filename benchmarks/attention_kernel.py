@@ -164,11 +164,12 @@ def run(out_dir: Path, results: Path | None) -> None:
             traceback.print_exc()
             row["error"] = repr(err)[:500]
         rows.append(row)
+        nan = float("nan")
+        err = f" ERROR {row['error']}" if "error" in row else ""
         print(
-            f"| {kind} | {name} | {row.get('us', float('nan')):.1f} | "
-            f"{row.get('sdpa_us', float('nan')):.1f} | {row.get('speed_vs_sdpa', float('nan')):.2f}x"
-            f" | {100 * row.get('copy_bw_fraction', float('nan')):.1f}% | "
-            f"{row.get('max_abs_diff', '-')} |" + (f" ERROR {row['error']}" if "error" in row else ""),
+            f"| {kind} | {name} | {row.get('us', nan):.1f} | {row.get('sdpa_us', nan):.1f} | "
+            f"{row.get('speed_vs_sdpa', nan):.2f}x | {100 * row.get('copy_bw_fraction', nan):.1f}%"
+            f" | {row.get('max_abs_diff', '-')} |{err}",
             flush=True,
         )
     result = {"device": torch.cuda.get_device_name(), "copy_bw_tbs": bw / 1e12, "rows": rows}
