@@ -8,7 +8,12 @@ from pathlib import Path
 
 
 def build_library(
-    shape: str, dtype: str, out: Path, arch: str = "sm_80,sm_90", cuda_graph: bool = True
+    shape: str,
+    dtype: str,
+    out: Path,
+    arch: str = "sm_80,sm_90",
+    cuda_graph: bool = True,
+    context_window: int | None = None,
 ) -> float:
     """Compile the library of a real-shape (or tiny) config; weights come later, on the GPU
     server, through `convert`. Returns the compile time in seconds."""
@@ -20,7 +25,14 @@ def build_library(
     (config_dir / "config.json").write_text(json.dumps(SHAPES[shape]))
     started = time.time()
     compile_model(
-        config_dir, out, target="cuda", arch=arch, dtype=dtype, convert=False, cuda_graph=cuda_graph
+        config_dir,
+        out,
+        target="cuda",
+        arch=arch,
+        dtype=dtype,
+        context_window=context_window,
+        convert=False,
+        cuda_graph=cuda_graph,
     )
     return time.time() - started
 

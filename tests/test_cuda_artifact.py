@@ -23,7 +23,22 @@ def test_tiny_random_cuda_library_carries_sass_for_each_arch(model_root):
     arches = fatbin_arches(out / "model.so")
     assert arches["sass"] == ["sm_80", "sm_90"]
     assert arches["ptx"] == ["compute_80"]
-    assert b"__global__" not in (out / "model.so").read_bytes()
+    lib = (out / "model.so").read_bytes()
+    assert b"__global__" not in lib
+    # our attention and our KV cache only: none of TVM's kernels or KV-cache builtins
+    assert b"attn_paged" in lib and b"attn_append_kv" in lib
+    for name in (b"batch_decode_paged_kv", b"batch_prefill_", b"kv_state", b"attention_kv_cache"):
+        assert name not in lib, name
+
+
+def test_runtime_calls_no_kv_cache_builtin():
+    from pathlib import Path
+
+    import qwen35_tvm.runtime as runtime
+
+    for path in Path(runtime.__file__).parent.glob("*.py"):
+        text = path.read_text()
+        assert "kv_state" not in text and "attention_kv_cache" not in text, path.name
 
 
 def test_tensor_core_logits_kernel_builds_for_real_shapes(tmp_path):
