@@ -14,8 +14,6 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import jinja2
-
 from qwen35_tvm.runtime.tokenizer import EOS_TOKENS, _template_env
 
 from .errors import APIError
@@ -189,7 +187,5 @@ class ChatRenderer:
         context |= {"messages": messages, "tools": tools or None, "add_generation_prompt": True}
         try:
             return self._template.render(**context)
-        except jinja2.TemplateError as err:  # the conversation's fault, e.g. no user turn
-            raise APIError(400, f"cannot format the conversation: {err}", "messages") from None
-        except (TypeError, ValueError, KeyError, AttributeError) as err:
+        except Exception as err:  # a template error is the conversation's fault (no user turn)
             raise APIError(400, f"cannot format the conversation: {err}", "messages") from None
