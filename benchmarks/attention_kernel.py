@@ -25,6 +25,7 @@ from common import copy_bandwidth, cuda_time
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 16, 4, 256, 16
 DECODE = {"B1xL32768": (1, 32768), "B16xL4096": (16, 4096), "B64xL1024": (64, 1024)}
 PREFILL = {"1x1024": [1024], "1x8192": [8192], "16x1024": [1024] * 16}
+TILE_PAGES = (1, 2, 4)  # pages of keys a step of the kernel loads together
 
 
 def build(out: Path, arch: str) -> None:
@@ -37,10 +38,11 @@ def build(out: Path, arch: str) -> None:
     target, arches = make_target("cuda", arch)
     prepare_cuda_codegen(arches)
     out.mkdir(parents=True, exist_ok=True)
-    funcs = {
-        "append": attention.append_kv(KV_HEADS, HEAD_DIM, "bfloat16", target),
-        "attend": attention.paged_attention(HEADS, KV_HEADS, HEAD_DIM, "bfloat16", target),
-    }
+    funcs = {"append": attention.append_kv(KV_HEADS, HEAD_DIM, "bfloat16", target)}
+    for tp in TILE_PAGES:
+        funcs[f"attend_tp{tp}"] = attention.paged_attention(
+            HEADS, KV_HEADS, HEAD_DIM, "bfloat16", target, tile_pages=tp
+        )
     for name, func in funcs.items():
         tvm.compile(tvm.IRModule({"main": func}), target=target).export_library(
             str(out / f"attn_{name}.so")
@@ -116,6 +118,27 @@ def sdpa_reference(torch, x: dict) -> tuple:
     return torch.cat(outs), calls
 
 
+def time_case(torch, tvm, attend, x: dict, ref, bw: float) -> dict:
+    """One kernel on one case: time, error against SDPA, share of the copy bandwidth."""
+    o = torch.empty_like(x["q"])
+    ws = torch.empty(128, HEADS, HEAD_DIM, device="cuda")
+    ml = torch.empty(128, HEADS, 2, device="cuda")
+    names = ("q", "indptr", "slots", "positions", "table", "kp", "vp")
+    args = [tvm.runtime.from_dlpack(x[k]) for k in names]
+    args += [0, *(tvm.runtime.from_dlpack(t) for t in (o, ws, ml))]
+    attend(*args)
+    torch.cuda.synchronize()
+    us = cuda_time(torch, lambda: attend(*args)) * 1e6
+    kv_bytes = sum(x["lengths"]) * KV_HEADS * HEAD_DIM * 2 * 2
+    return {
+        "us": us,
+        "max_abs_diff": (o.float() - ref.float()).abs().max().item(),
+        "kv_bytes": kv_bytes,
+        "copy_bw_fraction": kv_bytes / (us * 1e-6) / bw,
+        "tokens": x["q"].shape[0],
+    }
+
+
 def run(out_dir: Path, results: Path | None) -> None:
     import os
 
@@ -126,52 +149,49 @@ def run(out_dir: Path, results: Path | None) -> None:
     from qwen35_tvm.runtime.artifact import device_of
 
     device_of("cuda")
-    attend = tvm.runtime.load_module(str(out_dir / "attn_attend.so"))["main"]
+    kernels = {
+        tp: tvm.runtime.load_module(str(out_dir / f"attn_attend_tp{tp}.so"))["main"]
+        for tp in TILE_PAGES
+    }
     bw = copy_bandwidth(torch)
     print(f"device: {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s")
     rows = []
     cases = [("decode", name, [L] * B, [1] * B) for name, (B, L) in DECODE.items()]
     cases += [("prefill", name, lens, lens) for name, lens in PREFILL.items()]
-    print("| kind | case | ours (µs) | SDPA (µs) | ours / SDPA speed | % of copy bw | max abs Δ |")
-    print("|---|---|---|---|---|---|---|")
+    print("| kind | case | tile pages | ours (µs) | SDPA (µs) | ours / SDPA speed | % of copy bw |"
+          " max abs Δ |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
     for kind, name, lengths, queries in cases:
-        row = {"kind": kind, "case": name}
         try:
             x = make_case(torch, lengths, queries)
-            n_tok = x["q"].shape[0]
-            o = torch.empty_like(x["q"])
-            ws = torch.empty(128, HEADS, HEAD_DIM, device="cuda")
-            ml = torch.empty(128, HEADS, 2, device="cuda")
-            names = ("q", "indptr", "slots", "positions", "table", "kp", "vp")
-            args = [tvm.runtime.from_dlpack(x[k]) for k in names]
-            args += [0, *(tvm.runtime.from_dlpack(t) for t in (o, ws, ml))]
-            attend(*args)
-            torch.cuda.synchronize()
             ref, calls = sdpa_reference(torch, x)
-            row["max_abs_diff"] = (o.float() - ref.float()).abs().max().item()
-            row["us"] = cuda_time(torch, lambda a=args: attend(*a)) * 1e6
-            if calls:
-                row["sdpa_us"] = cuda_time(torch, calls[0]) * 1e6
-                row["speed_vs_sdpa"] = row["sdpa_us"] / row["us"]
-            kv_bytes = sum(lengths) * KV_HEADS * HEAD_DIM * 2 * 2
-            row["kv_bytes"] = kv_bytes
-            row["copy_bw_fraction"] = kv_bytes / (row["us"] * 1e-6) / bw
-            row["tokens"] = n_tok
-            if kind == "prefill":
-                flops = sum(4 * n * (n + 1) / 2 * HEAD_DIM * HEADS for n in lengths)
-                row["tflops"] = flops / (row["us"] * 1e-6) / 1e12
-        except Exception as err:
+            sdpa_us = cuda_time(torch, calls[0]) * 1e6 if calls else None
+        except Exception:
             traceback.print_exc()
-            row["error"] = repr(err)[:500]
-        rows.append(row)
-        nan = float("nan")
-        err = f" ERROR {row['error']}" if "error" in row else ""
-        print(
-            f"| {kind} | {name} | {row.get('us', nan):.1f} | {row.get('sdpa_us', nan):.1f} | "
-            f"{row.get('speed_vs_sdpa', nan):.2f}x | {100 * row.get('copy_bw_fraction', nan):.1f}%"
-            f" | {row.get('max_abs_diff', '-')} |{err}",
-            flush=True,
-        )
+            continue
+        for tp, attend in kernels.items():
+            row = {"kind": kind, "case": name, "tile_pages": tp}
+            try:
+                row.update(time_case(torch, tvm, attend, x, ref, bw))
+                if sdpa_us is not None:
+                    row["sdpa_us"] = sdpa_us
+                    row["speed_vs_sdpa"] = sdpa_us / row["us"]
+                if kind == "prefill":
+                    flops = sum(4 * n * (n + 1) / 2 * HEAD_DIM * HEADS for n in lengths)
+                    row["tflops"] = flops / (row["us"] * 1e-6) / 1e12
+            except Exception as err:
+                traceback.print_exc()
+                row["error"] = repr(err)[:500]
+            rows.append(row)
+            nan = float("nan")
+            err = f" ERROR {row['error']}" if "error" in row else ""
+            print(
+                f"| {kind} | {name} | {tp} | {row.get('us', nan):.1f} | "
+                f"{row.get('sdpa_us', nan):.1f} | {row.get('speed_vs_sdpa', nan):.2f}x | "
+                f"{100 * row.get('copy_bw_fraction', nan):.1f}% | {row.get('max_abs_diff', '-')} |"
+                f"{err}",
+                flush=True,
+            )
     result = {"device": torch.cuda.get_device_name(), "copy_bw_tbs": bw / 1e12, "rows": rows}
     text = json.dumps(result, indent=1)
     (out_dir / "attention_bench_result.json").write_text(text)

@@ -63,7 +63,7 @@ def _summary(d: list[np.ndarray]) -> dict:
 def _ours_tail(gen, ids: list[int], length: int) -> np.ndarray:
     """Our logits at the last prompt position and at each teacher-forced decode step."""
     with gen._session() as s:
-        rows = [s.prefill(ids[:length])[None]]
+        rows = [s.prefill(ids[:length])]  # [1, selection]: the last prompt position
         rows += [s.step(t)[None] for t in ids[length:-1]]
     return np.concatenate(rows)
 

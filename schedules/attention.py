@@ -12,10 +12,11 @@ to the pages first (`append_kv`), then read back with everything before them.
 `heads / kv_heads` query heads of that kv head, so each K/V element is loaded once for the
 whole GQA group. The kv range of a token is cut into `splits` pieces (flash-decoding) when there
 are few tokens, so one long sequence fills the GPU; a second kernel in the same function merges
-the pieces. Per page of keys the block runs three phases: scores (a thread per key x dim slice),
-the online softmax (a thread per query head), and P.V (a thread per key group x 8-dim chunk,
-accumulating in registers). On the CPU the same loop nest runs its lanes serially, so the CPU
-tests check the GPU kernel's indexing.
+the pieces. Per tile of keys (`tile_pages` pages, whose K and V are loaded together) the block
+runs four phases: partial scores (a thread per key x dim slice), whole scores (a thread per
+head x key), the online softmax (a thread per query head), and P.V (a thread per key group x
+8-dim chunk, accumulating in registers). On the CPU the same loop nest runs its lanes serially,
+so the CPU tests check the GPU kernel's indexing.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ PAGE_SIZE = 16
 # Split pieces of all tokens together: with few tokens each one's kv range is cut so that
 # tokens x splits stays at this many (x kv heads blocks), enough to fill an H200's 132 SMs.
 SPLIT_BUDGET = 128
+MERGE_UNROLL = 8
 
 
 def num_splits(n_tok):
@@ -113,7 +115,7 @@ def seq_of_token(indptr, n_seq, t, lo, hi):
 
 
 def paged_attention(
-    heads: int, kv_heads: int, head_dim: int, dtype: str, target: Target
+    heads: int, kv_heads: int, head_dim: int, dtype: str, target: Target, tile_pages: int = 2
 ) -> PrimFunc:
     """o[t, h] = softmax(q[t, h] . K[0..pos_t] * head_dim^-0.5) V[0..pos_t] over the pages of
     t's sequence: (q, indptr, slots, positions, page_table, k_pool, v_pool, layer) ->
@@ -121,7 +123,7 @@ def paged_attention(
     if heads % kv_heads:
         raise ValueError(f"heads {heads} must be a multiple of kv_heads {kv_heads}")
     gpu = target.kind.name == "cuda"
-    group, d, tj = heads // kv_heads, head_dim, PAGE_SIZE
+    group, d, tj, tp = heads // kv_heads, head_dim, PAGE_SIZE, tile_pages
     vec = _vector(d)
     parts = min(8, d // vec)  # score phase: dim slices per key
     chunks = d // vec  # P.V phase: vec-wide dim chunks
@@ -149,6 +151,14 @@ def paged_attention(
         return i if gpu else tx * n + i
 
     n_acc = chunk_passes * group * vec  # a thread's P.V accumulators
+    kt = tp * tj  # keys a tile: `tp` pages a step, loaded together
+    n_v = tp * chunk_passes * keys_per_group * vec  # a thread's share of a tile's V
+
+    dm = next(m for m in (32, 16, 8, 4, 2, 1) if d % m == 0)  # merge: dims a block
+    m_groups = max(1, nt // dm)  # merge: thread groups splitting the pieces
+
+    def v_at(u, cp, jj, i):
+        return ((u * chunk_passes + cp) * keys_per_group + jj) * vec + i
     reg = "local" if gpu else "global"
     reg_rows = 1 if gpu else nt
 
@@ -190,8 +200,9 @@ def paged_attention(
                 T.reads()
                 T.writes()
                 q_sh = T.sblock_alloc_buffer((group * d,), "float32", scope=shared)
-                part = T.sblock_alloc_buffer((group * tj * parts,), "float32", scope=shared)
-                p_sh = T.sblock_alloc_buffer((group * tj,), "float32", scope=shared)
+                part = T.sblock_alloc_buffer((group * kt * parts,), "float32", scope=shared)
+                s_sh = T.sblock_alloc_buffer((group * kt,), "float32", scope=shared)
+                p_sh = T.sblock_alloc_buffer((group * kt,), "float32", scope=shared)
                 alpha = T.sblock_alloc_buffer((group,), "float32", scope=shared)
                 ml_sh = T.sblock_alloc_buffer((group * 2,), "float32", scope=shared)
                 red = T.sblock_alloc_buffer((key_groups * group * d,), "float32", scope=shared)
@@ -199,6 +210,7 @@ def paged_attention(
                     (reg_rows * n_acc,), "float32", scope=reg
                 )
                 ml = T.sblock_alloc_buffer((reg_rows * 2,), "float32", scope=reg)
+                vreg = T.sblock_alloc_buffer((reg_rows * n_v,), dtype, scope=reg)
                 lo = T.sblock_alloc_buffer((1,), "int32", scope="local")
                 hi = T.sblock_alloc_buffer((1,), "int32", scope="local")
                 t: T.let[T.int32] = blk // (kv_heads * splits)
@@ -224,82 +236,111 @@ def paged_attention(
                             acc[own(tx, x, n_acc)] = T.float32(0)
                         ml[own(tx, 0, 2)] = T.float32("-inf")
                         ml[own(tx, 1, 2)] = T.float32(0)
-                for pg in T.serial(p1 - p0):
-                    page: T.let[T.int64] = T.Cast("int64", table[slot, p0 + pg])
-                    # Phase 1: partial scores of key j over dim slice p, for every query head.
+                lim: T.let[T.int32] = T.min(kv_len, p1 * tj)  # this split's keys end here
+                for tl in T.serial((p1 - p0 + tp - 1) // tp):
+                    key0: T.let[T.int32] = (p0 + tl * tp) * tj
+                    # Phase 1: partial scores of key j over dim slice p, for every query head;
+                    # the tile's V is loaded now too (phase 3's layout), so K and V are in
+                    # flight together.
                     for tx in lanes():
                         with T.sblock("scores"):
                             T.reads()
                             T.writes()
-                            kr = T.sblock_alloc_buffer((per_part * vec,), dtype, scope="local")
+                            kr = T.sblock_alloc_buffer((tp * per_part * vec,), dtype, scope="local")
                             sc = T.sblock_alloc_buffer((group,), "float32", scope="local")
                             j: T.let[T.int32] = tx // parts
                             p: T.let[T.int32] = tx % parts
-                            for e in T.serial(per_part):
-                                for i in T.vectorized(vec):
-                                    kr[e * vec + i] = kp[layer64, page, kvh, j, dim(p, e, i)]
-                            for g in T.serial(group):
-                                sc[g] = T.float32(0)
-                                for e in T.serial(per_part):
-                                    for i in T.unroll(vec):
-                                        sc[g] += q_sh[g * d + dim(p, e, i)] * T.Cast(
-                                            "float32", kr[e * vec + i]
-                                        )
-                            for g in T.serial(group):
-                                part[(g * tj + j) * parts + p] = sc[g]
-                    # Phase 2: the online softmax, one thread per query head.
+                            kg: T.let[T.int32] = tx // chunks if nt >= chunks else 0
+                            for u in T.unroll(tp):
+                                page: T.let[T.int64] = T.Cast(
+                                    "int64", table[slot, T.min(p0 + tl * tp + u, p1 - 1)]
+                                )
+                                for e in T.unroll(per_part):
+                                    for i in T.vectorized(vec):
+                                        kr[(u * per_part + e) * vec + i] = kp[
+                                            layer64, page, kvh, j, dim(p, e, i)
+                                        ]
+                                for cp in T.unroll(chunk_passes):
+                                    for jj in T.unroll(keys_per_group):
+                                        for i in T.vectorized(vec):
+                                            vreg[own(tx, v_at(u, cp, jj, i), n_v)] = vp[
+                                                layer64,
+                                                page,
+                                                kvh,
+                                                kg * keys_per_group + jj,
+                                                (cp * nt + tx) % chunks * vec + i,
+                                            ]
+                            for u in T.unroll(tp):
+                                for g in T.serial(group):
+                                    sc[g] = T.float32(0)
+                                    for e in T.unroll(per_part):
+                                        for i in T.unroll(vec):
+                                            sc[g] += q_sh[g * d + dim(p, e, i)] * T.Cast(
+                                                "float32", kr[(u * per_part + e) * vec + i]
+                                            )
+                                for g in T.serial(group):
+                                    part[(g * kt + u * tj + j) * parts + p] = sc[g]
+                    # Phase 2: whole scores, scaled and masked, one thread per (head, key).
+                    for tx in lanes():
+                        with T.sblock("score_sums"):
+                            T.reads()
+                            T.writes()
+                            sv = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                            for e in T.serial((group * kt + nt - 1) // nt):
+                                x: T.let[T.int32] = e * nt + tx
+                                if x < group * kt:
+                                    sv[0] = T.float32(0)
+                                    for p in T.unroll(parts):
+                                        sv[0] += part[x * parts + p]
+                                    s_sh[x] = T.Select(
+                                        key0 + x % kt < lim,
+                                        sv[0] * T.float32(scale),
+                                        T.float32("-inf"),
+                                    )
+                    # Phase 3: the online softmax, one thread per query head.
                     for tx in lanes():
                         with T.sblock("softmax"):
                             T.reads()
                             T.writes()
-                            sv = T.sblock_alloc_buffer((tj,), "float32", scope="local")
                             mx = T.sblock_alloc_buffer((1,), "float32", scope="local")
                             sm = T.sblock_alloc_buffer((1,), "float32", scope="local")
                             if tx < group:
                                 mx[0] = ml[own(tx, 0, 2)]
-                                for j in T.serial(tj):
-                                    sv[j] = T.float32(0)
-                                    for p in T.serial(parts):
-                                        sv[j] += part[(tx * tj + j) * parts + p]
-                                    sv[j] = T.Select(
-                                        (p0 + pg) * tj + j < kv_len,
-                                        sv[j] * T.float32(scale),
-                                        T.float32("-inf"),
-                                    )
-                                    mx[0] = T.max(mx[0], sv[j])
+                                for jt in T.serial(kt):
+                                    mx[0] = T.max(mx[0], s_sh[tx * kt + jt])
                                 sm[0] = T.float32(0)
-                                for j in T.serial(tj):
-                                    sv[j] = T.exp(sv[j] - mx[0])
-                                    sm[0] += sv[j]
+                                for jt in T.serial(kt):
+                                    pv: T.let[T.float32] = T.exp(s_sh[tx * kt + jt] - mx[0])
+                                    p_sh[tx * kt + jt] = pv
+                                    sm[0] += pv
                                 a: T.let[T.float32] = T.exp(ml[own(tx, 0, 2)] - mx[0])
                                 ml[own(tx, 1, 2)] = ml[own(tx, 1, 2)] * a + sm[0]
                                 ml[own(tx, 0, 2)] = mx[0]
                                 alpha[tx] = a
-                                for j in T.serial(tj):
-                                    p_sh[tx * tj + j] = sv[j]
-                    # Phase 3: acc = alpha acc + P V over this thread's keys and dim chunk.
+                    # Phase 4: acc = alpha acc + P V over this thread's keys and dim chunk.
                     for tx in lanes():
                         with T.sblock("pv"):
                             T.reads()
                             T.writes()
-                            vr = T.sblock_alloc_buffer((vec,), dtype, scope="local")
                             kg: T.let[T.int32] = tx // chunks if nt >= chunks else 0
                             for cp in T.serial(chunk_passes):
-                                c: T.let[T.int32] = (cp * nt + tx) % chunks
                                 for g in T.serial(group):
                                     for i in T.unroll(vec):
                                         acc[own(tx, (cp * group + g) * vec + i, n_acc)] *= alpha[g]
-                                for jj in T.serial(keys_per_group):
-                                    j: T.let[T.int32] = kg * keys_per_group + jj
-                                    for i in T.vectorized(vec):
-                                        vr[i] = vp[layer64, page, kvh, j, c * vec + i]
-                                    for g in T.serial(group):
-                                        pj: T.let[T.float32] = p_sh[g * tj + j]
-                                        for i in T.unroll(vec):
-                                            a_i: T.let[T.int32] = own(
-                                                tx, (cp * group + g) * vec + i, n_acc
-                                            )
-                                            acc[a_i] += pj * T.Cast("float32", vr[i])
+                                for u in T.unroll(tp):
+                                    for jj in T.unroll(keys_per_group):
+                                        jt: T.let[T.int32] = u * tj + kg * keys_per_group + jj
+                                        for g in T.serial(group):
+                                            pj: T.let[T.float32] = p_sh[g * kt + jt]
+                                            for i in T.unroll(vec):
+                                                a_i: T.let[T.int32] = own(
+                                                    tx, (cp * group + g) * vec + i, n_acc
+                                                )
+                                                vv: T.let[T.float32] = T.Cast(
+                                                    "float32",
+                                                    vreg[own(tx, v_at(u, cp, jj, i), n_v)],
+                                                )
+                                                acc[a_i] += pj * vv
                 # Combine the key groups' accumulators; write o, or this split's piece.
                 for tx in lanes():
                     with T.sblock("publish"):
@@ -339,35 +380,75 @@ def paged_attention(
                                         ws_ml[t * splits + s, kvh * group + g, 1] = ml_sh[
                                             g * 2 + 1
                                         ]
-        # Merge the split pieces of each (token, head); nothing to do with a single split.
-        for row in grid(T.min(n_tok, ws_rows) * heads):
+        # Merge the split pieces of each (token, head, 32-dim slice); nothing to do with one
+        # split (tested inside each phase: a barrier may not fall inside a condition). Threads
+        # take the pieces round-robin by group, each keeping a running (max, numerator,
+        # denominator), loaded MERGE_UNROLL pieces at a time so the loads overlap; the groups
+        # are then combined.
+        for mb in grid(T.min(n_tok, ws_rows) * heads * (d // dm)):
             with T.sblock("merge"):
                 T.reads()
                 T.writes()
-                if splits > 1:
-                    for x in lanes():
-                        with T.sblock("merge_dims"):
-                            T.reads()
-                            T.writes()
-                            mx = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                            num = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                            den = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                            t: T.let[T.int32] = row // heads
-                            h: T.let[T.int32] = row % heads
-                            mx[0] = T.float32("-inf")
-                            for s in T.serial(splits):
-                                mx[0] = T.max(mx[0], ws_ml[t * splits + s, h, 0])
-                            for e in T.serial((d + nt - 1) // nt):
-                                if e * nt + x < d:
-                                    num[0] = T.float32(0)
-                                    den[0] = T.float32(0)
-                                    for s in T.serial(splits):
-                                        wt: T.let[T.float32] = T.exp(
-                                            ws_ml[t * splits + s, h, 0] - mx[0]
-                                        )
-                                        num[0] += wt * ws_acc[t * splits + s, h, e * nt + x]
-                                        den[0] += wt * ws_ml[t * splits + s, h, 1]
-                                    o[t, h, e * nt + x] = T.Cast(dtype, num[0] / den[0])
+                m_sh = T.sblock_alloc_buffer((m_groups * dm,), "float32", scope=shared)
+                n_sh = T.sblock_alloc_buffer((m_groups * dm,), "float32", scope=shared)
+                d_sh = T.sblock_alloc_buffer((m_groups * dm,), "float32", scope=shared)
+                t: T.let[T.int32] = mb // (d // dm) // heads
+                h: T.let[T.int32] = mb // (d // dm) % heads
+                col0: T.let[T.int32] = mb % (d // dm) * dm
+                for tx in lanes():
+                    with T.sblock("merge_groups"):
+                        T.reads()
+                        T.writes()
+                        run = T.sblock_alloc_buffer((3,), "float32", scope="local")
+                        ms = T.sblock_alloc_buffer((MERGE_UNROLL,), "float32", scope="local")
+                        ls = T.sblock_alloc_buffer((MERGE_UNROLL,), "float32", scope="local")
+                        xs = T.sblock_alloc_buffer((MERGE_UNROLL,), "float32", scope="local")
+                        if tx < m_groups * dm and splits > 1:
+                            grp: T.let[T.int32] = tx // dm
+                            col: T.let[T.int32] = col0 + tx % dm
+                            run[0] = T.float32("-inf")
+                            run[1] = T.float32(0)
+                            run[2] = T.float32(0)
+                            step = m_groups * MERGE_UNROLL
+                            for s0 in T.serial((splits + step - 1) // step):
+                                for u in T.unroll(MERGE_UNROLL):
+                                    sp: T.let[T.int32] = T.min(
+                                        (s0 * MERGE_UNROLL + u) * m_groups + grp, splits - 1
+                                    )
+                                    ms[u] = ws_ml[t * splits + sp, h, 0]
+                                    ls[u] = ws_ml[t * splits + sp, h, 1]
+                                    xs[u] = ws_acc[t * splits + sp, h, col]
+                                for u in T.unroll(MERGE_UNROLL):
+                                    sp: T.let[T.int32] = (
+                                        (s0 * MERGE_UNROLL + u) * m_groups + grp
+                                    )
+                                    # empty pieces (max -inf) and clamped repeats add nothing
+                                    if sp < splits and ms[u] > T.float32("-inf"):
+                                        mn: T.let[T.float32] = T.max(run[0], ms[u])
+                                        ca: T.let[T.float32] = T.exp(run[0] - mn)
+                                        cb: T.let[T.float32] = T.exp(ms[u] - mn)
+                                        run[1] = run[1] * ca + cb * xs[u]
+                                        run[2] = run[2] * ca + cb * ls[u]
+                                        run[0] = mn
+                            m_sh[tx] = run[0]
+                            n_sh[tx] = run[1]
+                            d_sh[tx] = run[2]
+                for tx in lanes():
+                    with T.sblock("merge_store"):
+                        T.reads()
+                        T.writes()
+                        tot = T.sblock_alloc_buffer((3,), "float32", scope="local")
+                        if tx < dm and splits > 1:
+                            tot[0] = T.float32("-inf")
+                            for g in T.serial(m_groups):
+                                tot[0] = T.max(tot[0], m_sh[g * dm + tx])
+                            tot[1] = T.float32(0)
+                            tot[2] = T.float32(0)
+                            for g in T.serial(m_groups):
+                                w: T.let[T.float32] = T.exp(m_sh[g * dm + tx] - tot[0])
+                                tot[1] += w * n_sh[g * dm + tx]
+                                tot[2] += w * d_sh[g * dm + tx]
+                            o[t, h, col0 + tx] = T.Cast(dtype, tot[1] / tot[2])
 
     return attn_paged
 
