@@ -64,7 +64,7 @@ def _ours_tail(gen, ids: list[int], length: int) -> np.ndarray:
     """Our logits at the last prompt position and at each teacher-forced decode step."""
     with gen._session() as s:
         rows = [s.prefill(ids[:length])]  # [1, selection]: the last prompt position
-        rows += [s.step(t)[None] for t in ids[length:-1]]
+        rows += [s.step(t)[None] for t in ids[length:]]  # the last predicts past ids
     return np.concatenate(rows)
 
 
