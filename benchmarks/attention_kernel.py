@@ -34,6 +34,7 @@ def build(out: Path, arch: str) -> None:
     from qwen35_tvm.compile.cuda_toolchain import prepare_cuda_codegen
     from qwen35_tvm.compile.targets import make_target
     from qwen35_tvm.schedules import attention
+    from qwen35_tvm.schedules.attention_prefill import paged_prefill_mma
 
     target, arches = make_target("cuda", arch)
     prepare_cuda_codegen(arches)
@@ -43,6 +44,7 @@ def build(out: Path, arch: str) -> None:
         funcs[f"attend_tp{tp}"] = attention.paged_attention(
             HEADS, KV_HEADS, HEAD_DIM, "bfloat16", target, tile_pages=tp
         )
+    funcs["attend_mma"] = paged_prefill_mma(HEADS, KV_HEADS, HEAD_DIM, target)
     for name, func in funcs.items():
         tvm.compile(tvm.IRModule({"main": func}), target=target).export_library(
             str(out / f"attn_{name}.so")
@@ -150,15 +152,15 @@ def run(out_dir: Path, results: Path | None) -> None:
 
     device_of("cuda")
     kernels = {
-        tp: tvm.runtime.load_module(str(out_dir / f"attn_attend_tp{tp}.so"))["main"]
-        for tp in TILE_PAGES
+        tp: tvm.runtime.load_module(str(out_dir / f"attn_attend_{tp}.so"))["main"]
+        for tp in [f"tp{n}" for n in TILE_PAGES] + ["mma"]
     }
     bw = copy_bandwidth(torch)
     print(f"device: {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s")
     rows = []
     cases = [("decode", name, [L] * B, [1] * B) for name, (B, L) in DECODE.items()]
     cases += [("prefill", name, lens, lens) for name, lens in PREFILL.items()]
-    print("| kind | case | tile pages | ours (µs) | SDPA (µs) | ours / SDPA speed | % of copy bw |"
+    print("| kind | case | kernel | ours (µs) | SDPA (µs) | ours / SDPA speed | % of copy bw |"
           " max abs Δ |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|")
     for kind, name, lengths, queries in cases:
@@ -170,7 +172,7 @@ def run(out_dir: Path, results: Path | None) -> None:
             traceback.print_exc()
             continue
         for tp, attend in kernels.items():
-            row = {"kind": kind, "case": name, "tile_pages": tp}
+            row = {"kind": kind, "case": name, "kernel": tp}
             try:
                 row.update(time_case(torch, tvm, attend, x, ref, bw))
                 if sdpa_us is not None:

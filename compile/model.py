@@ -18,7 +18,7 @@ from tvm.relax.frontend.nn import Tensor, op
 from tvm.relax.frontend.nn.core import wrap_nested
 from tvm.target import Target
 
-from ..schedules import attention, gdn, gdn_chunked, greedy, logits
+from ..schedules import attention, attention_prefill, gdn, gdn_chunked, greedy, logits
 from .config import FULL, ModelConfig
 from .vocab import VocabWidths
 
@@ -111,8 +111,16 @@ class GatedAttention(nn.Module):
         self.inv_freq = inv_freq.astype(np.float32)
 
     def forward(
-        self, x: Tensor, indptr: Tensor, slots: Tensor, positions: Tensor, kv: KVCache
+        self,
+        x: Tensor,
+        indptr: Tensor,
+        slots: Tensor,
+        positions: Tensor,
+        kv: KVCache,
+        prefill: bool,
     ) -> tuple[Tensor, KVCache]:
+        """`prefill` picks the tensor-core kernel where there is one (bf16 on CUDA): many query
+        tokens share each K/V tile there, while decode's single tokens want split-KV."""
         cfg = self.cfg
         n_tok = x.shape[0]
         nh, nkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -134,9 +142,15 @@ class GatedAttention(nn.Module):
             out=[kv.k_pool, kv.v_pool],
         )
         heads = nh * d
+        target = Target.current()
+        tensor_cores = prefill and target.kind.name == "cuda" and self.dtype == "bfloat16"
+        if tensor_cores and d % 64 == 0:
+            kernel, name = attention_prefill.paged_prefill_mma(nh, nkv, d, target), "attn_prefill"
+        else:
+            kernel, name = attention.paged_attention(nh, nkv, d, self.dtype, target), "attn_paged"
         o, _, _ = op.tensor_ir_op(
-            attention.paged_attention(nh, nkv, d, self.dtype, Target.current()),
-            "attn_paged",
+            kernel,
+            name,
             [q, indptr, slots, positions, kv.page_table, k_pool, v_pool, layer],
             out=[
                 Tensor.placeholder((n_tok, nh, d), self.dtype),
@@ -369,7 +383,7 @@ class Qwen35LM(nn.Module):
         for layer in self.layers:
             h = layer.input_layernorm(x)
             if layer.kind == FULL:
-                h, kv = layer.self_attn(h, indptr, slots, positions, kv)
+                h, kv = layer.self_attn(h, indptr, slots, positions, kv, prefill=chunked)
             else:
                 h, conv_pool, rec_pool = layer.linear_attn(
                     h, indptr, slots, conv_pool, rec_pool, chunked

@@ -160,6 +160,8 @@ def paged_attention(
     def v_at(u, cp, jj, i):
         return ((u * chunk_passes + cp) * keys_per_group + jj) * vec + i
     reg = "local" if gpu else "global"
+    # the CPU keeps V in fp32: TVM's bf16 legalization loses a bf16 buffer shared by phases
+    v_dtype = dtype if gpu else "float32"
     reg_rows = 1 if gpu else nt
 
     def dim(p, e, i):
@@ -210,7 +212,7 @@ def paged_attention(
                     (reg_rows * n_acc,), "float32", scope=reg
                 )
                 ml = T.sblock_alloc_buffer((reg_rows * 2,), "float32", scope=reg)
-                vreg = T.sblock_alloc_buffer((reg_rows * n_v,), dtype, scope=reg)
+                vreg = T.sblock_alloc_buffer((reg_rows * n_v,), v_dtype, scope=reg)
                 lo = T.sblock_alloc_buffer((1,), "int32", scope="local")
                 hi = T.sblock_alloc_buffer((1,), "int32", scope="local")
                 t: T.let[T.int32] = blk // (kv_heads * splits)
@@ -263,13 +265,16 @@ def paged_attention(
                                 for cp in T.unroll(chunk_passes):
                                     for jj in T.unroll(keys_per_group):
                                         for i in T.vectorized(vec):
-                                            vreg[own(tx, v_at(u, cp, jj, i), n_v)] = vp[
-                                                layer64,
-                                                page,
-                                                kvh,
-                                                kg * keys_per_group + jj,
-                                                (cp * nt + tx) % chunks * vec + i,
-                                            ]
+                                            vreg[own(tx, v_at(u, cp, jj, i), n_v)] = T.Cast(
+                                                v_dtype,
+                                                vp[
+                                                    layer64,
+                                                    page,
+                                                    kvh,
+                                                    kg * keys_per_group + jj,
+                                                    (cp * nt + tx) % chunks * vec + i,
+                                                ],
+                                            )
                             for u in T.unroll(tp):
                                 for g in T.serial(group):
                                     sc[g] = T.float32(0)
