@@ -26,6 +26,7 @@ HEADS, KV_HEADS, HEAD_DIM, PAGE = 16, 4, 256, 16
 DECODE = {"B1xL32768": (1, 32768), "B16xL4096": (16, 4096), "B64xL1024": (64, 1024)}
 PREFILL = {"1x1024": [1024], "1x8192": [8192], "16x1024": [1024] * 16}
 TILE_PAGES = (1, 2, 4)  # pages of keys a step of the kernel loads together
+MMA_TILE_PAGES = (2, 4)  # the same for the tensor-core prefill kernel
 
 
 def build(out: Path, arch: str) -> None:
@@ -44,7 +45,8 @@ def build(out: Path, arch: str) -> None:
         funcs[f"attend_tp{tp}"] = attention.paged_attention(
             HEADS, KV_HEADS, HEAD_DIM, "bfloat16", target, tile_pages=tp
         )
-    funcs["attend_mma"] = paged_prefill_mma(HEADS, KV_HEADS, HEAD_DIM, target)
+    for tp in MMA_TILE_PAGES:
+        funcs[f"attend_mma{tp}"] = paged_prefill_mma(HEADS, KV_HEADS, HEAD_DIM, target, tp)
     for name, func in funcs.items():
         tvm.compile(tvm.IRModule({"main": func}), target=target).export_library(
             str(out / f"attn_{name}.so")
@@ -153,7 +155,7 @@ def run(out_dir: Path, results: Path | None) -> None:
     device_of("cuda")
     kernels = {
         tp: tvm.runtime.load_module(str(out_dir / f"attn_attend_{tp}.so"))["main"]
-        for tp in [f"tp{n}" for n in TILE_PAGES] + ["mma"]
+        for tp in [f"tp{n}" for n in TILE_PAGES] + [f"mma{n}" for n in MMA_TILE_PAGES]
     }
     bw = copy_bandwidth(torch)
     print(f"device: {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s")

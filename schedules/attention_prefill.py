@@ -3,17 +3,18 @@
 probabilities), for chunks of many tokens, where each K/V tile must serve many queries.
 
 A block owns 16 consecutive query tokens of one sequence and one kv head: 16 x group rows
-(every query head of the GQA group), one warp per 16 rows. Per tile of 32 keys (two pages):
+(every query head of the GQA group), one warp per 16 rows. Per tile of keys (`tile_pages`
+pages, 2 by default):
 
 1. the tile's K is copied to shared memory as stored ([key, dim]) and V transposed
    ([dim, key]), so both are the (n, k) operand mma.sync wants with k contiguous;
 2. S = Q Kᵀ on tensor cores (Q sits in shared memory for the whole block), written to shared
    memory in fp32;
-3. one thread per row runs the online softmax, masking keys past the row's position, and
-   writes P in bf16 and the row's rescale factor;
+3. two threads per row run the online softmax (both keep the row's running max and sum, each
+   writes half of P in bf16), masking keys past the row's position;
 4. O = alpha O + P V on tensor cores, O accumulating in registers.
 
-Shared tiles whose rows hold 32 or more 16-byte chunks XOR the chunk with row % 8 (ldmatrix
+Shared tiles whose rows hold 8 or more 16-byte chunks XOR the chunk with row % 8 (ldmatrix
 reads 8 rows at one chunk: 8 different banks); narrower ones use matmul.tile_offset. The
 grid has a row of ceil(tokens / 16) query tiles for every sequence of a ragged batch; the
 tiles past a sequence's end exit at once.
@@ -30,7 +31,6 @@ from .matmul import acc_coords, ldmatrix_a_coords, ldmatrix_b_coords, tile_offse
 from .ptx import mma_bf16
 
 Q_TOKENS = 16  # query tokens a block
-KEYS = 2 * PAGE_SIZE  # keys a tile
 DTYPE = "bfloat16"
 
 
@@ -40,17 +40,51 @@ def _wide(row, chunk, chunks: int):
     return row * (chunks * 8) + (chunk ^ (row % 8)) * 8
 
 
-def paged_prefill_mma(heads: int, kv_heads: int, head_dim: int, target: Target) -> PrimFunc:
+def _at(row, chunk, chunks: int):
+    """Offset of a 16-byte chunk in a shared tile of rows of `chunks` chunks."""
+    return _wide(row, chunk, chunks) if chunks >= 8 else tile_offset(row, chunk, chunks)
+
+
+@T.macro
+def warp_mma(a_sh, a_chunks, b_sh, b_chunks, acc, ksteps, n_pairs, warp, lane, a_frag, b_frag):
+    # acc (this warp's 16 rows x 16 n_pairs columns) += A[rows, :16 ksteps] B[cols, same]ᵀ,
+    # both operands in shared memory with k contiguous
+    for kk in T.unroll(ksteps):
+        ar, ac = T.meta_var(ldmatrix_a_coords(lane, kk))
+        T.evaluate(
+            T.ptx_legacy.ldmatrix(
+                False, 4, ".b16", a_frag.data, 0, a_sh.access_ptr("r"),
+                _at(warp * 16 + ar, ac, a_chunks), dtype=DTYPE,
+            )
+        )  # fmt: skip
+        for np in T.unroll(n_pairs):
+            br, bc = T.meta_var(ldmatrix_b_coords(lane, kk))
+            T.evaluate(
+                T.ptx_legacy.ldmatrix(
+                    False, 4, ".b16", b_frag.data, 0, b_sh.access_ptr("r"),
+                    _at(np * 16 + br, bc, b_chunks), dtype=DTYPE,
+                )
+            )  # fmt: skip
+            for h2 in T.unroll(2):
+                T.evaluate(
+                    mma_bf16(a_frag.data, 0, b_frag.data, h2 * 4, acc.data, (np * 2 + h2) * 4)
+                )
+
+
+def paged_prefill_mma(
+    heads: int, kv_heads: int, head_dim: int, target: Target, tile_pages: int = 2
+) -> PrimFunc:
     group, d = heads // kv_heads, head_dim
+    keys = tile_pages * PAGE_SIZE  # keys a tile
     if heads % kv_heads or d % 64 or target.kind.name != "cuda":
         raise ValueError("tensor-core prefill: CUDA, head_dim a multiple of 64, GQA groups")
     rows = Q_TOKENS * group
     warps = rows // 16
     nt = warps * 32
     dch = d // 8  # 16-byte chunks of a head row
-    kch = KEYS // 8  # 16-byte chunks of a key row of P or Vᵀ
+    kch = keys // 8  # 16-byte chunks of a key row of P or Vᵀ
     d_tiles = d // 8  # n8 tiles of O a warp
-    s_tiles = KEYS // 8  # n8 tiles of S a warp
+    s_tiles = keys // 8  # n8 tiles of S a warp
     scale = float(d) ** -0.5
     sh = "shared.dyn"
 
@@ -89,12 +123,12 @@ def paged_prefill_mma(heads: int, kv_heads: int, head_dim: int, target: Target) 
                     T.reads()
                     T.writes()
                     q_sh = T.sblock_alloc_buffer((rows * d,), DTYPE, scope=sh)
-                    k_sh = T.sblock_alloc_buffer((KEYS * d,), DTYPE, scope=sh)
-                    vt_sh = T.sblock_alloc_buffer((d * KEYS,), DTYPE, scope=sh)
+                    k_sh = T.sblock_alloc_buffer((keys * d,), DTYPE, scope=sh)
+                    vt_sh = T.sblock_alloc_buffer((d * keys,), DTYPE, scope=sh)
                     # static shared memory: TVM plans barriers for all dynamic shared memory as
                     # one buffer, which would put one inside the softmax phase
-                    s_sh = T.sblock_alloc_buffer((rows * KEYS,), "float32", scope="shared")
-                    p_sh = T.sblock_alloc_buffer((rows * KEYS,), DTYPE, scope="shared")
+                    s_sh = T.sblock_alloc_buffer((rows * keys,), "float32", scope="shared")
+                    p_sh = T.sblock_alloc_buffer((rows * keys,), DTYPE, scope="shared")
                     alpha = T.sblock_alloc_buffer((nt,), "float32", scope="shared")
                     o_acc = T.sblock_alloc_buffer((d_tiles * 4,), "float32", scope="local")
                     s_acc = T.sblock_alloc_buffer((s_tiles * 4,), "float32", scope="local")
@@ -134,13 +168,13 @@ def paged_prefill_mma(heads: int, kv_heads: int, head_dim: int, target: Target) 
                         o_acc[i] = T.float32(0)
                     ml[0] = T.float32("-inf")
                     ml[1] = T.float32(0)
-                    for kt in T.serial(T.Select(found, (last_pos + KEYS) // KEYS, 0)):
+                    for kt in T.serial(T.Select(found, (last_pos + keys) // keys, 0)):
                         T.tvm_storage_sync("shared.dyn")
                         # 1. K as stored, V transposed
-                        for e in T.serial((KEYS * dch + nt - 1) // nt):
-                            x: T.let[T.int32] = T.min(e * nt + tx, KEYS * dch - 1)
+                        for e in T.serial((keys * dch + nt - 1) // nt):
+                            x: T.let[T.int32] = T.min(e * nt + tx, keys * dch - 1)
                             key: T.let[T.int32] = x // dch
-                            pg: T.let[T.int32] = T.min(kt * KEYS // PAGE_SIZE + key // PAGE_SIZE,
+                            pg: T.let[T.int32] = T.min(kt * keys // PAGE_SIZE + key // PAGE_SIZE,
                                                        seq_pages - 1)  # fmt: skip
                             page: T.let[T.int64] = T.Cast("int64", table[slot, pg])
                             c: T.let[T.int32] = x % dch
@@ -150,13 +184,13 @@ def paged_prefill_mma(heads: int, kv_heads: int, head_dim: int, target: Target) 
                                 k_sh[_wide(key, c, dch) + i] = reg[i]
                         # V with a warp's lanes along keys: its transposed stores then fill
                         # consecutive addresses of one row
-                        for e in T.serial((KEYS * dch + nt - 1) // nt):
-                            x: T.let[T.int32] = T.min(e * nt + tx, KEYS * dch - 1)
-                            key: T.let[T.int32] = x % KEYS
-                            pg: T.let[T.int32] = T.min(kt * KEYS // PAGE_SIZE + key // PAGE_SIZE,
+                        for e in T.serial((keys * dch + nt - 1) // nt):
+                            x: T.let[T.int32] = T.min(e * nt + tx, keys * dch - 1)
+                            key: T.let[T.int32] = x % keys
+                            pg: T.let[T.int32] = T.min(kt * keys // PAGE_SIZE + key // PAGE_SIZE,
                                                        seq_pages - 1)  # fmt: skip
                             page: T.let[T.int64] = T.Cast("int64", table[slot, pg])
-                            c: T.let[T.int32] = x // KEYS
+                            c: T.let[T.int32] = x // keys
                             for i in T.vectorized(8):
                                 reg[i] = vp[layer64, page, kvh, key % PAGE_SIZE, c * 8 + i]
                             for i in T.unroll(8):
@@ -165,33 +199,12 @@ def paged_prefill_mma(heads: int, kv_heads: int, head_dim: int, target: Target) 
                         # 2. S = Q Kᵀ for this warp's 16 rows
                         for i in T.unroll(s_tiles * 4):
                             s_acc[i] = T.float32(0)
-                        for kk in T.serial(d // 16):
-                            ar, ac = T.meta_var(ldmatrix_a_coords(lane, kk))
-                            T.evaluate(
-                                T.ptx_legacy.ldmatrix(
-                                    False, 4, ".b16", a_frag.data, 0, q_sh.access_ptr("r"),
-                                    _wide(warp * 16 + ar, ac, dch), dtype=DTYPE,
-                                )
-                            )  # fmt: skip
-                            for np in T.unroll(s_tiles // 2):
-                                br, bc = T.meta_var(ldmatrix_b_coords(lane, kk))
-                                T.evaluate(
-                                    T.ptx_legacy.ldmatrix(
-                                        False, 4, ".b16", b_frag.data, 0, k_sh.access_ptr("r"),
-                                        _wide(np * 16 + br, bc, dch), dtype=DTYPE,
-                                    )
-                                )  # fmt: skip
-                                for h2 in T.unroll(2):
-                                    T.evaluate(
-                                        mma_bf16(
-                                            a_frag.data, 0, b_frag.data, h2 * 4,
-                                            s_acc.data, (np * 2 + h2) * 4,
-                                        )
-                                    )  # fmt: skip
+                        warp_mma(q_sh, dch, k_sh, dch, s_acc, d // 16, s_tiles // 2, warp, lane,
+                                 a_frag, b_frag)  # fmt: skip
                         for nt8 in T.unroll(s_tiles):
                             for e in T.unroll(4):
                                 er, ec = T.meta_var(acc_coords(lane, e))
-                                s_sh[(warp * 16 + er) * KEYS + nt8 * 8 + ec] = s_acc[nt8 * 4 + e]
+                                s_sh[(warp * 16 + er) * keys + nt8 * 8 + ec] = s_acc[nt8 * 4 + e]
                         T.tvm_storage_sync("shared.dyn")
                         # 3. the online softmax: two threads a row, each writing half of P; both
                         # keep the row's running max and sum, so no thread waits on another
@@ -199,27 +212,27 @@ def paged_prefill_mma(heads: int, kv_heads: int, head_dim: int, target: Target) 
                             t0 + T.min(tx // 2 // group, n_q - 1)
                         ]
                         mx[0] = ml[0]
-                        for j in T.serial(KEYS):
+                        for j in T.serial(keys):
                             mx[0] = T.max(mx[0], T.Select(
-                                kt * KEYS + j <= row_pos,
-                                s_sh[tx // 2 * KEYS + j] * T.float32(scale),
+                                kt * keys + j <= row_pos,
+                                s_sh[tx // 2 * keys + j] * T.float32(scale),
                                 T.float32("-inf"),
                             ))  # fmt: skip
                         mx[1] = T.float32(0)
-                        for j in T.serial(KEYS):
+                        for j in T.serial(keys):
                             mx[1] = mx[1] + T.Select(
-                                kt * KEYS + j <= row_pos,
-                                T.exp(s_sh[tx // 2 * KEYS + j] * T.float32(scale) - mx[0]),
+                                kt * keys + j <= row_pos,
+                                T.exp(s_sh[tx // 2 * keys + j] * T.float32(scale) - mx[0]),
                                 T.float32(0),
                             )
-                        for jh in T.serial(KEYS // 2):
+                        for jh in T.serial(keys // 2):
                             p_sh[
-                                tile_offset(tx // 2, (tx % 2 * (KEYS // 2) + jh) // 8, kch)
+                                tile_offset(tx // 2, (tx % 2 * (keys // 2) + jh) // 8, kch)
                                 + jh % 8
                             ] = T.Cast(DTYPE, T.Select(
-                                kt * KEYS + tx % 2 * (KEYS // 2) + jh <= row_pos,
+                                kt * keys + tx % 2 * (keys // 2) + jh <= row_pos,
                                 T.exp(
-                                    s_sh[tx // 2 * KEYS + tx % 2 * (KEYS // 2) + jh]
+                                    s_sh[tx // 2 * keys + tx % 2 * (keys // 2) + jh]
                                     * T.float32(scale) - mx[0]
                                 ),
                                 T.float32(0),
@@ -234,29 +247,8 @@ def paged_prefill_mma(heads: int, kv_heads: int, head_dim: int, target: Target) 
                                 er, ec = T.meta_var(acc_coords(lane, e))
                                 a_r: T.let[T.int32] = (warp * 16 + er) * 2  # a row's first thread
                                 o_acc[nt8 * 4 + e] = o_acc[nt8 * 4 + e] * alpha[a_r]
-                        for kk in T.unroll(KEYS // 16):
-                            ar, ac = T.meta_var(ldmatrix_a_coords(lane, kk))
-                            T.evaluate(
-                                T.ptx_legacy.ldmatrix(
-                                    False, 4, ".b16", a_frag.data, 0, p_sh.access_ptr("r"),
-                                    tile_offset(warp * 16 + ar, ac, kch), dtype=DTYPE,
-                                )
-                            )  # fmt: skip
-                            for np in T.unroll(d_tiles // 2):
-                                br, bc = T.meta_var(ldmatrix_b_coords(lane, kk))
-                                T.evaluate(
-                                    T.ptx_legacy.ldmatrix(
-                                        False, 4, ".b16", b_frag.data, 0, vt_sh.access_ptr("r"),
-                                        tile_offset(np * 16 + br, bc, kch), dtype=DTYPE,
-                                    )
-                                )  # fmt: skip
-                                for h2 in T.unroll(2):
-                                    T.evaluate(
-                                        mma_bf16(
-                                            a_frag.data, 0, b_frag.data, h2 * 4,
-                                            o_acc.data, (np * 2 + h2) * 4,
-                                        )
-                                    )  # fmt: skip
+                        warp_mma(p_sh, kch, vt_sh, kch, o_acc, keys // 16, d_tiles // 2, warp,
+                                 lane, a_frag, b_frag)  # fmt: skip
                     T.tvm_storage_sync("shared.dyn")
                     alpha[tx] = ml[1]
                     T.tvm_storage_sync("shared.dyn")
