@@ -34,13 +34,13 @@ def build(out: Path, arch: str) -> None:
 
     from qwen35_tvm.compile.cuda_toolchain import prepare_cuda_codegen
     from qwen35_tvm.compile.targets import make_target
-    from qwen35_tvm.schedules import attention
+    from qwen35_tvm.schedules import attention, kv_cache
     from qwen35_tvm.schedules.attention_prefill import paged_prefill_mma
 
     target, arches = make_target("cuda", arch)
     prepare_cuda_codegen(arches)
     out.mkdir(parents=True, exist_ok=True)
-    funcs = {"append": attention.append_kv(KV_HEADS, HEAD_DIM, "bfloat16", target)}
+    funcs = {"append": kv_cache.append_kv(KV_HEADS, HEAD_DIM, "bfloat16", target)}
     for tp in TILE_PAGES:
         funcs[f"attend_tp{tp}"] = attention.paged_attention(
             HEADS, KV_HEADS, HEAD_DIM, "bfloat16", target, tile_pages=tp

@@ -15,7 +15,7 @@ from typing import Any
 import tvm
 from tvm.relax.frontend import nn
 
-from ..schedules.attention import PAGE_SIZE
+from ..schedules.kv_cache import PAGE_SIZE
 from .config import ModelConfig
 from .convert import convert_weights, log, write_meta
 from .cuda_toolchain import prepare_cuda_codegen

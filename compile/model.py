@@ -18,7 +18,7 @@ from tvm.relax.frontend.nn import Tensor, op
 from tvm.relax.frontend.nn.core import wrap_nested
 from tvm.target import Target
 
-from ..schedules import attention, attention_prefill, gdn, gdn_chunked, greedy, logits
+from ..schedules import attention, attention_prefill, gdn, gdn_chunked, greedy, kv_cache, logits
 from .config import FULL, ModelConfig
 from .vocab import VocabWidths
 
@@ -135,7 +135,7 @@ class GatedAttention(nn.Module):
         k = rope(k, cos, sin, cfg.rotary_dim)
         layer = tirx.IntImm("int32", self.kv_layer)
         k_pool, v_pool = op.tensor_ir_inplace_op(
-            attention.append_kv(nkv, d, self.dtype, Target.current()),
+            kv_cache.append_kv(nkv, d, self.dtype, Target.current()),
             "attn_append_kv",
             [k, v, indptr, slots, positions, kv.page_table, kv.k_pool, kv.v_pool, layer],
             inplace_indices=[6, 7],
@@ -403,7 +403,7 @@ class Qwen35LM(nn.Module):
     def assign_pages(self, page_table: Tensor, slot: Tensor, pages: Tensor) -> Tensor:
         """Give the sequence in `slot` its pages: row `slot` of the table starts with `pages`."""
         return op.tensor_ir_inplace_op(
-            attention.assign_pages(Target.current()),
+            kv_cache.assign_pages(Target.current()),
             "attn_assign_pages",
             [page_table, slot, pages],
             inplace_indices=[0],
@@ -455,7 +455,7 @@ def kv_pool_shapes(cfg: ModelConfig, num_pages, num_slots, pages_per_seq) -> tup
         len(cfg.full_layers),
         num_pages,
         cfg.num_key_value_heads,
-        attention.PAGE_SIZE,
+        kv_cache.PAGE_SIZE,
         cfg.head_dim,
     )
     return pool, (num_slots, pages_per_seq)

@@ -1,12 +1,8 @@
-"""Paged attention over our own KV cache: appending a step's K/V, and split-KV attention.
+"""Split-KV paged attention over the KV cache of schedules/kv_cache.py.
 
-The cache is two page pools, K and V, each [layers, pages, kv_heads, page_size, head_dim] in the
-activation dtype, plus a page table [slots, pages_per_seq] of int32 page ids: row `slot` lists
-the pages of the sequence living in that GDN slot, in order. A step is a ragged token array
-(`indptr` marks where each sequence starts, `slots` names its rows); token t sits at absolute
-position `positions[t]` and attends to positions 0..positions[t] of its sequence, so causality
-inside a prefill chunk, earlier chunks and decode are one rule. The step's own K/V are written
-to the pages first (`append_kv`), then read back with everything before them.
+Token t attends to positions 0..positions[t] of its sequence, so causality inside a prefill
+chunk, earlier chunks and decode are one rule; the step's own K/V were appended to the pages
+first (`kv_cache.append_kv`).
 
 `paged_attention` serves prefill and decode alike: a block owns (token, kv head, split) and all
 `heads / kv_heads` query heads of that kv head, so each K/V element is loaded once for the
@@ -25,7 +21,8 @@ from tvm.script import tirx as T
 from tvm.target import Target
 from tvm.tirx import PrimFunc
 
-PAGE_SIZE = 16
+from .kv_cache import PAGE_SIZE, seq_of_token
+
 # Split pieces of all tokens together: with few tokens each one's kv range is cut so that
 # tokens x splits stays at this many (x kv heads blocks), enough to fill an H200's 132 SMs.
 SPLIT_BUDGET = 128
@@ -39,79 +36,6 @@ def num_splits(n_tok):
 
 def _vector(head_dim: int) -> int:
     return next(v for v in (8, 4, 2, 1) if head_dim % v == 0)
-
-
-def append_kv(kv_heads: int, head_dim: int, dtype: str, target: Target) -> PrimFunc:
-    """Write each token's K and V into its page: (k, v, indptr, slots, positions, page_table,
-    k_pool, v_pool, layer), the pools in place."""
-    gpu = target.kind.name == "cuda"
-    tj = PAGE_SIZE
-    width = kv_heads * head_dim
-
-    def tokens(n):
-        return T.thread_binding(n, thread="blockIdx.x") if gpu else T.parallel(n)
-
-    def lanes():
-        return T.thread_binding(width, thread="threadIdx.x") if gpu else T.serial(width)
-
-    @T.prim_func(s_tir=True)
-    def attn_append_kv(
-        k_h: T.handle,
-        v_h: T.handle,
-        indptr_h: T.handle,
-        slots_h: T.handle,
-        pos_h: T.handle,
-        table_h: T.handle,
-        kp_h: T.handle,
-        vp_h: T.handle,
-        layer: T.int32,
-    ):
-        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
-        n_tok, n_ptr, n_seq = T.int32(), T.int32(), T.int32()
-        n_slots, width_pt = T.int32(), T.int32()
-        n_layers, n_pages = T.int64(), T.int64()
-        k = T.match_buffer(k_h, (n_tok, kv_heads, head_dim), dtype)
-        v = T.match_buffer(v_h, (n_tok, kv_heads, head_dim), dtype)
-        indptr = T.match_buffer(indptr_h, (n_ptr,), "int32")
-        slots = T.match_buffer(slots_h, (n_seq,), "int32")
-        positions = T.match_buffer(pos_h, (n_tok,), "int32")
-        table = T.match_buffer(table_h, (n_slots, width_pt), "int32")
-        kp = T.match_buffer(kp_h, (n_layers, n_pages, kv_heads, tj, head_dim), dtype)
-        vp = T.match_buffer(vp_h, (n_layers, n_pages, kv_heads, tj, head_dim), dtype)
-        for t in tokens(n_tok):
-            with T.sblock("append"):
-                T.reads()
-                T.writes()
-                lo = T.sblock_alloc_buffer((1,), "int32", scope="local")
-                hi = T.sblock_alloc_buffer((1,), "int32", scope="local")
-                seq_of_token(indptr, n_ptr - 1, t, lo, hi)
-                pos: T.let[T.int32] = positions[t]
-                page: T.let[T.int64] = T.Cast("int64", table[slots[lo[0]], pos // tj])
-                for x in lanes():
-                    with T.sblock("copy"):
-                        T.reads()
-                        T.writes()
-                        kp[T.Cast("int64", layer), page, x // head_dim, pos % tj, x % head_dim] = k[
-                            t, x // head_dim, x % head_dim
-                        ]
-                        vp[T.Cast("int64", layer), page, x // head_dim, pos % tj, x % head_dim] = v[
-                            t, x // head_dim, x % head_dim
-                        ]
-
-    return attn_append_kv
-
-
-@T.macro
-def seq_of_token(indptr, n_seq, t, lo, hi):
-    # lo[0] <- the sequence b with indptr[b] <= t < indptr[b + 1] (31 halvings cover int32)
-    lo[0] = 0
-    hi[0] = n_seq
-    for _ in T.serial(31):
-        if hi[0] - lo[0] > 1:
-            if indptr[(lo[0] + hi[0]) // 2] <= t:
-                lo[0] = (lo[0] + hi[0]) // 2
-            else:
-                hi[0] = (lo[0] + hi[0]) // 2
 
 
 def paged_attention(
@@ -456,32 +380,3 @@ def paged_attention(
                             o[t, h, col0 + tx] = T.Cast(dtype, tot[1] / tot[2])
 
     return attn_paged
-
-
-def assign_pages(target: Target) -> PrimFunc:
-    """page_table[slot[0], :len(pages)] = pages, in place."""
-    gpu = target.kind.name == "cuda"
-
-    def one():
-        return T.thread_binding(1, thread="blockIdx.x") if gpu else T.serial(1)
-
-    def entries(n):
-        return T.thread_binding(n, thread="threadIdx.x") if gpu else T.serial(n)
-
-    @T.prim_func(s_tir=True)
-    def attn_assign_pages(table_h: T.handle, slot_h: T.handle, pages_h: T.handle):
-        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
-        n_slots, width, count = T.int32(), T.int32(), T.int32()
-        table = T.match_buffer(table_h, (n_slots, width), "int32")
-        slot = T.match_buffer(slot_h, (1,), "int32")
-        pages = T.match_buffer(pages_h, (count,), "int32")
-        for _ in one():
-            for tx in entries(256):
-                with T.sblock("assign"):
-                    T.reads()
-                    T.writes()
-                    for e in T.serial((count + 255) // 256):
-                        if e * 256 + tx < count:
-                            table[slot[0], e * 256 + tx] = pages[e * 256 + tx]
-
-    return attn_assign_pages

@@ -26,7 +26,7 @@ from tvm.script import tirx as T
 from tvm.target import Target
 from tvm.tirx import PrimFunc
 
-from .attention import PAGE_SIZE
+from .kv_cache import PAGE_SIZE
 from .matmul import acc_coords, ldmatrix_a_coords, ldmatrix_b_coords, tile_offset
 from .ptx import mma_bf16
 

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import tvm
 
-from qwen35_tvm.schedules import attention
+from qwen35_tvm.schedules import attention, kv_cache
 
-PAGE = attention.PAGE_SIZE
+PAGE = kv_cache.PAGE_SIZE
 LAYERS, POOL_PAGES, SLOTS, TABLE_WIDTH = 2, 160, 5, 48
 _built: dict = {}
 
@@ -25,9 +25,9 @@ def kernels(heads: int, kv_heads: int, d: int, tile_pages: int = 2):
         target = tvm.target.Target("llvm")
         attend = attention.paged_attention(heads, kv_heads, d, "float32", target, tile_pages)
         _built[key] = (
-            tvm.compile(attention.append_kv(kv_heads, d, "float32", target), target=target),
+            tvm.compile(kv_cache.append_kv(kv_heads, d, "float32", target), target=target),
             tvm.compile(attend, target=target),
-            tvm.compile(attention.assign_pages(target), target=target),
+            tvm.compile(kv_cache.assign_pages(target), target=target),
         )
     return _built[key]
 
