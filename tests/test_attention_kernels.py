@@ -128,3 +128,48 @@ def test_comparison_notices_broken_paging(mutate):
 def test_split_count_follows_the_token_count():
     for n, expected in ((1, 128), (16, 8), (64, 2), (128, 1), (4096, 1)):
         assert int(attention.num_splits(tvm.tirx.IntImm("int32", n))) == expected
+
+
+def _prefill_kernels(dtype: str, target_kind: str) -> tuple[set, set]:
+    """The attention kernels that prefill and decode call, for a head_dim-64 config."""
+    from qwen35_tvm.compile.build import build_module
+    from qwen35_tvm.compile.config import ModelConfig
+    from qwen35_tvm.compile.random_model import SHAPES
+    from qwen35_tvm.compile.targets import make_target
+    from qwen35_tvm.compile.vocab import VocabWidths
+
+    raw = dict(SHAPES["tiny"], head_dim=64)
+    cfg = ModelConfig.from_hf(raw)
+    target, _ = make_target(target_kind, "sm_80")
+    mod, _ = build_module(cfg, VocabWidths.resolve(cfg.vocab_size, 248077), dtype, target)
+    names = {
+        fn: {gv.name_hint for gv, f in mod.functions_items() if gv.name_hint.startswith("attn_")
+             and gv.name_hint in mod[fn].script()}
+        for fn in ("prefill", "decode")
+    }  # fmt: skip
+    return names["prefill"], names["decode"]
+
+
+def test_bf16_cuda_prefill_runs_on_tensor_cores_and_the_rest_on_the_split_kernel():
+    prefill, decode = _prefill_kernels("bfloat16", "cuda")
+    assert "attn_prefill_mma" in prefill and "attn_paged" not in prefill
+    assert "attn_paged" in decode and "attn_prefill_mma" not in decode
+    for dtype, kind in (("float32", "cuda"), ("float32", "llvm")):
+        prefill, _ = _prefill_kernels(dtype, kind)
+        assert "attn_paged" in prefill and "attn_prefill_mma" not in prefill, (dtype, kind)
+
+
+def test_tensor_core_prefill_compiles_to_sass_for_each_arch(tmp_path):
+    """It cannot run here (mma.sync); its numbers are checked against SDPA on the GPU by
+    benchmarks/attention_kernel.py."""
+    from qwen35_tvm.compile.cuda_toolchain import fatbin_arches, prepare_cuda_codegen
+    from qwen35_tvm.compile.targets import make_target
+    from qwen35_tvm.schedules.attention_prefill import paged_prefill_mma
+
+    target, arches = make_target("cuda", "sm_80,sm_90")
+    prepare_cuda_codegen(arches)
+    lib = tvm.compile(tvm.IRModule({"main": paged_prefill_mma(16, 4, 256, target)}), target)
+    lib.export_library(str(tmp_path / "prefill.so"))
+    assert fatbin_arches(tmp_path / "prefill.so")["sass"] == ["sm_80", "sm_90"]
+    with pytest.raises(ValueError, match="head_dim a multiple of 64"):
+        paged_prefill_mma(4, 2, 32, target)
