@@ -27,6 +27,7 @@ DECODE = {"B1xL32768": (1, 32768), "B16xL4096": (16, 4096), "B64xL1024": (64, 10
 PREFILL = {"1x1024": [1024], "1x8192": [8192], "16x1024": [1024] * 16}
 TILE_PAGES = (1, 2, 4)  # pages of keys a step of the kernel loads together
 MMA_TILE_PAGES = (2, 4)  # the same for the tensor-core prefill kernel
+SPLIT_BUDGETS = (64, 256)  # decode: split pieces of all tokens together (the kernel's is 128)
 
 
 def build(out: Path, arch: str) -> None:
@@ -44,6 +45,10 @@ def build(out: Path, arch: str) -> None:
     for tp in TILE_PAGES:
         funcs[f"attend_tp{tp}"] = attention.paged_attention(
             HEADS, KV_HEADS, HEAD_DIM, "bfloat16", target, tile_pages=tp
+        )
+    for budget in SPLIT_BUDGETS:
+        funcs[f"attend_tp2_s{budget}"] = attention.paged_attention(
+            HEADS, KV_HEADS, HEAD_DIM, "bfloat16", target, tile_pages=2, split_budget=budget
         )
     for tp in MMA_TILE_PAGES:
         funcs[f"attend_mma{tp}"] = paged_prefill_mma(HEADS, KV_HEADS, HEAD_DIM, target, tp)
@@ -122,11 +127,11 @@ def sdpa_reference(torch, x: dict) -> tuple:
     return torch.cat(outs), calls
 
 
-def time_case(torch, tvm, attend, x: dict, ref, bw: float) -> dict:
+def time_case(torch, tvm, attend, x: dict, ref, bw: float, ws_rows: int) -> dict:
     """One kernel on one case: time, error against SDPA, share of the copy bandwidth."""
     o = torch.empty_like(x["q"])
-    ws = torch.empty(128, HEADS, HEAD_DIM, device="cuda")
-    ml = torch.empty(128, HEADS, 2, device="cuda")
+    ws = torch.empty(ws_rows, HEADS, HEAD_DIM, device="cuda")  # the kernel's split budget
+    ml = torch.empty(ws_rows, HEADS, 2, device="cuda")
     names = ("q", "indptr", "slots", "positions", "table", "kp", "vp")
     args = [tvm.runtime.from_dlpack(x[k]) for k in names]
     args += [0, *(tvm.runtime.from_dlpack(t) for t in (o, ws, ml))]
@@ -155,7 +160,9 @@ def run(out_dir: Path, results: Path | None) -> None:
     device_of("cuda")
     kernels = {
         tp: tvm.runtime.load_module(str(out_dir / f"attn_attend_{tp}.so"))["main"]
-        for tp in [f"tp{n}" for n in TILE_PAGES] + [f"mma{n}" for n in MMA_TILE_PAGES]
+        for tp in [f"tp{n}" for n in TILE_PAGES]
+        + [f"mma{n}" for n in MMA_TILE_PAGES]
+        + [f"tp2_s{n}" for n in SPLIT_BUDGETS]
     }
     bw = copy_bandwidth(torch)
     print(f"device: {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s")
@@ -176,7 +183,8 @@ def run(out_dir: Path, results: Path | None) -> None:
         for tp, attend in kernels.items():
             row = {"kind": kind, "case": name, "kernel": tp}
             try:
-                row.update(time_case(torch, tvm, attend, x, ref, bw))
+                budget = int(tp.split("_s")[1]) if "_s" in tp else 128
+                row.update(time_case(torch, tvm, attend, x, ref, bw, budget))
                 if sdpa_us is not None:
                     row["sdpa_us"] = sdpa_us
                     row["speed_vs_sdpa"] = sdpa_us / row["us"]

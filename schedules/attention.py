@@ -29,9 +29,9 @@ SPLIT_BUDGET = 128
 MERGE_UNROLL = 8
 
 
-def num_splits(n_tok):
+def num_splits(n_tok, budget: int = SPLIT_BUDGET):
     """Pieces each token's kv range is cut into; a TIR expression of the token count."""
-    return T.max(1, SPLIT_BUDGET // n_tok)
+    return T.max(1, budget // n_tok)
 
 
 def _vector(head_dim: int) -> int:
@@ -39,7 +39,13 @@ def _vector(head_dim: int) -> int:
 
 
 def paged_attention(
-    heads: int, kv_heads: int, head_dim: int, dtype: str, target: Target, tile_pages: int = 2
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: str,
+    target: Target,
+    tile_pages: int = 2,
+    split_budget: int = SPLIT_BUDGET,
 ) -> PrimFunc:
     """o[t, h] = softmax(q[t, h] . K[0..pos_t] * head_dim^-0.5) V[0..pos_t] over the pages of
     t's sequence: (q, indptr, slots, positions, page_table, k_pool, v_pool, layer) ->
@@ -61,7 +67,7 @@ def paged_attention(
     per_part = d // parts // vec  # vec-wide loads per thread in the score phase
     scale = float(d) ** -0.5
     shared = "shared" if gpu else "global"
-    ws_rows = SPLIT_BUDGET
+    ws_rows = split_budget
 
     def grid(n):
         return T.thread_binding(n, thread="blockIdx.x") if gpu else T.parallel(n)
@@ -120,7 +126,7 @@ def paged_attention(
         o = T.match_buffer(o_h, (n_tok, heads, d), dtype)
         ws_acc = T.match_buffer(ws_acc_h, (ws_rows, heads, d), "float32")
         ws_ml = T.match_buffer(ws_ml_h, (ws_rows, heads, 2), "float32")
-        splits: T.let[T.int32] = num_splits(n_tok)
+        splits: T.let[T.int32] = num_splits(n_tok, split_budget)
         for blk in grid(n_tok * kv_heads * splits):
             with T.sblock("attend"):
                 T.reads()
