@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence as Seq
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .artifact import Artifact
 from .generate import PromptError
-from .grammar import GrammarState
 from .kv_pool import (
     CapacityPlan,
     CapacityPool,
@@ -29,6 +28,9 @@ from .model_runner import ModelRunner, StepLogits
 from .sampler import Sampler, SamplingParams, is_effectively_greedy, make_rng
 from .scheduler import Scheduler
 from .sequence import Completion, Output, Request, Sequence, Status
+
+if TYPE_CHECKING:  # xgrammar loads only with the first constrained request
+    from .grammar import GrammarState
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
-import torch
-import xgrammar as xgr
 from tokenizers import Tokenizer
 
 # Chat markup the grammars spell out; every other added special token is never allowed.
@@ -25,6 +23,16 @@ MARKUP_TOKENS = ("<think>", "</think>", "<tool_call>", "</tool_call>")
 
 _MASKING = True  # a test-only switch: False leaves logits unmasked (the mutation check)
 _POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar")
+
+
+def _xgrammar() -> Any:
+    """xgrammar (and the torch it brings) load with the first constrained request, so the
+    engine and a server that never sees one, or a bundle packed without them, start without."""
+    try:
+        import xgrammar
+    except ImportError as err:
+        raise ValueError("structured output needs xgrammar, which is not installed") from err
+    return xgrammar
 
 
 def set_masking(enabled: bool) -> None:
@@ -43,6 +51,7 @@ def tokenizer_info(tokenizer: Tokenizer, decodable: int, stop_ids: Sequence[int]
     for tid, added in tokenizer.get_added_tokens_decoder().items():
         if tid < decodable and added.special and added.content not in MARKUP_TOKENS:
             vocab[tid] = ""
+    xgr = _xgrammar()
     return xgr.TokenizerInfo(
         vocab,
         xgr.VocabType.BYTE_LEVEL,
@@ -56,8 +65,8 @@ class GrammarCompiler:
 
     def __init__(self, tokenizer: Tokenizer, decodable: int, stop_ids: Sequence[int]) -> None:
         self.decodable = decodable
-        self._info = tokenizer_info(tokenizer, decodable, stop_ids)
-        self._compiler = xgr.GrammarCompiler(self._info)
+        self._vocab = (tokenizer, decodable, list(stop_ids))
+        self._compiler: Any = None  # built with the first grammar
         self._cache: dict[str, Future] = {}
         self._lock = threading.Lock()
         self.compilations = 0  # grammars actually compiled (cache misses)
@@ -67,6 +76,8 @@ class GrammarCompiler:
         that ask for the same spec at once wait for one compilation."""
         key = json.dumps(spec)  # key order kept: a schema's property order is its output order
         with self._lock:
+            if self._compiler is None:
+                self._compiler = _xgrammar().GrammarCompiler(tokenizer_info(*self._vocab))
             pending = self._cache.get(key)
             owner = pending is None
             if owner:
@@ -91,6 +102,7 @@ class GrammarState:
 
     def __init__(self, compiled: Any, decodable: int) -> None:
         self.decodable = decodable
+        xgr = _xgrammar()
         self._matcher = xgr.GrammarMatcher(compiled)
         self._bitmask = xgr.allocate_token_bitmask(1, decodable)
         self._next: Future | None = _POOL.submit(self._fill)
@@ -109,8 +121,10 @@ class GrammarState:
         ready = pending.result() if pending is not None else self._fill()
         if not ready or self.broken or not _MASKING:
             return
+        import torch  # present wherever xgrammar is
+
         view = torch.from_numpy(row[: self.decodable]).unsqueeze(0)
-        xgr.apply_token_bitmask_inplace(view, self._bitmask, vocab_size=self.decodable)
+        _xgrammar().apply_token_bitmask_inplace(view, self._bitmask, vocab_size=self.decodable)
 
     def accept(self, token: int) -> None:
         """Advance with the chosen token and start computing the next mask."""
