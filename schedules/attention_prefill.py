@@ -28,7 +28,7 @@ from tvm.tirx import PrimFunc
 
 from .kv_cache import PAGE_SIZE
 from .matmul import acc_coords, ldmatrix_a_coords, ldmatrix_b_coords, tile_offset
-from .ptx import mma_bf16
+from .ptx import ldmatrix_x4, mma_bf16
 
 Q_TOKENS = 16  # query tokens a block
 DTYPE = "bfloat16"
@@ -51,20 +51,10 @@ def warp_mma(a_sh, a_chunks, b_sh, b_chunks, acc, ksteps, n_pairs, warp, lane, a
     # both operands in shared memory with k contiguous
     for kk in T.unroll(ksteps):
         ar, ac = T.meta_var(ldmatrix_a_coords(lane, kk))
-        T.evaluate(
-            T.ptx_legacy.ldmatrix(
-                False, 4, ".b16", a_frag.data, 0, a_sh.access_ptr("r"),
-                _at(warp * 16 + ar, ac, a_chunks), dtype=DTYPE,
-            )
-        )  # fmt: skip
+        T.evaluate(ldmatrix_x4(a_frag, 0, a_sh, _at(warp * 16 + ar, ac, a_chunks)))
         for np in T.unroll(n_pairs):
             br, bc = T.meta_var(ldmatrix_b_coords(lane, kk))
-            T.evaluate(
-                T.ptx_legacy.ldmatrix(
-                    False, 4, ".b16", b_frag.data, 0, b_sh.access_ptr("r"),
-                    _at(np * 16 + br, bc, b_chunks), dtype=DTYPE,
-                )
-            )  # fmt: skip
+            T.evaluate(ldmatrix_x4(b_frag, 0, b_sh, _at(np * 16 + br, bc, b_chunks)))
             for h2 in T.unroll(2):
                 T.evaluate(
                     mma_bf16(a_frag.data, 0, b_frag.data, h2 * 4, acc.data, (np * 2 + h2) * 4)

@@ -31,7 +31,7 @@ from tvm.script import tirx as T
 from tvm.target import Target
 
 from .gemm_match import DTYPE, MAX_EXTRA_INPUTS, Epilogue, match_gemm, plain_epilogue
-from .ptx import mma_bf16
+from .ptx import ldmatrix_x4, mma_bf16
 
 # Set on fused GEMM PrimFuncs by the pipeline: "large" (prefill: this kernel) or "small" (decode:
 # dlight's GEMV rules). Prefill and decode share PrimFuncs until the pipeline splits them.
@@ -230,31 +230,23 @@ def gemm_kernel(
                                     for mt in T.unroll(mt_count):
                                         ar, ac = T.meta_var(ldmatrix_a_coords(tx, kk))
                                         T.evaluate(
-                                            T.ptx_legacy.ldmatrix(
-                                                False,
-                                                4,
-                                                ".b16",
-                                                a_frag.data,
+                                            ldmatrix_x4(
+                                                a_frag,
                                                 (kk * mt_count + mt) * 8,
-                                                a_sh.access_ptr("r"),
+                                                a_sh,
                                                 stage * bm * bk
                                                 + tile_offset(row_w + mt * 16 + ar, ac, chunks),
-                                                dtype=DTYPE,
                                             )
                                         )
                                     for np in T.unroll(nt_count // 2):
                                         br, bc = T.meta_var(ldmatrix_b_coords(tx, kk))
                                         T.evaluate(
-                                            T.ptx_legacy.ldmatrix(
-                                                False,
-                                                4,
-                                                ".b16",
-                                                b_frag.data,
+                                            ldmatrix_x4(
+                                                b_frag,
                                                 (kk * nt_count + np * 2) * 4,
-                                                b_sh.access_ptr("r"),
+                                                b_sh,
                                                 stage * bn * bk
                                                 + tile_offset(col_w + np * 16 + br, bc, chunks),
-                                                dtype=DTYPE,
                                             )
                                         )
                                     for mt in T.unroll(mt_count):

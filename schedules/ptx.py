@@ -1,4 +1,4 @@
-"""The one tensor-core instruction our bf16 kernels issue, written once for both of them."""
+"""The tensor-core instructions our bf16 kernels issue, written once for all of them."""
 
 from __future__ import annotations
 
@@ -23,4 +23,12 @@ def mma_bf16(a, a_offset, b, b_offset, acc, acc_offset):
         acc_offset,
         False,
         dtype="float32",
+    )
+
+
+def ldmatrix_x4(frag, frag_offset, shared, offset):
+    """ldmatrix.x4 (no transpose): four 8x8 bf16 matrices from `shared` at element `offset`
+    (each lane gives one row's address) into 8 elements of `frag` at `frag_offset`."""
+    return T.ptx_legacy.ldmatrix(
+        False, 4, ".b16", frag.data, frag_offset, shared.access_ptr("r"), offset, dtype="bfloat16"
     )
