@@ -3,7 +3,7 @@
 Every forward works on a ragged token array: `T` tokens of `B` sequences laid end to end,
 `indptr[b]` marking where sequence b starts, `slots[b]` naming its rows in the state pools (GDN
 state and the page table) and `positions[t]` giving each token's absolute position. The
-full-attention layers keep K/V in our own paged cache (schedules/attention.py): two page pools
+full-attention layers keep K/V in our own paged cache (schedules/kv_cache.py): two page pools
 and a page table, all plain tensors, so a decode step can be one CUDA graph.
 """
 
@@ -134,15 +134,15 @@ class GatedAttention(nn.Module):
         q = rope(q, cos, sin, cfg.rotary_dim)
         k = rope(k, cos, sin, cfg.rotary_dim)
         layer = tirx.IntImm("int32", self.kv_layer)
+        target = Target.current()
         k_pool, v_pool = op.tensor_ir_inplace_op(
-            kv_cache.append_kv(nkv, d, self.dtype, Target.current()),
+            kv_cache.append_kv(nkv, d, self.dtype, target),
             "attn_append_kv",
             [k, v, indptr, slots, positions, kv.page_table, kv.k_pool, kv.v_pool, layer],
             inplace_indices=[6, 7],
             out=[kv.k_pool, kv.v_pool],
         )
         heads = nh * d
-        target = Target.current()
         tensor_cores = prefill and target.kind.name == "cuda" and self.dtype == "bfloat16"
         if tensor_cores and d % 64 == 0:
             kernel, name = attention_prefill.paged_prefill_mma(nh, nkv, d, target), "attn_prefill"

@@ -67,7 +67,9 @@ class Engine:
             num_slots=self.pool.num_slots,
         )
         if artifact.meta.get("cuda_graph") and artifact.device_name == "cuda":
-            self.runner.capture_decode_graphs(list(range(1, max_batch_size + 1)))
+            # a decode batch never outnumbers the slots: no graph beyond them
+            largest = min(max_batch_size, self.pool.num_slots)
+            self.runner.capture_decode_graphs(list(range(1, largest + 1)))
         self.sampler = Sampler(self.decodable)
         self._live: dict[int, Sequence] = {}
         self._pending: list[Output] = []  # abort notices, reported by the next step

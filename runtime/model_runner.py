@@ -67,15 +67,17 @@ class ModelRunner:
     def capture_decode_graphs(self, batch_sizes: list[int]) -> None:
         """Run `decode` once at each batch size on throw-away sequences, so a CUDA-graph build
         captures its graphs now rather than during the first requests of that size. Uses the
-        highest slots and one page; every slot is zeroed again when a sequence takes it."""
+        highest slots, one page each; every slot is zeroed again when a sequence takes it."""
         for batch in batch_sizes:
-            slots = [self.num_slots - 1 - i % self.num_slots for i in range(batch)]
-            for slot in set(slots):
+            if batch > self.num_slots:
+                raise ValueError(f"a decode batch of {batch} exceeds the {self.num_slots} slots")
+            slots = [self.num_slots - 1 - i for i in range(batch)]
+            for slot in slots:
                 self.add_sequence(slot, [self.total_pages - 1])
             try:
                 self.decode(slots, [0] * batch)  # rows stay on the device
             finally:
-                for slot in set(slots):
+                for slot in slots:
                     self.remove_sequence(slot)
 
     def _i32(self, values) -> tvm.runtime.Tensor:
