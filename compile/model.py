@@ -367,6 +367,33 @@ class Qwen35LM(nn.Module):
     # tiles instead of GEMV schedules (see compile/pipeline.py).
     decode_wide = decode
 
+    def constrained_pick(
+        self, logits: Tensor, rows: Tensor, bitmask: Tensor, best_out: Tensor, logprob_out: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """The greedy pick of logits rows `rows` under their token bitmasks (xgrammar's
+        layout, decodable columns only), and its logprob in the masked distribution. Runs
+        after a decode or prefill on the logits it left on the device."""
+        w = self.widths
+        return op.tensor_ir_inplace_op(
+            greedy.greedy_pick(w.decodable, w.selection, Target.current(), masked=True),
+            "masked_greedy_pick",
+            [logits, rows, bitmask, best_out, logprob_out],
+            inplace_indices=[3, 4],
+            out=[best_out, logprob_out],
+        )
+
+    def constrained_mask(self, logits: Tensor, rows: Tensor, bitmask: Tensor) -> Tensor:
+        """-inf, in place, over the decodable columns each row's bitmask forbids: constrained
+        rows the host samples are masked before they are copied."""
+        w = self.widths
+        return op.tensor_ir_inplace_op(
+            greedy.apply_token_bitmask(w.decodable, w.selection, Target.current()),
+            "apply_token_bitmask",
+            [logits, rows, bitmask],
+            inplace_indices=[0],
+            out=Tensor.placeholder(logits.shape, F32),
+        )
+
     def _stack(
         self,
         input_ids: Tensor,
@@ -474,6 +501,12 @@ def export_spec(cfg: ModelConfig, widths: VocabWidths, dtype: str) -> dict:
     }
     packed = {"$": {"param_mode": "packed", "effect_mode": "none"}}
     no_params = {"$": {"param_mode": "none", "effect_mode": "none"}}
+    # A step's logits, the rows among them that are constrained, and one bitmask row each.
+    constrained = {
+        "logits": nn.spec.Tensor(["batch", widths.selection], F32),
+        "rows": nn.spec.Tensor(["n"], "int32"),
+        "bitmask": nn.spec.Tensor(["n", greedy.mask_words(widths.decodable)], "int32"),
+    }
     return {
         "prefill": {
             "input_ids": nn.spec.Tensor(["n_tok"], "int32"),
@@ -495,6 +528,13 @@ def export_spec(cfg: ModelConfig, widths: VocabWidths, dtype: str) -> dict:
             }
             for name in ("decode", "decode_wide")
         },
+        "constrained_pick": {
+            **constrained,
+            "best_out": nn.spec.Tensor(["n"], "int32"),
+            "logprob_out": nn.spec.Tensor(["n"], F32),
+            **no_params,
+        },
+        "constrained_mask": {**constrained, **no_params},
         "create_kv_pools": {"num_pages": int, "num_slots": int, "pages_per_seq": int, **no_params},
         "assign_pages": {
             "page_table": nn.spec.Tensor(list(table), "int32"),

@@ -16,6 +16,7 @@ import numpy as np
 
 from .artifact import Artifact
 from .generate import PromptError
+from .grammar import apply_bitmask  # numpy only: xgrammar loads with the first grammar
 from .kv_pool import (
     CapacityPlan,
     CapacityPool,
@@ -214,17 +215,15 @@ class Engine:
             else:
                 positions.append(offset + n - 1)
             offset += n
-        any_all = any(seq.return_prompt_logprobs for seq, _ in chunks)
-        logits = self.runner.forward(
-            [s.slot for s, _ in chunks],
-            tokens,
-            logit_positions=np.asarray(positions, dtype=np.int32) if any_all else None,
+        # Always `prefill` (never the decode path for one-token chunks): its logits are a
+        # tensor of their own, left on the device for constrained rows to be masked there.
+        step = self.runner.prefill(
+            [s.slot for s, _ in chunks], tokens, np.asarray(positions, dtype=np.int32)
         )
-        step = StepLogits(logits)
         ready, row = [], 0
         for seq, n in chunks:
             if seq.return_prompt_logprobs:
-                self._score_prompt(seq, logits[row : row + n])
+                self._score_prompt(seq, step.rows()[row : row + n])
                 row += n
             else:
                 row += 1
@@ -247,23 +246,26 @@ class Engine:
                 if seq.top_logprobs:
                     seq.prompt_top_logprobs.append(self.sampler.top_logprobs(row, seq.top_logprobs))
 
+    def _wants_pick(self, seq: Sequence) -> bool:
+        return not seq.top_logprobs and is_effectively_greedy(seq.params, self.decodable)
+
     def _sample(self, ready: list[Ready]) -> list[Output]:
         """A greedy sequence that wants no alternatives takes the pick the device made; the
-        others copy their whole row to the host and sample it there. A constrained sequence
-        never takes the device's pick (it ignores the grammar): its row is masked first."""
+        others copy their whole row to the host and sample it there. A constrained row never
+        takes the plain pick (it ignores the grammar): `_constrain` masks it first."""
+        constrained = self._constrain(ready)
         picked: list[tuple[int, float, np.ndarray | None]] = []
         for seq, logits, i in ready:
-            if (
-                logits.best is not None
-                and not seq.top_logprobs
-                and seq.grammar is None
-                and is_effectively_greedy(seq.params, self.decodable)
-            ):
+            done = constrained.get((id(logits), i))
+            if isinstance(done, tuple):  # the masked pick, made on the device
+                picked.append((done[0], done[1], None))
+                continue
+            if done is None and logits.best is not None and self._wants_pick(seq):
                 picked.append((int(logits.best[i]), float(logits.best_logprob[i]), None))
                 continue
             row = logits.rows()[i]
-            if seq.grammar is not None:
-                seq.grammar.mask(row)  # in place: the row belongs to this sequence alone
+            if isinstance(done, np.ndarray):  # logits on the host, or no device kernels
+                apply_bitmask(row, done, self.decodable)  # the row is this sequence's alone
             token = self.sampler.sample(row, seq.params, seq.rng)
             picked.append((token, float(self.sampler.logprobs(row)[token]), row))
         outputs = []
@@ -292,6 +294,32 @@ class Engine:
             if reason is not None:
                 self._release(seq)
         return outputs
+
+    def _constrain(self, ready: list[Ready]) -> dict[tuple[int, int], Any]:
+        """Apply the bitmasks of the constrained rows, per step, where the logits are. Keyed
+        by (id(step), row): a (token, logprob) picked on the device; True, masked in place on
+        the device; a bitmask the host applies (logits already on the host, or an artifact
+        without the kernels). Rows whose grammar allows everything are left out."""
+        groups: dict[int, tuple[StepLogits, list[tuple[int, np.ndarray, bool]]]] = {}
+        for seq, logits, i in ready:
+            bits = seq.grammar.bitmask() if seq.grammar is not None else None
+            if bits is not None:  # waited for the worker, which ran while the GPU stepped
+                entry = (i, bits, self._wants_pick(seq))
+                groups.setdefault(id(logits), (logits, []))[1].append(entry)
+        done: dict[tuple[int, int], Any] = {}
+        limit = self.runner.max_batch_size
+        for key, (logits, rows) in groups.items():
+            if not (self.runner.constrains_on_device and logits.on_device):
+                done.update(((key, i), bits) for i, bits, _ in rows)
+                continue
+            for part in (rows[k : k + limit] for k in range(0, len(rows), limit)):
+                ids, masks, wants = zip(*part, strict=True)
+                picks = self.runner.constrain(
+                    logits, list(ids), np.stack(masks), pick=any(wants), mask=not all(wants)
+                )
+                for j, i in enumerate(ids):
+                    done[key, i] = (int(picks[0][j]), float(picks[1][j])) if wants[j] else True
+        return done
 
     # ---- convenience ----------------------------------------------------------------------
 

@@ -1,15 +1,19 @@
 """Constrained decoding with xgrammar: grammars compiled once per spec, one matcher per sequence.
 
-A `GrammarState` is what the engine sees: `mask(row)` sets every decodable column the grammar
-forbids to -inf before the sampler (or argmax) looks at the row, `accept(token)` advances the
-matcher. The next bitmask is computed on a worker thread right after `accept`, so it overlaps
-the next forward pass instead of delaying it. The mask covers `decodable` columns only: the
-arena's pad columns are never touched (they stay -inf).
+A `GrammarState` is what the engine sees: `bitmask()` is the next token's mask in xgrammar's
+layout (bit j % 32 of int32 word j // 32 set when token j is allowed), which the engine uploads
+and applies on the device (schedules/greedy.py); `mask(row)` applies it to a host row instead
+(artifacts built before the device kernels); `accept(token)` advances the matcher. The next
+bitmask is computed on a worker thread right after `accept`, so it overlaps the next forward
+pass instead of delaying it. The mask covers `decodable` columns only: the arena's pad columns
+are never touched (they stay -inf). Only numpy is used here: xgrammar fills a numpy array
+through DLPack, so the runtime needs no torch of its own.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -22,12 +26,14 @@ from tokenizers import Tokenizer
 MARKUP_TOKENS = ("<think>", "</think>", "<tool_call>", "</tool_call>")
 
 _MASKING = True  # a test-only switch: False leaves logits unmasked (the mutation check)
-_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar")
+# xgrammar's calls release the GIL: masks of a batch's sequences are filled in parallel.
+_POOL = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="grammar")
 
 
 def _xgrammar() -> Any:
-    """xgrammar (and the torch it brings) load with the first constrained request, so the
-    engine and a server that never sees one, or a bundle packed without them, start without."""
+    """xgrammar (and the torch and transformers it imports) load with the first constrained
+    request, so the engine and a server that never sees one, or a bundle packed without them,
+    start without."""
     try:
         import xgrammar
     except ImportError as err:
@@ -58,6 +64,13 @@ def tokenizer_info(tokenizer: Tokenizer, decodable: int, stop_ids: Sequence[int]
         vocab_size=decodable,
         stop_token_ids=list(stop_ids),
     )
+
+
+def apply_bitmask(row: np.ndarray, bits: np.ndarray, decodable: int) -> None:
+    """The host's mask: -inf over the decodable columns of `row` that `bits` forbids (the
+    device does the same in schedules/greedy.py)."""
+    allowed = np.unpackbits(bits.view(np.uint8), bitorder="little")[:decodable]
+    row[:decodable][allowed == 0] = -np.inf
 
 
 class GrammarCompiler:
@@ -102,36 +115,44 @@ class GrammarState:
 
     def __init__(self, compiled: Any, decodable: int) -> None:
         self.decodable = decodable
-        xgr = _xgrammar()
-        self._matcher = xgr.GrammarMatcher(compiled)
-        self._bitmask = xgr.allocate_token_bitmask(1, decodable)
+        self._matcher = _xgrammar().GrammarMatcher(compiled)
+        self._bitmask = np.full((1, (decodable + 31) // 32), -1, dtype=np.int32)
         self._next: Future | None = _POOL.submit(self._fill)
         self.broken = False  # a token the grammar refused was accepted (masking switched off)
 
     def _fill(self) -> bool:
-        """Compute the bitmask for the next token; False once nothing more is constrained."""
+        """Compute the bitmask for the next token; False when it allows every token (nothing
+        to apply) or once nothing more is constrained."""
         if self._matcher.is_terminated():
             return False
-        self._matcher.fill_next_token_bitmask(self._bitmask)
-        return True
+        return bool(self._matcher.fill_next_token_bitmask(self._bitmask))
 
-    def mask(self, row: np.ndarray) -> None:
-        """Forbid, in place, the decodable columns the grammar does not allow next."""
+    @property
+    def active(self) -> bool:
+        """True while the grammar still constrains tokens (not terminated, not broken)."""
+        return not (self.broken or self._matcher.is_terminated())
+
+    def bitmask(self) -> np.ndarray | None:
+        """The next token's mask, [ceil(decodable / 32)] int32 (valid until `accept`), or None
+        when there is nothing to apply. Waits for the worker's fill."""
         pending, self._next = self._next, None
         ready = pending.result() if pending is not None else self._fill()
         if not ready or self.broken or not _MASKING:
-            return
-        import torch  # present wherever xgrammar is
+            return None
+        return self._bitmask[0]
 
-        view = torch.from_numpy(row[: self.decodable]).unsqueeze(0)
-        _xgrammar().apply_token_bitmask_inplace(view, self._bitmask, vocab_size=self.decodable)
+    def mask(self, row: np.ndarray) -> None:
+        """Forbid, in place, the decodable columns the grammar does not allow next."""
+        bits = self.bitmask()
+        if bits is not None:
+            apply_bitmask(row, bits, self.decodable)
 
     def accept(self, token: int) -> None:
         """Advance with the chosen token and start computing the next mask."""
-        if self._next is not None:  # mask() was skipped: let the pending fill finish first
+        if self._next is not None:  # the mask was not asked for: let the pending fill finish
             self._next.result()
             self._next = None
-        if self.broken or self._matcher.is_terminated():
+        if not self.active:
             return
         if not self._matcher.accept_token(int(token)):
             self.broken = True

@@ -8,6 +8,11 @@ which gives every token its position.
 Decode runs as one CUDA graph per batch size, so everything it touches lives at a fixed
 address: the step's inputs (ids, slots, positions) are copied into one [batch, 3] buffer, and the
 logits and greedy picks land in fixed output buffers; each call passes views of them.
+
+Constrained rows (structured output) get their token bitmasks applied where the logits are:
+`constrain` uploads the rows' masks into a fixed buffer and runs the artifact's
+`constrained_pick` (greedy: 8 bytes a row come back) and/or `constrained_mask` (in place, for
+rows the host samples) on a decode step's or a prefill's logits, still on the device.
 """
 
 from __future__ import annotations
@@ -63,6 +68,15 @@ class ModelRunner:
         self._logits = tvm.runtime.empty((n, width), "float32", self.device)
         self._best = tvm.runtime.empty((n,), "int32", self.device)
         self._best_logprob = tvm.runtime.empty((n,), "float32", self.device)
+        # Artifacts built before the bitmask kernels lack these; the engine masks on the host.
+        self.constrains_on_device = vm.module.implements_function("constrained_pick")
+        if self.constrains_on_device:
+            self._pick_masked, self._mask = vm["constrained_pick"], vm["constrained_mask"]
+            words = (artifact.widths.decodable + 31) // 32
+            self._mask_rows = tvm.runtime.empty((n,), "int32", self.device)
+            self._bitmask = tvm.runtime.empty((n, words), "int32", self.device)
+            self._masked_best = tvm.runtime.empty((n,), "int32", self.device)
+            self._masked_logprob = tvm.runtime.empty((n,), "float32", self.device)
 
     def capture_decode_graphs(self, batch_sizes: list[int]) -> None:
         """Run `decode` once at each batch size on throw-away sequences, so a CUDA-graph build
@@ -124,27 +138,42 @@ class ModelRunner:
         """Append `tokens[b]` to the sequence in `slots[b]`; logits [rows, selection] at each
         sequence's last token, at every token with `all_logits`, or at the given indices into
         the concatenated tokens with `logit_positions`."""
+        return self.forward_step(slots, tokens, all_logits, logit_positions).rows()
+
+    def forward_step(
+        self,
+        slots: list[int],
+        tokens: list[list[int]],
+        all_logits: bool = False,
+        logit_positions: np.ndarray | None = None,
+    ) -> StepLogits:
+        """`forward`, with the logits left on the device until asked for."""
         lengths = [len(t) for t in tokens]
         # `decode` returns exactly one row per sequence, so anything else runs `prefill`.
         if logit_positions is None and not all_logits and all(n == 1 for n in lengths):
-            return self.decode(slots, [t[0] for t in tokens]).rows()
-        indptr = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-        rows = np.arange(indptr[-1]) if all_logits else indptr[1:] - 1
+            return self.decode(slots, [t[0] for t in tokens])
+        ends = np.cumsum(lengths)
+        rows = np.arange(ends[-1]) if all_logits else ends - 1
         if logit_positions is not None:
             rows = np.asarray(logit_positions)
-        starts = self._advance(slots, lengths)
+        return self.prefill(slots, tokens, rows)
+
+    def prefill(self, slots: list[int], tokens: list[list[int]], rows: np.ndarray) -> StepLogits:
+        """Append `tokens[b]` to the sequence in `slots[b]`; the logits at `rows` (indices into
+        the concatenated tokens) stay on the device until asked for."""
+        starts = self._advance(slots, [len(t) for t in tokens])
         positions = np.concatenate(
-            [np.arange(s, s + n) for s, n in zip(starts, lengths, strict=True)]
+            [np.arange(s, s + len(t)) for s, t in zip(starts, tokens, strict=True)]
         )
         out = self._prefill(
             self._i32(np.concatenate(tokens)),
-            self._i32(indptr),
+            self._i32(np.concatenate([[0], np.cumsum([len(t) for t in tokens])])),
             self._i32(slots),
             self._i32(positions),
             self._i32(rows),
             *self._state(),
         )
-        return out[0].numpy()
+        return StepLogits(out[0])
 
     def decode(self, slots: list[int], tokens: list[int]) -> StepLogits:
         """One token for each sequence; the logits stay on the device until asked for."""
@@ -160,6 +189,31 @@ class ModelRunner:
         logprob = self._best_logprob._create_view((batch,))
         fn(step, logits, best, logprob, *self._state())
         return StepLogits(logits, best.numpy(), logprob.numpy())
+
+    def constrain(
+        self, step: StepLogits, rows: list[int], bitmasks: np.ndarray, pick: bool, mask: bool
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """Apply `bitmasks` [len(rows), words] (xgrammar's layout) to logits rows `rows` of
+        `step` on the device: with `pick`, return each row's greedy pick and its logprob in the
+        masked distribution; with `mask`, write -inf over the forbidden columns in place, so
+        the rows the host copies afterwards are masked. Pad columns are never touched."""
+        n = len(rows)
+        if not 0 < n <= self.max_batch_size:
+            raise ValueError(f"{n} constrained rows: 1 to {self.max_batch_size}")
+        logits = step.device_rows()
+        row_ids = self._mask_rows._create_view((n,))
+        row_ids.copyfrom(np.asarray(rows, dtype=np.int32))
+        bits = self._bitmask._create_view((n, self._bitmask.shape[1]))
+        bits.copyfrom(np.ascontiguousarray(bitmasks, dtype=np.int32))
+        picked = None
+        if pick:  # before the in-place mask: it reads the logits the mask would overwrite
+            best = self._masked_best._create_view((n,))
+            logprob = self._masked_logprob._create_view((n,))
+            self._pick_masked(logits, row_ids, bits, best, logprob)
+            picked = best.numpy(), logprob.numpy()
+        if mask:
+            self._mask(logits, row_ids, bits)
+        return picked
 
     def _state(self) -> tuple:
         return (
@@ -190,3 +244,14 @@ class StepLogits:
         if not isinstance(self._rows, np.ndarray):
             self._rows = self._rows.numpy()
         return self._rows
+
+    def device_rows(self) -> tvm.runtime.Tensor:
+        """The rows where the model wrote them; refused once copied (a later in-place change
+        would not reach the copy)."""
+        if isinstance(self._rows, np.ndarray):
+            raise RuntimeError("these logits were already copied to the host")
+        return self._rows
+
+    @property
+    def on_device(self) -> bool:
+        return not isinstance(self._rows, np.ndarray)
