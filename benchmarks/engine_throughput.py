@@ -1,18 +1,24 @@
 """Engine-level throughput on a GPU at real shapes (bf16), with and without CUDA graphs.
 
   here:        python benchmarks/engine_throughput.py build DIR [--shape 4b]
-  on the GPU:  python benchmarks/engine_throughput.py run DIR WORK [--shape 4b]
+  on the GPU:  python benchmarks/engine_throughput.py run DIR WORK [--shape 4b] [--constrained]
 
 For each concurrency c: c requests of random 1,024-token prompts, 256 greedy output tokens
 each (EOS ignored), submitted together to one Engine, no HTTP. Reports TTFT (submit to first
 token), TPOT (first to last token, per request), output tokens/s over the whole batch, and the
 roofline step time of the same run: bytes a decode step must move (weights once, plus each
 sequence's GDN state read and written and its KV read) over the copy bandwidth.
+
+With --constrained, each level runs twice on the same prompts: free, then with every request
+constrained by a JSON schema (xgrammar; the bitmask applied on the device), rows marked by
+`constrained`. The grammar needs the tokenizer: `build` keeps one gzipped copy (3.7 MB) in DIR
+instead of a 20 MB tokenizer.json per library, and `run` restores it.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import time
@@ -23,27 +29,62 @@ import numpy as np
 PROMPT, OUTPUT = 1024, 256
 CONCURRENCY = (1, 8, 16)
 VARIANTS = {"graphs": True, "no-graphs": False}
+TOKENIZER_GZ = "tokenizer.json.gz"
+# Nested objects, enums, arrays and required fields; unbounded strings and arrays, so a random
+# model stays inside the grammar for most of its 256 tokens.
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "kind": {"enum": ["cat", "dog", "bird"]},
+        "owner": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "verified": {"type": "boolean"}},
+            "required": ["city", "verified"],
+        },
+        "visits": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {"day": {"type": "integer"}, "note": {"type": "string"}},
+                "required": ["day", "note"],
+            },
+        },
+    },
+    "required": ["name", "kind", "owner", "visits"],
+}
+SPEC = {  # as the server builds it (server/structured.py)
+    "type": "structural_tag",
+    "format": {"type": "json_schema", "json_schema": SCHEMA, "max_whitespace_cnt": 8},
+}
 
 
-def build(out: Path, shape: str) -> None:
+def build(out: Path, shape: str, variants: list[str]) -> None:
     from common import build_library
 
-    for name, graphs in VARIANTS.items():
-        seconds = build_library(shape, "bfloat16", out / f"{shape}-{name}", cuda_graph=graphs)
+    for name in variants:
+        lib = out / f"{shape}-{name}"
+        seconds = build_library(shape, "bfloat16", lib, cuda_graph=VARIANTS[name])
         print(f"{shape} bf16 {name} library compiled in {seconds:.1f} s")
+        tokenizer = lib / "tokenizer.json"  # the same vocabulary for every shape
+        if not (out / TOKENIZER_GZ).exists():
+            (out / TOKENIZER_GZ).write_bytes(gzip.compress(tokenizer.read_bytes(), 9))
+        tokenizer.unlink()
 
 
-def _artifacts(libs: Path, work: Path, shape: str) -> dict[str, Path]:
+def _artifacts(libs: Path, work: Path, shape: str, variants: list[str]) -> dict[str, Path]:
     """Weights are written and converted once; every variant links to the same files."""
     import shutil
 
     from qwen35_tvm.compile.convert import convert_weights
     from qwen35_tvm.compile.random_model import SHAPES, write_random_model
 
-    first, *rest = VARIANTS
-    dirs = {name: work / f"art-{shape}-{name}" for name in VARIANTS}
+    first, *rest = variants
+    dirs = {name: work / f"art-{shape}-{name}" for name in variants}
     for name, d in dirs.items():
         shutil.copytree(libs / f"{shape}-{name}", d, dirs_exist_ok=True)
+        if not (d / "tokenizer.json").exists() and (libs / TOKENIZER_GZ).exists():
+            (d / "tokenizer.json").write_bytes(gzip.decompress((libs / TOKENIZER_GZ).read_bytes()))
     hf_dir = work / f"hf-{shape}"
     if not (hf_dir / "config.json").exists():
         write_random_model(SHAPES[shape], hf_dir, dtype="bfloat16")
@@ -71,12 +112,19 @@ def step_bytes(artifact, batch: int, context: int) -> int:
     return weights + batch * (state + context * kv_bytes_per_token(artifact))
 
 
-def run_level(engine, prompts: list[list[int]]) -> dict:
+def run_level(engine, prompts: list[list[int]], grammar=None) -> dict:
+    """One level; with `grammar` (a GrammarCompiler and a compiled grammar) every request is
+    constrained, and the row says how long the engine waited for masks and applied them."""
     from qwen35_tvm.runtime.sampler import SamplingParams
 
     greedy = SamplingParams(temperature=0.0)
+    states = [grammar[0].state(grammar[1]) if grammar else None for _ in prompts]
+    timers = _time_constraints(engine, states) if grammar else None
     start = time.perf_counter()
-    ids = [engine.submit(p, greedy, OUTPUT, ignore_eos=True) for p in prompts]
+    ids = [
+        engine.submit(p, greedy, OUTPUT, ignore_eos=True, grammar=g)
+        for p, g in zip(prompts, states, strict=True)
+    ]
     stamps: dict[int, list[float]] = {i: [] for i in ids}
     tokens: dict[int, list[int]] = {i: [] for i in ids}
     while engine.has_work():
@@ -89,8 +137,9 @@ def run_level(engine, prompts: list[list[int]]) -> dict:
     ttft = [s[0] - start for s in stamps.values()]
     tpot = [(s[-1] - s[0]) / (len(s) - 1) for s in stamps.values()]
     assert all(len(s) == OUTPUT for s in stamps.values()), "a request stopped early"
-    return dict(
+    row = dict(
         concurrency=len(prompts),
+        constrained=grammar is not None,
         ttft_ms_mean=1e3 * float(np.mean(ttft)),
         ttft_ms_max=1e3 * float(np.max(ttft)),
         tpot_ms_mean=1e3 * float(np.mean(tpot)),
@@ -98,9 +147,71 @@ def run_level(engine, prompts: list[list[int]]) -> dict:
         wall_s=wall,
         tokens=[tokens[i] for i in ids],
     )
+    if timers is not None:
+        steps = max(1, timers["steps"])
+        row |= {
+            "device_masks": engine.runner.constrains_on_device,
+            # tokens the grammar accepted per request (the rest came after the JSON ended)
+            "constrained_tokens_mean": float(np.mean([g.accepted for g in states])),
+            "json_complete": sum(not g.active for g in states),
+            "mask_wait_ms_per_step": 1e3 * timers["wait"] / steps,
+            "constrain_ms_per_step": 1e3 * timers["constrain"] / steps,
+        }
+        timers["undo"]()
+    return row
 
 
-def run(libs: Path, work: Path, shape: str, variants: list[str], levels: list[int]) -> dict:
+def _time_constraints(engine, states) -> dict:
+    """Time spent waiting for the grammar workers' masks (what did not overlap the GPU step)
+    and in the engine's whole constraint pass (waits, upload, kernels, 8 bytes a row back)."""
+    timers = {"wait": 0.0, "constrain": 0.0, "steps": 0}
+    inner = engine._constrain
+
+    def constrain(ready):
+        t0 = time.perf_counter()
+        try:
+            return inner(ready)
+        finally:
+            timers["constrain"] += time.perf_counter() - t0
+            timers["steps"] += 1
+
+    for g in states:
+        fill = g.bitmask
+
+        def timed(fill=fill):
+            t0 = time.perf_counter()
+            try:
+                return fill()
+            finally:
+                timers["wait"] += time.perf_counter() - t0
+
+        g.bitmask = timed
+    engine._constrain = constrain
+    timers["undo"] = lambda: engine.__dict__.pop("_constrain", None)
+    return timers
+
+
+def _grammar(artifact) -> tuple:
+    from tokenizers import Tokenizer
+
+    from qwen35_tvm.runtime.grammar import GrammarCompiler
+
+    tok = Tokenizer.from_file(str(artifact.path / "tokenizer.json"))
+    compiler = GrammarCompiler(tok, artifact.widths.decodable, artifact.eos_token_ids)
+    t0 = time.time()
+    compiled = compiler.compile(SPEC)  # once per schema, as the server caches it
+    print(f"grammar compiled in {time.time() - t0:.2f} s", flush=True)
+    return compiler, compiled
+
+
+def run(
+    libs: Path,
+    work: Path,
+    shape: str,
+    variants: list[str],
+    levels: list[int],
+    constrained: bool = False,
+) -> dict:
     import torch
     from common import copy_bandwidth
 
@@ -108,7 +219,7 @@ def run(libs: Path, work: Path, shape: str, variants: list[str], levels: list[in
     from qwen35_tvm.runtime.engine import Engine
 
     t0 = time.time()
-    dirs = _artifacts(libs, work, shape)
+    dirs = _artifacts(libs, work, shape, variants)
     print(f"weights ready in {time.time() - t0:.0f} s", flush=True)
     bw = copy_bandwidth(torch)
     results: dict = {
@@ -126,19 +237,29 @@ def run(libs: Path, work: Path, shape: str, variants: list[str], levels: list[in
             artifact, max_batch_size=max_c, max_total_tokens=max_c * (PROMPT + OUTPUT + 64)
         )
         print(f"{name}: engine ready in {time.time() - t0:.1f} s: {engine.capacity()}", flush=True)
-        run_level(engine, [rng.integers(1000, 100000, 64).tolist()])  # loads every kernel
+        grammar = _grammar(artifact) if constrained else None
+        warm = [rng.integers(1000, 100000, 64).tolist()]
+        run_level(engine, warm)  # loads every kernel
+        if grammar:
+            run_level(engine, warm, grammar)  # and the constrained ones, and xgrammar
         rows = []
         for c in levels:
             prompts = [rng.integers(1000, 100000, PROMPT).tolist() for _ in range(c)]
-            row = run_level(engine, prompts)
-            # Mid-generation context: the prompt plus half the outputs.
-            # The whole copy bandwidth: it counts bytes read and written, and a read stream
-            # reaches ~95% of it (earlier runs divided by half of it).
-            roof = step_bytes(artifact, c, PROMPT + OUTPUT // 2) / bw
-            row["roofline_step_ms"] = roof * 1e3
-            row["tpot_over_roofline"] = row["tpot_ms_mean"] / (roof * 1e3)
-            rows.append(row)
-            print(name, json.dumps({k: v for k, v in row.items() if k != "tokens"}), flush=True)
+            for g in (None, grammar) if grammar else (None,):
+                row = run_level(engine, prompts, g)
+                # Mid-generation context: the prompt plus half the outputs.
+                # The whole copy bandwidth: it counts bytes read and written, and a read stream
+                # reaches ~95% of it (earlier runs divided by half of it).
+                roof = step_bytes(artifact, c, PROMPT + OUTPUT // 2) / bw
+                row["roofline_step_ms"] = roof * 1e3
+                row["tpot_over_roofline"] = row["tpot_ms_mean"] / (roof * 1e3)
+                rows.append(row)
+                shown = {k: v for k, v in row.items() if k != "tokens"}
+                print(name, json.dumps(shown), flush=True)
+            if grammar:
+                free, held = rows[-2:]
+                held["tpot_over_free"] = held["tpot_ms_mean"] / free["tpot_ms_mean"]
+                print(f"{name} c{c}: constrained TPOT / free TPOT = {held['tpot_over_free']:.3f}")
         results[name] = rows
         del engine, artifact
         torch.cuda.empty_cache()
@@ -160,13 +281,17 @@ def main() -> None:
     p.add_argument("--shape", default="4b")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--levels", default=",".join(map(str, CONCURRENCY)))
+    p.add_argument(
+        "--constrained", action="store_true", help="also run each level JSON-schema constrained"
+    )
     args = p.parse_args()
+    variants = args.variants.split(",")
     if args.step == "build":
-        build(args.dir, args.shape)
+        build(args.dir, args.shape, variants)
     else:
         args.work.mkdir(parents=True, exist_ok=True)
         levels = [int(c) for c in args.levels.split(",")]
-        out = run(args.dir, args.work, args.shape, args.variants.split(","), levels)
+        out = run(args.dir, args.work, args.shape, variants, levels, args.constrained)
         (args.work / "engine.json").write_text(json.dumps(out, indent=2))
 
 

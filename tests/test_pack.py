@@ -18,7 +18,7 @@ HERE_PY = f"{sys.version_info.major}.{sys.version_info.minor}"
 SERVING = (
     "apache_tvm_ffi numpy safetensors tokenizers ml_dtypes jinja2 markupsafe tqdm fastapi "
     "uvicorn starlette pydantic pydantic_core anyio h11 click typing_extensions annotated_types "
-    "typing_inspection idna prometheus_client qwen35_tvm pip"
+    "typing_inspection idna prometheus_client jsonschema qwen35_tvm pip"
 ).split()
 
 PROBE = """
