@@ -204,6 +204,36 @@ def _grammar(artifact) -> tuple:
     return compiler, compiled
 
 
+def check_constrain_kernels(runner) -> dict:
+    """The device's masked pick and in-place mask against numpy on random logits, with pad
+    columns holding the largest values (they must be neither picked nor written)."""
+    import tvm
+
+    from qwen35_tvm.runtime.model_runner import StepLogits
+
+    rng = np.random.default_rng(1)
+    w = runner.artifact.widths
+    n = min(4, runner.max_batch_size)
+    logits = (rng.standard_normal((n + 2, w.selection)) * 4).astype(np.float32)
+    logits[:, w.decodable :] = 1e4
+    allowed = rng.random((n, w.decodable)) < 0.01
+    padded = np.pad(allowed, ((0, 0), (0, -w.decodable % 32)))
+    bits = np.packbits(padded, axis=1, bitorder="little").view(np.int32)
+    rows = list(range(n + 1, 1, -1))
+    dev = tvm.runtime.tensor(logits, runner.device)
+    best, logprob = runner.constrain(StepLogits(dev), rows, bits, pick=True, mask=True)
+    ref = np.where(allowed, logits[rows, : w.decodable].astype(np.float64), -np.inf)
+    lsm = ref - ref.max(1, keepdims=True)
+    lsm -= np.log(np.exp(lsm).sum(1, keepdims=True))
+    out = dev.numpy()
+    return {
+        "pick_ok": bool((best == ref.argmax(1)).all()),
+        "logprob_max_err": float(np.abs(logprob - lsm[np.arange(n), ref.argmax(1)]).max()),
+        "mask_ok": bool(np.array_equal(out[rows, : w.decodable], ref.astype(np.float32))),
+        "pads_untouched": bool((out[:, w.decodable :] == 1e4).all()),
+    }
+
+
 def run(
     libs: Path,
     work: Path,
@@ -238,6 +268,9 @@ def run(
         )
         print(f"{name}: engine ready in {time.time() - t0:.1f} s: {engine.capacity()}", flush=True)
         grammar = _grammar(artifact) if constrained else None
+        if constrained:
+            results[f"{name}_kernel_check"] = check = check_constrain_kernels(engine.runner)
+            print(name, "constrained kernels vs numpy:", json.dumps(check), flush=True)
         warm = [rng.integers(1000, 100000, 64).tolist()]
         run_level(engine, warm)  # loads every kernel
         if grammar:
