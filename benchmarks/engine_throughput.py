@@ -112,7 +112,7 @@ def step_bytes(artifact, batch: int, context: int) -> int:
     return weights + batch * (state + context * kv_bytes_per_token(artifact))
 
 
-def run_level(engine, prompts: list[list[int]], grammar=None) -> dict:
+def run_level(engine, prompts: list[list[int]], grammar: tuple | None = None) -> dict:
     """One level; with `grammar` (a GrammarCompiler and a compiled grammar) every request is
     constrained, and the row says how long the engine waited for masks and applied them."""
     from qwen35_tvm.runtime.sampler import SamplingParams
