@@ -6,10 +6,12 @@ Two steps, because the GPU server has no compiler:
 
 4B heads (16 query heads, 4 kv heads, head_dim 256), bf16. Decode: one query token a sequence at
 the end of B sequences of L tokens whose pages are scattered over the pool; reported as K/V bytes
-read per second over the copy bandwidth of the same run. Prefill: a fresh causal prompt (or 16
-ragged ones) attending to itself through the pages. torch runs SDPA on contiguous K/V in the same
-run (flash for the causal prefill, GQA expanded). Every case is also checked against SDPA's
-output (max |Δ|). JSON: DIR/attention_bench_result.json and, with --out, a copy there.
+read per second over the copy bandwidth of the same run, from the call's time and from its
+kernels' CUPTI times alone (the decode step's CUDA graph runs them without launch gaps).
+Prefill: a fresh causal prompt (or 16 ragged ones) attending to itself through the pages. torch
+runs SDPA on contiguous K/V in the same run (GQA expanded): its default backend, whose kernels
+are recorded, and its FlashAttention-2 backend forced. Every case is also checked against
+SDPA's output (max |Δ|). JSON: DIR/attention_bench_result.json and, with --out, a copy there.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ HEADS, KV_HEADS, HEAD_DIM, PAGE = 16, 4, 256, 16
 DECODE = {"B1xL32768": (1, 32768), "B16xL4096": (16, 4096), "B64xL1024": (64, 1024)}
 PREFILL = {"1x1024": [1024], "1x8192": [8192], "16x1024": [1024] * 16}
 TILE_PAGES = (1, 2, 4)  # pages of keys a step of the kernel loads together
-MMA_TILE_PAGES = (2, 4)  # the same for the tensor-core prefill kernel
+# tensor-core prefill: (pages of keys a tile, query tokens a block)
+MMA_TILES = ((1, 16), (2, 16), (4, 16), (2, 32))
 SPLIT_BUDGETS = (64, 256)  # decode: split pieces of all tokens together (the kernel's is 128)
 
 
@@ -50,8 +53,10 @@ def build(out: Path, arch: str) -> None:
         funcs[f"attend_tp2_s{budget}"] = attention.paged_attention(
             HEADS, KV_HEADS, HEAD_DIM, "bfloat16", target, tile_pages=2, split_budget=budget
         )
-    for tp in MMA_TILE_PAGES:
-        funcs[f"attend_mma{tp}"] = paged_prefill_mma(HEADS, KV_HEADS, HEAD_DIM, target, tp)
+    for tp, qt in MMA_TILES:
+        funcs[f"attend_mma{tp}q{qt}"] = paged_prefill_mma(
+            HEADS, KV_HEADS, HEAD_DIM, target, tp, qt
+        )
     for name, func in funcs.items():
         tvm.compile(tvm.IRModule({"main": func}), target=target).export_library(
             str(out / f"attn_{name}.so")
@@ -119,12 +124,35 @@ def sdpa_reference(torch, x: dict) -> tuple:
         outs.append(f.scaled_dot_product_attention(q, ke, ve, is_causal=causal)[0].permute(1, 0, 2))
         qi += nq
     if same:  # time one batched call, as a server would issue it
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
         qb = x["q"].reshape(len(kvs), x["queries"][0], HEADS, HEAD_DIM).permute(0, 2, 1, 3)
         kb = torch.cat([k for k, _ in kvs]).repeat_interleave(group, 1)
         vb = torch.cat([v for _, v in kvs]).repeat_interleave(group, 1)
         causal = x["queries"][0] > 1
         calls.append(lambda: f.scaled_dot_product_attention(qb, kb, vb, is_causal=causal))
+
+        def flash():  # torch's FlashAttention-2 kernels, whatever the default picks
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                return f.scaled_dot_product_attention(qb, kb, vb, is_causal=causal)
+
+        calls.append(flash)
     return torch.cat(outs), calls
+
+
+def kernel_times(torch, fn, iters: int = 10) -> dict[str, float]:
+    """CUPTI time of each kernel of one call (the split kernel and its merge apart)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    return {
+        e.key: e.device_time_total / iters
+        for e in prof.key_averages()
+        if e.device_time_total > 0 and "Memcpy" not in e.key
+    }
 
 
 def time_case(torch, tvm, attend, x: dict, ref, bw: float, ws_rows: int) -> dict:
@@ -139,8 +167,13 @@ def time_case(torch, tvm, attend, x: dict, ref, bw: float, ws_rows: int) -> dict
     torch.cuda.synchronize()
     us = cuda_time(torch, lambda: attend(*args)) * 1e6
     kv_bytes = sum(x["lengths"]) * KV_HEADS * HEAD_DIM * 2 * 2
+    kernels = kernel_times(torch, lambda: attend(*args))
     return {
         "us": us,
+        "kernels_us": kernels,
+        # inside the decode step's CUDA graph the kernels run back to back: no launch gaps
+        "gpu_us": sum(kernels.values()),
+        "copy_bw_fraction_gpu": kv_bytes / (sum(kernels.values()) * 1e-6) / bw,
         "max_abs_diff": (o.float() - ref.float()).abs().max().item(),
         "kv_bytes": kv_bytes,
         "copy_bw_fraction": kv_bytes / (us * 1e-6) / bw,
@@ -161,7 +194,7 @@ def run(out_dir: Path, results: Path | None) -> None:
     kernels = {
         tp: tvm.runtime.load_module(str(out_dir / f"attn_attend_{tp}.so"))["main"]
         for tp in [f"tp{n}" for n in TILE_PAGES]
-        + [f"mma{n}" for n in MMA_TILE_PAGES]
+        + [f"mma{tp}q{qt}" for tp, qt in MMA_TILES]
         + [f"tp2_s{n}" for n in SPLIT_BUDGETS]
     }
     bw = copy_bandwidth(torch)
@@ -169,18 +202,22 @@ def run(out_dir: Path, results: Path | None) -> None:
     rows = []
     cases = [("decode", name, [L] * B, [1] * B) for name, (B, L) in DECODE.items()]
     cases += [("prefill", name, lens, lens) for name, lens in PREFILL.items()]
-    print("| kind | case | kernel | ours (µs) | SDPA (µs) | ours / SDPA speed | % of copy bw |"
-          " max abs Δ |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|")
+    print("| kind | case | kernel | ours (µs) | ours, kernels only (µs) | SDPA (µs) |"
+          " ours / SDPA speed | ours / flash SDPA | % of copy bw (kernels only) | max abs Δ |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for kind, name, lengths, queries in cases:
         try:
             x = make_case(torch, lengths, queries)
             ref, calls = sdpa_reference(torch, x)
             sdpa_us = cuda_time(torch, calls[0]) * 1e6 if calls else None
+            sdpa_kernels = kernel_times(torch, calls[0]) if calls else {}
+            flash_us = cuda_time(torch, calls[1]) * 1e6 if calls else None
         except Exception:
             traceback.print_exc()
             continue
         for tp, attend in kernels.items():
+            if tp.startswith("mma") != (kind == "prefill") and tp != "tp2":
+                continue  # each kernel on its own kind of case; the split kernel on both
             row = {"kind": kind, "case": name, "kernel": tp}
             try:
                 budget = int(tp.split("_s")[1]) if "_s" in tp else 128
@@ -188,6 +225,9 @@ def run(out_dir: Path, results: Path | None) -> None:
                 if sdpa_us is not None:
                     row["sdpa_us"] = sdpa_us
                     row["speed_vs_sdpa"] = sdpa_us / row["us"]
+                    row["sdpa_kernels_us"] = sdpa_kernels
+                    row["sdpa_flash_us"] = flash_us
+                    row["speed_vs_sdpa_flash"] = flash_us / row["us"]
                 if kind == "prefill":
                     flops = sum(4 * n * (n + 1) / 2 * HEAD_DIM * HEADS for n in lengths)
                     row["tflops"] = flops / (row["us"] * 1e-6) / 1e12
@@ -199,9 +239,12 @@ def run(out_dir: Path, results: Path | None) -> None:
             err = f" ERROR {row['error']}" if "error" in row else ""
             print(
                 f"| {kind} | {name} | {tp} | {row.get('us', nan):.1f} | "
-                f"{row.get('sdpa_us', nan):.1f} | {row.get('speed_vs_sdpa', nan):.2f}x | "
-                f"{100 * row.get('copy_bw_fraction', nan):.1f}% | {row.get('max_abs_diff', '-')} |"
-                f"{err}",
+                f"{row.get('gpu_us', nan):.1f} | {row.get('sdpa_us', nan):.1f} | "
+                f"{row.get('speed_vs_sdpa', nan):.2f}x | "
+                f"{row.get('speed_vs_sdpa_flash', nan):.2f}x | "
+                f"{100 * row.get('copy_bw_fraction', nan):.1f}% "
+                f"({100 * row.get('copy_bw_fraction_gpu', nan):.1f}%) | "
+                f"{row.get('max_abs_diff', '-')} |{err}",
                 flush=True,
             )
     result = {"device": torch.cuda.get_device_name(), "copy_bw_tbs": bw / 1e12, "rows": rows}

@@ -84,8 +84,9 @@ def paged_attention(
     kt = tp * tj  # keys a tile: `tp` pages a step, loaded together
     n_v = tp * chunk_passes * keys_per_group * vec  # a thread's share of a tile's V
 
-    dm = next(m for m in (32, 16, 8, 4, 2, 1) if d % m == 0)  # merge: dims a block
-    m_groups = max(1, nt // dm)  # merge: thread groups splitting the pieces
+    dm = 16  # merge of many pieces: columns a block
+    if nt % dm:
+        raise ValueError(f"{nt} threads a block do not split into groups of {dm} columns")
 
     def v_at(u, cp, jj, i):
         return ((u * chunk_passes + cp) * keys_per_group + jj) * vec + i
@@ -97,6 +98,30 @@ def paged_attention(
     def dim(p, e, i):
         """Score phase: dims of slice p, interleaved so a warp's loads cover whole rows."""
         return (e * parts + p) * vec + i
+
+    @T.macro
+    def merge_pieces(ws_acc, ws_ml, t, h, col, first, stride, splits, run, ms, ls, xs):
+        # pieces first, first + stride, ... of column col of (t, h) into a running (max,
+        # numerator, denominator), MERGE_UNROLL loads in flight at a time
+        run[0] = T.float32("-inf")
+        run[1] = T.float32(0)
+        run[2] = T.float32(0)
+        for s0 in T.serial((splits - first + stride * MERGE_UNROLL - 1) // (stride * MERGE_UNROLL)):
+            for u in T.unroll(MERGE_UNROLL):
+                sp: T.let[T.int32] = T.min((s0 * MERGE_UNROLL + u) * stride + first, splits - 1)
+                ms[u] = ws_ml[t * splits + sp, h, 0]
+                ls[u] = ws_ml[t * splits + sp, h, 1]
+                xs[u] = ws_acc[t * splits + sp, h, col]
+            for u in T.unroll(MERGE_UNROLL):
+                sp: T.let[T.int32] = (s0 * MERGE_UNROLL + u) * stride + first
+                # empty pieces (max -inf) and clamped repeats add nothing
+                if sp < splits and ms[u] > T.float32("-inf"):
+                    mn: T.let[T.float32] = T.max(run[0], ms[u])
+                    ca: T.let[T.float32] = T.exp(run[0] - mn)
+                    cb: T.let[T.float32] = T.exp(ms[u] - mn)
+                    run[1] = run[1] * ca + cb * xs[u]
+                    run[2] = run[2] * ca + cb * ls[u]
+                    run[0] = mn
 
     @T.prim_func(s_tir=True)
     def attn_paged(
@@ -315,21 +340,21 @@ def paged_attention(
                                         ws_ml[t * splits + s, kvh * group + g, 1] = ml_sh[
                                             g * 2 + 1
                                         ]
-        # Merge the split pieces of each (token, head, 32-dim slice); nothing to do with one
-        # split (tested inside each phase: a barrier may not fall inside a condition). Threads
-        # take the pieces round-robin by group, each keeping a running (max, numerator,
-        # denominator), loaded MERGE_UNROLL pieces at a time so the loads overlap; the groups
-        # are then combined.
-        for mb in grid(T.min(n_tok, ws_rows) * heads * (d // dm)):
+        # Merge the split pieces, a block per `cols` output columns (of the flattened [token,
+        # head, dim] output) split over `groups` thread groups that take the pieces
+        # round-robin, then combined in shared memory. Many pieces (few tokens): 16 columns,
+        # many groups; a few pieces: a column a thread, all pieces at once. Nothing to do with
+        # one split (tested inside each phase: a barrier may not fall inside a condition).
+        cols: T.let[T.int32] = T.Select(splits > MERGE_UNROLL, dm, nt)
+        groups: T.let[T.int32] = nt // cols
+        n_cols: T.let[T.int32] = T.min(n_tok, ws_rows) * heads * d
+        for mb in grid((n_cols + cols - 1) // cols):
             with T.sblock("merge"):
                 T.reads()
                 T.writes()
-                m_sh = T.sblock_alloc_buffer((m_groups * dm,), "float32", scope=shared)
-                n_sh = T.sblock_alloc_buffer((m_groups * dm,), "float32", scope=shared)
-                d_sh = T.sblock_alloc_buffer((m_groups * dm,), "float32", scope=shared)
-                t: T.let[T.int32] = mb // (d // dm) // heads
-                h: T.let[T.int32] = mb // (d // dm) % heads
-                col0: T.let[T.int32] = mb % (d // dm) * dm
+                m_sh = T.sblock_alloc_buffer((nt,), "float32", scope=shared)
+                n_sh = T.sblock_alloc_buffer((nt,), "float32", scope=shared)
+                d_sh = T.sblock_alloc_buffer((nt,), "float32", scope=shared)
                 for tx in lanes():
                     with T.sblock("merge_groups"):
                         T.reads()
@@ -338,33 +363,10 @@ def paged_attention(
                         ms = T.sblock_alloc_buffer((MERGE_UNROLL,), "float32", scope="local")
                         ls = T.sblock_alloc_buffer((MERGE_UNROLL,), "float32", scope="local")
                         xs = T.sblock_alloc_buffer((MERGE_UNROLL,), "float32", scope="local")
-                        if tx < m_groups * dm and splits > 1:
-                            grp: T.let[T.int32] = tx // dm
-                            col: T.let[T.int32] = col0 + tx % dm
-                            run[0] = T.float32("-inf")
-                            run[1] = T.float32(0)
-                            run[2] = T.float32(0)
-                            step = m_groups * MERGE_UNROLL
-                            for s0 in T.serial((splits + step - 1) // step):
-                                for u in T.unroll(MERGE_UNROLL):
-                                    sp: T.let[T.int32] = T.min(
-                                        (s0 * MERGE_UNROLL + u) * m_groups + grp, splits - 1
-                                    )
-                                    ms[u] = ws_ml[t * splits + sp, h, 0]
-                                    ls[u] = ws_ml[t * splits + sp, h, 1]
-                                    xs[u] = ws_acc[t * splits + sp, h, col]
-                                for u in T.unroll(MERGE_UNROLL):
-                                    sp: T.let[T.int32] = (
-                                        (s0 * MERGE_UNROLL + u) * m_groups + grp
-                                    )
-                                    # empty pieces (max -inf) and clamped repeats add nothing
-                                    if sp < splits and ms[u] > T.float32("-inf"):
-                                        mn: T.let[T.float32] = T.max(run[0], ms[u])
-                                        ca: T.let[T.float32] = T.exp(run[0] - mn)
-                                        cb: T.let[T.float32] = T.exp(ms[u] - mn)
-                                        run[1] = run[1] * ca + cb * xs[u]
-                                        run[2] = run[2] * ca + cb * ls[u]
-                                        run[0] = mn
+                        x: T.let[T.int32] = mb * cols + tx % cols
+                        if x < n_cols and splits > 1:
+                            merge_pieces(ws_acc, ws_ml, x // (heads * d), x // d % heads, x % d,
+                                         tx // cols, groups, splits, run, ms, ls, xs)  # fmt: skip
                             m_sh[tx] = run[0]
                             n_sh[tx] = run[1]
                             d_sh[tx] = run[2]
@@ -373,16 +375,19 @@ def paged_attention(
                         T.reads()
                         T.writes()
                         tot = T.sblock_alloc_buffer((3,), "float32", scope="local")
-                        if tx < dm and splits > 1:
+                        x: T.let[T.int32] = mb * cols + tx
+                        if tx < cols and x < n_cols and splits > 1:
                             tot[0] = T.float32("-inf")
-                            for g in T.serial(m_groups):
-                                tot[0] = T.max(tot[0], m_sh[g * dm + tx])
+                            for g in T.serial(groups):
+                                tot[0] = T.max(tot[0], m_sh[g * cols + tx])
                             tot[1] = T.float32(0)
                             tot[2] = T.float32(0)
-                            for g in T.serial(m_groups):
-                                w: T.let[T.float32] = T.exp(m_sh[g * dm + tx] - tot[0])
-                                tot[1] += w * n_sh[g * dm + tx]
-                                tot[2] += w * d_sh[g * dm + tx]
-                            o[t, h, col0 + tx] = T.Cast(dtype, tot[1] / tot[2])
+                            for g in T.serial(groups):
+                                w: T.let[T.float32] = T.exp(m_sh[g * cols + tx] - tot[0])
+                                tot[1] += w * n_sh[g * cols + tx]
+                                tot[2] += w * d_sh[g * cols + tx]
+                            o[x // (heads * d), x // d % heads, x % d] = T.Cast(
+                                dtype, tot[1] / tot[2]
+                            )
 
     return attn_paged

@@ -2,22 +2,23 @@
 `attention.paged_attention` (same parameters, the same result up to bf16 rounding of the
 probabilities), for chunks of many tokens, where each K/V tile must serve many queries.
 
-A block owns 16 consecutive query tokens of one sequence and one kv head: 16 x group rows
-(every query head of the GQA group), one warp per 16 rows. Per tile of keys (`tile_pages`
-pages, 2 by default):
+A block owns `q_tokens` consecutive query tokens of one sequence and one kv head: q_tokens x
+group rows (every query head of the GQA group), one warp per 16 rows. Per tile of keys
+(`tile_pages` pages):
 
-1. the tile's K is copied to shared memory as stored ([key, dim]) and V transposed
-   ([dim, key]), so both are the (n, k) operand mma.sync wants with k contiguous;
-2. S = Q Kᵀ on tensor cores (Q sits in shared memory for the whole block), written to shared
-   memory in fp32;
-3. two threads per row run the online softmax (both keep the row's running max and sum, each
-   writes half of P in bf16), masking keys past the row's position;
-4. O = alpha O + P V on tensor cores, O accumulating in registers.
+1. the next tile's K and V are already in flight (cp.async into the other of two stages),
+   copied as stored ([key, dim]): K is mma's (n, k) operand as is, V is read transposed by
+   `ldmatrix.trans`;
+2. S = Q Kᵀ on tensor cores into registers (Q sits in shared memory for the whole block);
+3. the online softmax runs on those registers: a row's 16-key slices live in the 4 lanes of
+   a quad, so its max is two shuffles away, and the row sums stay per lane until the end;
+4. P, rounded to bf16 in place, is already laid out as mma's A fragment, so
+   O = alpha O + P V follows on tensor cores without touching shared memory.
 
-Shared tiles whose rows hold 8 or more 16-byte chunks XOR the chunk with row % 8 (ldmatrix
-reads 8 rows at one chunk: 8 different banks); narrower ones use matmul.tile_offset. The
-grid has a row of ceil(tokens / 16) query tiles for every sequence of a ragged batch; the
-tiles past a sequence's end exit at once.
+One barrier a tile. Shared rows XOR their 16-byte chunk with row % 8 (ldmatrix reads 8 rows
+at one chunk: 8 different banks). The query tiles of a ragged batch are numbered
+sequence after sequence, at most one unused number a sequence (those blocks exit at once); the
+last tiles (the longest under the causal mask) run first.
 """
 
 from __future__ import annotations
@@ -27,56 +28,100 @@ from tvm.target import Target
 from tvm.tirx import PrimFunc
 
 from .kv_cache import PAGE_SIZE
-from .matmul import acc_coords, ldmatrix_a_coords, ldmatrix_b_coords, tile_offset
+from .matmul import acc_coords, ldmatrix_a_coords, ldmatrix_b_coords
 from .ptx import ldmatrix_x4, mma_bf16
 
-Q_TOKENS = 16  # query tokens a block
 DTYPE = "bfloat16"
+STAGES = 2  # K/V tiles in shared memory: the one computed on and the one arriving
+FULL_MASK = 0xFFFFFFFF
 
 
-def _wide(row, chunk, chunks: int):
+def _at(row, chunk, chunks: int):
     """Element offset of 16-byte chunk `chunk` of `row` in a tile of rows of `chunks` chunks
     (a multiple of 8), the chunk XORed with row % 8."""
     return row * (chunks * 8) + (chunk ^ (row % 8)) * 8
 
 
-def _at(row, chunk, chunks: int):
-    """Offset of a 16-byte chunk in a shared tile of rows of `chunks` chunks."""
-    return _wide(row, chunk, chunks) if chunks >= 8 else tile_offset(row, chunk, chunks)
-
-
-@T.macro
-def warp_mma(a_sh, a_chunks, b_sh, b_chunks, acc, ksteps, n_pairs, warp, lane, a_frag, b_frag):
-    # acc (this warp's 16 rows x 16 n_pairs columns) += A[rows, :16 ksteps] B[cols, same]ᵀ,
-    # both operands in shared memory with k contiguous
-    for kk in T.unroll(ksteps):
-        ar, ac = T.meta_var(ldmatrix_a_coords(lane, kk))
-        T.evaluate(ldmatrix_x4(a_frag, 0, a_sh, _at(warp * 16 + ar, ac, a_chunks)))
-        for np in T.unroll(n_pairs):
-            br, bc = T.meta_var(ldmatrix_b_coords(lane, kk))
-            T.evaluate(ldmatrix_x4(b_frag, 0, b_sh, _at(np * 16 + br, bc, b_chunks)))
-            for h2 in T.unroll(2):
-                T.evaluate(
-                    mma_bf16(a_frag.data, 0, b_frag.data, h2 * 4, acc.data, (np * 2 + h2) * 4)
-                )
+def _lane_xor(x, lane_mask: int):
+    """x of the lane whose index differs by `lane_mask` (a quad's 4 lanes hold one row)."""
+    return T.tvm_warp_shuffle_xor(FULL_MASK, x, lane_mask, 32, 32)
 
 
 def paged_prefill_mma(
-    heads: int, kv_heads: int, head_dim: int, target: Target, tile_pages: int = 2
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    target: Target,
+    tile_pages: int = 2,
+    q_tokens: int = 16,
 ) -> PrimFunc:
     group, d = heads // kv_heads, head_dim
     keys = tile_pages * PAGE_SIZE  # keys a tile
     if heads % kv_heads or d % 64 or target.kind.name != "cuda":
         raise ValueError("tensor-core prefill: CUDA, head_dim a multiple of 64, GQA groups")
-    rows = Q_TOKENS * group
-    warps = rows // 16
-    nt = warps * 32
+    rows = q_tokens * group
+    if rows % 16:
+        raise ValueError(f"q_tokens {q_tokens} x group {group} must fill whole warps of 16 rows")
+    nt = rows // 16 * 32
     dch = d // 8  # 16-byte chunks of a head row
-    kch = keys // 8  # 16-byte chunks of a key row of P or Vᵀ
     d_tiles = d // 8  # n8 tiles of O a warp
     s_tiles = keys // 8  # n8 tiles of S a warp
-    scale = float(d) ** -0.5
+    kv_copies = -(-keys * dch // nt)  # 16-byte copies a thread, for each of K and V
+    q_copies = -(-rows * dch // nt)
+    scale = float(d) ** -0.5 * 1.4426950408889634  # log2(e): the softmax runs on exp2
     sh = "shared.dyn"
+
+    pv_steps = keys // 16 * (d // 16)  # (k16 step, pair of n8 tiles) of O += P V
+
+    @T.macro
+    def s_fragments(q_sh, k_sh, a_frag, b_frag, kk, buf, k_base, warp, lane):
+        # Q's A fragment and K's B fragments of k16 step kk, into fragment set `buf`
+        ar, ac = T.meta_var(ldmatrix_a_coords(lane, kk))
+        T.evaluate(ldmatrix_x4(a_frag, buf * 8, q_sh, _at(warp * 16 + ar, ac, dch)))
+        for np in T.unroll(s_tiles // 2):
+            br, bc = T.meta_var(ldmatrix_b_coords(lane, kk))
+            T.evaluate(ldmatrix_x4(
+                b_frag, (buf * (s_tiles // 2) + np) * 8, k_sh, k_base + _at(np * 16 + br, bc, dch)
+            ))  # fmt: skip
+
+    @T.macro
+    def v_fragment(v_sh, b_frag, j, buf, k_base, lane):
+        # V's B fragments (two n8 tiles) of step j, read transposed: lanes give key rows
+        kk: T.let[T.int32] = j // (d // 16)
+        np: T.let[T.int32] = j % (d // 16)
+        T.evaluate(ldmatrix_x4(
+            b_frag, buf * 8, v_sh,
+            k_base + _at(kk * 16 + lane % 16, np * 2 + lane // 16, dch), trans=True,
+        ))  # fmt: skip
+
+    def first_tile(indptr, s):
+        return indptr[s] // q_tokens + s
+
+    @T.macro
+    def tile_of(indptr, n_seq, g, lo):
+        # lo[0] <- the last sequence whose first tile is <= g (binary search, lo[1] the bound)
+        lo[0] = 0
+        lo[1] = n_seq
+        for _ in T.serial(31):
+            if lo[1] - lo[0] > 1:
+                if first_tile(indptr, (lo[0] + lo[1]) // 2) <= g:
+                    lo[0] = (lo[0] + lo[1]) // 2
+                else:
+                    lo[1] = (lo[0] + lo[1]) // 2
+
+    @T.macro
+    def load_kv(kp, vp, k_sh, v_sh, stage, kt, tx, slot, table, seq_pages, kvh, layer64):
+        for it in T.unroll(kv_copies):
+            x: T.let[T.int32] = T.min(it * nt + tx, keys * dch - 1)
+            key: T.let[T.int32] = x // dch
+            pg: T.let[T.int32] = T.min(kt * tile_pages + key // PAGE_SIZE, seq_pages - 1)
+            page: T.let[T.int64] = T.Cast("int64", table[slot, pg])
+            src: T.let[T.int64] = (
+                ((layer64 * kp.shape[1] + page) * kv_heads + kvh) * PAGE_SIZE + key % PAGE_SIZE
+            ) * d + x % dch * 8
+            dst: T.let[T.int32] = stage * keys * d + _at(key, x % dch, dch)
+            T.evaluate(T.s_tir.cp_async_raw.legacy(k_sh.data, dst, kp.data, src, 16, dtype=DTYPE))
+            T.evaluate(T.s_tir.cp_async_raw.legacy(v_sh.data, dst, vp.data, src, 16, dtype=DTYPE))
 
     @T.prim_func(s_tir=True)
     def attn_prefill_mma(
@@ -106,149 +151,149 @@ def paged_prefill_mma(
         o = T.match_buffer(o_h, (n_tok, heads, d), DTYPE)
         T.match_buffer(ws_acc_h, (ws_rows, heads, d), "float32")  # unused: one piece
         T.match_buffer(ws_ml_h, (ws_rows, heads, 2), "float32")
-        max_tiles: T.let[T.int32] = (n_tok + Q_TOKENS - 1) // Q_TOKENS
-        for blk in T.thread_binding(n_seq * max_tiles * kv_heads, thread="blockIdx.x"):
+        # sequence s's query tiles are numbered from first_tile(s) on; its gap to the next
+        # sequence's is at least its tile count, so at most n_seq numbers go unused
+        n_tiles_all: T.let[T.int32] = n_tok // q_tokens + n_seq
+        for blk in T.thread_binding(n_tiles_all * kv_heads, thread="blockIdx.x"):
             for tx in T.thread_binding(nt, thread="threadIdx.x"):
                 with T.sblock("prefill"):
                     T.reads()
                     T.writes()
                     q_sh = T.sblock_alloc_buffer((rows * d,), DTYPE, scope=sh)
-                    k_sh = T.sblock_alloc_buffer((keys * d,), DTYPE, scope=sh)
-                    vt_sh = T.sblock_alloc_buffer((d * keys,), DTYPE, scope=sh)
-                    # static shared memory: TVM plans barriers for all dynamic shared memory as
-                    # one buffer, which would put one inside the softmax phase
-                    s_sh = T.sblock_alloc_buffer((rows * keys,), "float32", scope="shared")
-                    p_sh = T.sblock_alloc_buffer((rows * keys,), DTYPE, scope="shared")
-                    alpha = T.sblock_alloc_buffer((nt,), "float32", scope="shared")
+                    k_sh = T.sblock_alloc_buffer((STAGES * keys * d,), DTYPE, scope=sh)
+                    v_sh = T.sblock_alloc_buffer((STAGES * keys * d,), DTYPE, scope=sh)
                     o_acc = T.sblock_alloc_buffer((d_tiles * 4,), "float32", scope="local")
                     s_acc = T.sblock_alloc_buffer((s_tiles * 4,), "float32", scope="local")
-                    a_frag = T.sblock_alloc_buffer((8,), DTYPE, scope="local")
-                    b_frag = T.sblock_alloc_buffer((8,), DTYPE, scope="local")
-                    reg = T.sblock_alloc_buffer((8,), DTYPE, scope="local")
-                    ml = T.sblock_alloc_buffer((2,), "float32", scope="local")
-                    mx = T.sblock_alloc_buffer((2,), "float32", scope="local")
+                    p_frag = T.sblock_alloc_buffer((s_tiles * 4,), DTYPE, scope="local")
+                    a_frag = T.sblock_alloc_buffer((2 * 8,), DTYPE, scope="local")
+                    b_frag = T.sblock_alloc_buffer((2 * max(1, s_tiles // 2) * 8,), DTYPE,
+                                                   scope="local")  # fmt: skip
+                    row_pos = T.sblock_alloc_buffer((2,), "int32", scope="local")
+                    info = T.sblock_alloc_buffer((5,), "int32", scope="local")
+                    m_run = T.sblock_alloc_buffer((2,), "float32", scope="local")
+                    l_run = T.sblock_alloc_buffer((2,), "float32", scope="local")
+                    m_new = T.sblock_alloc_buffer((2,), "float32", scope="local")
                     kvh: T.let[T.int32] = blk % kv_heads
-                    tile: T.let[T.int32] = blk // kv_heads
+                    # the last query tiles see the most keys: run them first
+                    g: T.let[T.int32] = n_tiles_all - 1 - blk // kv_heads
+                    # what depends on the search is stored, never let-bound: TVM's shared
+                    # memory planner refuses a local buffer read by a let at the kernel's top
+                    tile_of(indptr, n_seq, g, info)
+                    seq = T.meta_var(info[0])
+                    info[1] = indptr[seq] + (g - first_tile(indptr, seq)) * q_tokens
+                    info[2] = T.Select(info[1] < indptr[seq + 1], 1, 0)
+                    info[1] = T.Select(info[2] > 0, info[1], indptr[seq])
+                    info[3] = T.min(q_tokens, indptr[seq + 1] - info[1])
+                    info[4] = positions[info[1] + info[3] - 1]  # the last query's position
+                    t0 = T.meta_var(info[1])
+                    found = T.meta_var(info[2] > 0)
+                    n_q = T.meta_var(info[3])
+                    slot = T.meta_var(slots[seq])
+                    seq_pages = T.meta_var(info[4] // PAGE_SIZE + 1)
+                    n_tiles = T.meta_var(T.Select(found, (info[4] + keys) // keys, 0))
                     warp: T.let[T.int32] = tx // 32
                     lane: T.let[T.int32] = tx % 32
-                    # blocks past their sequence's last tile run no key tile and store nothing
-                    seq: T.let[T.int32] = tile // max_tiles
-                    found: T.let[T.bool] = (
-                        indptr[seq] + tile % max_tiles * Q_TOKENS < indptr[seq + 1]
-                    )
-                    t0: T.let[T.int32] = T.Select(
-                        found, indptr[seq] + tile % max_tiles * Q_TOKENS, indptr[seq]
-                    )
-                    n_q: T.let[T.int32] = T.min(Q_TOKENS, indptr[seq + 1] - t0)
-                    slot: T.let[T.int32] = slots[seq]
-                    last_pos: T.let[T.int32] = positions[t0 + n_q - 1]
-                    seq_pages: T.let[T.int32] = last_pos // PAGE_SIZE + 1
                     layer64: T.let[T.int64] = T.Cast("int64", layer)
-                    # the block's queries; rows past the chunk repeat its last token
-                    for e in T.serial((rows * dch + nt - 1) // nt):
-                        x: T.let[T.int32] = e * nt + tx
-                        r: T.let[T.int32] = T.min(x // dch, rows - 1)
-                        tok: T.let[T.int32] = t0 + T.min(r // group, n_q - 1)
-                        if x < rows * dch:
-                            for i in T.vectorized(8):
-                                reg[i] = q[tok, kvh * group + r % group, x % dch * 8 + i]
-                            for i in T.vectorized(8):
-                                q_sh[_wide(r, x % dch, dch) + i] = reg[i]
+                    # the block's queries (rows past the chunk repeat its last token), in the
+                    # same copy group as the first K/V tile
+                    for it in T.unroll(q_copies):
+                        x: T.let[T.int32] = T.min(it * nt + tx, rows * dch - 1)
+                        r: T.let[T.int32] = x // dch
+                        tok = T.meta_var(t0 + T.min(r // group, n_q - 1))
+                        T.evaluate(
+                            T.s_tir.cp_async_raw.legacy(
+                                q_sh.data,
+                                _at(r, x % dch, dch),
+                                q.data,
+                                (tok * heads + kvh * group + r % group) * d + x % dch * 8,
+                                16,
+                                dtype=DTYPE,
+                            )
+                        )
+                    if n_tiles > 0:
+                        load_kv(kp, vp, k_sh, v_sh, 0, 0, tx, slot, table, seq_pages, kvh, layer64)
+                    T.evaluate(T.ptx["cp.async.commit_group"]())
+                    for hr in T.unroll(2):
+                        row_pos[hr] = positions[
+                            t0 + T.min((warp * 16 + lane // 4 + hr * 8) // group, n_q - 1)
+                        ]
+                        m_run[hr] = T.float32("-inf")
+                        l_run[hr] = T.float32(0)
                     for i in T.unroll(d_tiles * 4):  # unrolled: registers, not local memory
                         o_acc[i] = T.float32(0)
-                    ml[0] = T.float32("-inf")
-                    ml[1] = T.float32(0)
-                    for kt in T.serial(T.Select(found, (last_pos + keys) // keys, 0)):
+                    for kt in T.serial(n_tiles):
+                        # tile kt has landed; the barrier also retires the stage refilled next
+                        T.evaluate(T.ptx["cp.async.wait_group"](0))
                         T.tvm_storage_sync("shared.dyn")
-                        # 1. K as stored, V transposed
-                        for e in T.serial((keys * dch + nt - 1) // nt):
-                            x: T.let[T.int32] = T.min(e * nt + tx, keys * dch - 1)
-                            key: T.let[T.int32] = x // dch
-                            pg: T.let[T.int32] = T.min(kt * keys // PAGE_SIZE + key // PAGE_SIZE,
-                                                       seq_pages - 1)  # fmt: skip
-                            page: T.let[T.int64] = T.Cast("int64", table[slot, pg])
-                            c: T.let[T.int32] = x % dch
-                            for i in T.vectorized(8):
-                                reg[i] = kp[layer64, page, kvh, key % PAGE_SIZE, c * 8 + i]
-                            for i in T.vectorized(8):
-                                k_sh[_wide(key, c, dch) + i] = reg[i]
-                        # V with a warp's lanes along keys: its transposed stores then fill
-                        # consecutive addresses of one row
-                        for e in T.serial((keys * dch + nt - 1) // nt):
-                            x: T.let[T.int32] = T.min(e * nt + tx, keys * dch - 1)
-                            key: T.let[T.int32] = x % keys
-                            pg: T.let[T.int32] = T.min(kt * keys // PAGE_SIZE + key // PAGE_SIZE,
-                                                       seq_pages - 1)  # fmt: skip
-                            page: T.let[T.int64] = T.Cast("int64", table[slot, pg])
-                            c: T.let[T.int32] = x // keys
-                            for i in T.vectorized(8):
-                                reg[i] = vp[layer64, page, kvh, key % PAGE_SIZE, c * 8 + i]
-                            for i in T.unroll(8):
-                                vt_sh[tile_offset(c * 8 + i, key // 8, kch) + key % 8] = reg[i]
-                        T.tvm_storage_sync("shared.dyn")
+                        if kt + 1 < n_tiles:
+                            load_kv(kp, vp, k_sh, v_sh, (kt + 1) % STAGES, kt + 1, tx, slot,
+                                    table, seq_pages, kvh, layer64)  # fmt: skip
+                        T.evaluate(T.ptx["cp.async.commit_group"]())
+                        k_base: T.let[T.int32] = kt % STAGES * keys * d
                         # 2. S = Q Kᵀ for this warp's 16 rows
                         for i in T.unroll(s_tiles * 4):
                             s_acc[i] = T.float32(0)
-                        warp_mma(q_sh, dch, k_sh, dch, s_acc, d // 16, s_tiles // 2, warp, lane,
-                                 a_frag, b_frag)  # fmt: skip
-                        for nt8 in T.unroll(s_tiles):
-                            for e in T.unroll(4):
-                                er, ec = T.meta_var(acc_coords(lane, e))
-                                s_sh[(warp * 16 + er) * keys + nt8 * 8 + ec] = s_acc[nt8 * 4 + e]
-                        T.tvm_storage_sync("shared.dyn")
-                        # 3. the online softmax: two threads a row, each writing half of P; both
-                        # keep the row's running max and sum, so no thread waits on another
-                        row_pos: T.let[T.int32] = positions[
-                            t0 + T.min(tx // 2 // group, n_q - 1)
-                        ]
-                        mx[0] = ml[0]
-                        for j in T.serial(keys):
-                            mx[0] = T.max(mx[0], T.Select(
-                                kt * keys + j <= row_pos,
-                                s_sh[tx // 2 * keys + j] * T.float32(scale),
+                        # the next k16 step's fragments load while this one's mma run
+                        s_fragments(q_sh, k_sh, a_frag, b_frag, 0, 0, k_base, warp, lane)
+                        for kk in T.unroll(d // 16):
+                            if kk + 1 < d // 16:
+                                s_fragments(q_sh, k_sh, a_frag, b_frag, kk + 1, (kk + 1) % 2,
+                                            k_base, warp, lane)  # fmt: skip
+                            for np in T.unroll(s_tiles // 2):
+                                for h2 in T.unroll(2):
+                                    T.evaluate(mma_bf16(
+                                        a_frag.data, kk % 2 * 8,
+                                        b_frag.data, (kk % 2 * (s_tiles // 2) + np) * 8 + h2 * 4,
+                                        s_acc.data, (np * 2 + h2) * 4,
+                                    ))  # fmt: skip
+                        # 3. the online softmax on the accumulators: lane holds rows
+                        # lane // 4 (+ 8), columns lane % 4 * 2 (+ 1) of each n8 tile
+                        for i in T.unroll(s_tiles * 4):
+                            er, ec = T.meta_var(acc_coords(lane, i % 4))
+                            s_acc[i] = T.Select(
+                                kt * keys + i // 4 * 8 + ec <= row_pos[i % 4 // 2],
+                                s_acc[i] * T.float32(scale),
                                 T.float32("-inf"),
-                            ))  # fmt: skip
-                        mx[1] = T.float32(0)
-                        for j in T.serial(keys):
-                            mx[1] = mx[1] + T.Select(
-                                kt * keys + j <= row_pos,
-                                T.exp(s_sh[tx // 2 * keys + j] * T.float32(scale) - mx[0]),
-                                T.float32(0),
                             )
-                        for jh in T.serial(keys // 2):
-                            p_sh[
-                                tile_offset(tx // 2, (tx % 2 * (keys // 2) + jh) // 8, kch)
-                                + jh % 8
-                            ] = T.Cast(DTYPE, T.Select(
-                                kt * keys + tx % 2 * (keys // 2) + jh <= row_pos,
-                                T.exp(
-                                    s_sh[tx // 2 * keys + tx % 2 * (keys // 2) + jh]
-                                    * T.float32(scale) - mx[0]
-                                ),
-                                T.float32(0),
-                            ))  # fmt: skip
-                        alpha[tx] = T.exp(ml[0] - mx[0])
-                        ml[1] = ml[1] * T.exp(ml[0] - mx[0]) + mx[1]
-                        ml[0] = mx[0]
-                        T.tvm_storage_sync("shared")
-                        # 4. O = alpha O + P V
-                        for nt8 in T.unroll(d_tiles):
-                            for e in T.unroll(4):
-                                er, ec = T.meta_var(acc_coords(lane, e))
-                                a_r: T.let[T.int32] = (warp * 16 + er) * 2  # a row's first thread
-                                o_acc[nt8 * 4 + e] = o_acc[nt8 * 4 + e] * alpha[a_r]
-                        warp_mma(p_sh, kch, vt_sh, kch, o_acc, keys // 16, d_tiles // 2, warp,
-                                 lane, a_frag, b_frag)  # fmt: skip
-                    T.tvm_storage_sync("shared.dyn")
-                    alpha[tx] = ml[1]
-                    T.tvm_storage_sync("shared.dyn")
+                        for hr in T.unroll(2):
+                            m_new[hr] = m_run[hr]
+                        for i in T.unroll(s_tiles * 4):
+                            m_new[i % 4 // 2] = T.max(m_new[i % 4 // 2], s_acc[i])
+                        for hr in T.unroll(2):
+                            for sh_ in T.unroll(2):
+                                m_new[hr] = T.max(m_new[hr], _lane_xor(m_new[hr], 1 << sh_))
+                            # key 0 is visible to every row, so m_new is finite from tile 0 on
+                            m_run[hr] = T.exp2(m_run[hr] - m_new[hr])  # now alpha
+                            l_run[hr] = l_run[hr] * m_run[hr]
+                        for i in T.unroll(d_tiles * 4):
+                            o_acc[i] = o_acc[i] * m_run[i % 4 // 2]
+                        for i in T.unroll(s_tiles * 4):
+                            s_acc[i] = T.exp2(s_acc[i] - m_new[i % 4 // 2])
+                            l_run[i % 4 // 2] = l_run[i % 4 // 2] + s_acc[i]
+                            p_frag[i] = T.Cast(DTYPE, s_acc[i])
+                        for hr in T.unroll(2):
+                            m_run[hr] = m_new[hr]
+                        # 4. O += P V: P's accumulator order is mma's A fragment order
+                        v_fragment(v_sh, b_frag, 0, 0, k_base, lane)
+                        for j in T.unroll(pv_steps):
+                            if j + 1 < pv_steps:
+                                v_fragment(v_sh, b_frag, j + 1, (j + 1) % 2, k_base, lane)
+                            for h2 in T.unroll(2):
+                                T.evaluate(mma_bf16(
+                                    p_frag.data, j // (d // 16) * 8,
+                                    b_frag.data, j % 2 * 8 + h2 * 4,
+                                    o_acc.data, (j % (d // 16) * 2 + h2) * 4,
+                                ))  # fmt: skip
+                    for hr in T.unroll(2):
+                        for sh_ in T.unroll(2):
+                            l_run[hr] = l_run[hr] + _lane_xor(l_run[hr], 1 << sh_)
                     for nt8 in T.unroll(d_tiles):
                         for e in T.unroll(4):
                             er, ec = T.meta_var(acc_coords(lane, e))
                             r: T.let[T.int32] = warp * 16 + er
                             if found and r // group < n_q:
                                 o[t0 + r // group, kvh * group + r % group, nt8 * 8 + ec] = (
-                                    T.Cast(DTYPE, o_acc[nt8 * 4 + e] / alpha[r * 2])
+                                    T.Cast(DTYPE, o_acc[nt8 * 4 + e] / l_run[e // 2])
                                 )
 
     return attn_prefill_mma

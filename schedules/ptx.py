@@ -26,9 +26,10 @@ def mma_bf16(a, a_offset, b, b_offset, acc, acc_offset):
     )
 
 
-def ldmatrix_x4(frag, frag_offset, shared, offset):
-    """ldmatrix.x4 (no transpose): four 8x8 bf16 matrices from `shared` at element `offset`
-    (each lane gives one row's address) into 8 elements of `frag` at `frag_offset`."""
+def ldmatrix_x4(frag, frag_offset, shared, offset, trans: bool = False):
+    """ldmatrix.x4: four 8x8 bf16 matrices from `shared` at element `offset` (each lane gives
+    one row's address) into 8 elements of `frag` at `frag_offset`; `trans` hands each lane
+    columns instead of rows (a [k, n] operand read as mma's col-major B)."""
     return T.ptx_legacy.ldmatrix(
-        False, 4, ".b16", frag.data, frag_offset, shared.access_ptr("r"), offset, dtype="bfloat16"
+        trans, 4, ".b16", frag.data, frag_offset, shared.access_ptr("r"), offset, dtype="bfloat16"
     )

@@ -1,9 +1,10 @@
 """Our paged attention kernels (schedules/attention.py) against a plain numpy reference, on the
 CPU, built with the GPU kernel's thread layout (the CPU runs its lanes one after another).
 
-Edges: kv length 1, lengths at and across page boundaries, several split pieces merged (few
-tokens) and a single piece (more tokens than the split budget), GQA groups 1-4, head_dim 16-256,
-ragged prefill chunks behind earlier pages, pages scattered over the pool. Mutation checks show
+Edges: kv length 1, lengths at and across page boundaries, many split pieces merged (1-3
+tokens), a few pieces (16-64 tokens) and a single piece (more tokens than the split budget),
+GQA groups 1-4, head_dim 16-256, ragged prefill chunks behind earlier pages, pages scattered
+over the pool. Mutation checks show
 the comparison notices a swapped page-table entry and an off-by-one position."""
 
 from __future__ import annotations
@@ -107,6 +108,9 @@ def test_decode_rows_split_and_merged(heads, kv_heads, d):
 def test_ragged_prefill_behind_earlier_pages(heads, kv_heads, d):
     # chunks that start mid-page and end on and past page boundaries, next to a decode row
     err = attend(heads, kv_heads, d, before=[0, 5, 31, 100], chunk=[16, 27, 1, 33])
+    assert err < 2e-5
+    # 16-64 tokens: a few pieces each (some empty), merged a column a thread
+    err = attend(heads, kv_heads, d, before=[0, 40], chunk=[20, 13])
     assert err < 2e-5
     # more tokens than the split budget: one piece each, written directly
     err = attend(heads, kv_heads, d, before=[7, 0], chunk=[90, 70])
