@@ -20,6 +20,7 @@ from tvm.s_tir.dlight import ScheduleRule
 from tvm.s_tir.dlight.gpu.base import GPUScheduleRule
 
 from ..schedules.gemm_match import match_gemm
+from ..schedules.gemv import DecodeGemv
 from ..schedules.matmul import ROWS_ATTR, WIDE_DECODE_CONFIG, MatmulMMA
 
 # Exported Relax functions by how many rows their projections see: prefill a whole prompt
@@ -140,11 +141,13 @@ def fusion_passes(target: tvm.target.Target) -> list[tvm.transform.Pass]:
 
 def schedule_rules() -> list[ScheduleRule]:
     """dlight rules, first match wins: prefill's and wide decode's bf16 GEMMs to tensor cores,
-    other prefill GEMMs to SIMT tiles, the rest of decode's to GEMV."""
+    other prefill GEMMs to SIMT tiles, decode's bf16 GEMMs to our GEMV (schedules/gemv.py),
+    the rest of decode's to dlight's GEMV."""
     return [
         MatmulMMA(),
         MatmulMMA(WIDE_DECODE_CONFIG, rows="wide"),
         _LargeMOnly(dl.gpu.Matmul()),
+        DecodeGemv(),
         dl.gpu.GEMV(),
         dl.gpu.LowBatchGEMV(4),
         dl.gpu.Reduction(),

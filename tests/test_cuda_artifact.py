@@ -8,7 +8,21 @@ from qwen35_tvm.compile.build import compile_model
 from qwen35_tvm.compile.cuda_toolchain import fatbin_arches
 
 
-def test_tiny_random_cuda_library_carries_sass_for_each_arch(model_root):
+def test_tiny_random_cuda_library_carries_sass_for_each_arch(model_root, monkeypatch):
+    # every decode ("small") GEMM the build schedules must become our GEMV (schedules/gemv.py)
+    from qwen35_tvm.schedules.gemv import DecodeGemv
+    from qwen35_tvm.schedules.matmul import ROWS_ATTR
+
+    seen: dict[str, bool] = {}
+    apply = DecodeGemv.apply
+
+    def recording_apply(self, func, target, tunable):
+        sch = apply(self, func, target, tunable)
+        if func.attrs is not None and func.attrs.get(ROWS_ATTR) == "small":
+            seen[str(func.attrs.get("global_symbol", len(seen)))] = sch is not None
+        return sch
+
+    monkeypatch.setattr(DecodeGemv, "apply", recording_apply)
     out = compile_model(
         "tiny-random",
         model_root / "cuda-tiny",
@@ -17,6 +31,7 @@ def test_tiny_random_cuda_library_carries_sass_for_each_arch(model_root):
         dtype="bfloat16",
         convert=False,
     )
+    assert len(seen) >= 5 and all(seen.values()), seen
     meta = json.loads((out / "artifact.json").read_text())
     assert meta["target"] == "cuda" and meta["arch"] == ["sm_80", "sm_90"]
     assert meta["weights"] is None
