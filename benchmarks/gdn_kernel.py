@@ -2,13 +2,14 @@
 
 Two steps, because the GPU server has no compiler:
   here (nvcc, no GPU):  python benchmarks/gdn_kernel.py build DIR [--arch sm_90]
-  on the GPU server:    python benchmarks/gdn_kernel.py run DIR
+  on the GPU server:    python benchmarks/gdn_kernel.py run DIR [--out docs/results]
 
 At the 4B shapes (16 key heads, 32 value heads, head dims 128), `run` times every kernel on
-one sequence of 1,024 tokens, 16 sequences of 1,024 tokens and 16 sequences of 1 token
-(decode-like), each sequence starting from a non-zero state in a scattered slot, and checks
-each chunked variant against the recurrent kernel on the GPU (max |Δ| of outputs and final
-states). Every variant and case is isolated: a failure is printed and the rest still runs.
+one sequence of 1,024 tokens, 16 sequences of 1,024 tokens, and 16 and 1 sequences of 1 token
+(decode), each sequence starting from a non-zero state in a scattered slot. Every kernel is
+checked against a float64 torch recurrence (max |Δ| of outputs and final states), and each
+chunked variant against the recurrent kernel too. Decode rows also give the kernels' CUPTI
+time and the state bytes (read and written) over the copy bandwidth of the same run. Every variant and case is isolated: a failure is printed and the rest still runs.
 A table goes to stdout and all rows, as JSON, to DIR/gdn_bench_result.json and stdout.
 """
 
@@ -20,10 +21,10 @@ import sys
 import traceback
 from pathlib import Path
 
-from common import cuda_time
+from common import copy_bandwidth, cuda_time
 
 K_HEADS, V_HEADS, K_DIM, V_DIM = 16, 32, 128, 128
-CASES = {"1x1024": [1024], "16x1024": [1024] * 16, "16x1": [1] * 16}
+CASES = {"1x1024": [1024], "16x1024": [1024] * 16, "16x1": [1] * 16, "1x1": [1]}
 N_SLOTS, N_LAYERS, LAYER = 40, 2, 1
 DEVICE = "cuda"  # a CPU smoke test of `run` swaps this (and the shapes) out
 # name -> (chunk, col_tile); col_tile 128 needs ~207 KB of shared memory (sm_90 only).
@@ -89,6 +90,25 @@ def make_inputs(torch, lengths: list[int], seed: int = 0) -> dict:
     }
 
 
+def torch_reference(torch, x: dict) -> tuple:
+    """The delta rule token by token in float64 with torch: (outputs, pool after)."""
+    pool = x["pool"].double().clone()
+    n = x["v"].shape[0]
+    out = torch.zeros(n, V_HEADS, V_DIM, dtype=torch.float64, device=DEVICE)
+    rep = V_HEADS // K_HEADS
+    indptr = x["indptr"].tolist()
+    for b, slot in enumerate(x["slots"].tolist()):
+        for t in range(indptr[b], indptr[b + 1]):
+            k = x["k"][t].double().repeat_interleave(rep, 0)  # [v heads, k dim]
+            q = x["q"][t].double().repeat_interleave(rep, 0)
+            s = pool[slot, LAYER] * torch.exp(x["g"][t].double())[:, None, None]
+            delta = (x["v"][t].double() - (s @ k[:, :, None])[..., 0]) * x["beta"][t, :, None]
+            s = s + delta[:, :, None] * k[:, None, :]
+            pool[slot, LAYER] = s
+            out[t] = (s @ q[:, :, None])[..., 0] * K_DIM**-0.5
+    return out, pool
+
+
 def kernel_args(tvm, x: dict, pool, out) -> list:
     """The kernel's arguments, converted once so that timing sees only the launch."""
     names = ("q", "k", "v", "g", "beta", "indptr", "slots")
@@ -96,7 +116,21 @@ def kernel_args(tvm, x: dict, pool, out) -> list:
     return [*args, tvm.runtime.from_dlpack(pool), LAYER, tvm.runtime.from_dlpack(out)]
 
 
-def run(out_dir: Path) -> None:
+def kernel_time_us(torch, fn, iters: int = 10) -> float:
+    """CUPTI time of one call's kernels (no launch gaps: inside a CUDA graph there are none)."""
+    if DEVICE != "cuda":
+        return float("nan")
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_time_total > 0 and "Memcpy" not in e.key]
+    return sum(e.device_time_total for e in events) / iters
+
+
+def run(out_dir: Path, results: Path | None = None) -> None:
     import os
 
     os.environ.setdefault("TVM_USE_RUNTIME_LIB", "1")
@@ -116,8 +150,11 @@ def run(out_dir: Path) -> None:
         except Exception:
             traceback.print_exc()
     rows = []
-    print("| case | kernel | time (µs) | vs recurrent | max abs Δ out | max abs Δ state |")
-    print("|---|---|---|---|---|---|")
+    bw = copy_bandwidth(torch) if DEVICE == "cuda" else None
+    print(f"copy bandwidth: {bw and bw / 1e12} TB/s")
+    print("| case | kernel | time (µs) | kernel only (µs) | % of copy bw | vs recurrent |"
+          " max abs Δ out vs torch | max abs Δ state vs torch |")
+    print("|---|---|---|---|---|---|---|---|")
     for case, lengths in CASES.items():
         try:
             x = make_inputs(torch, lengths)
@@ -126,6 +163,7 @@ def run(out_dir: Path) -> None:
             continue
         n = sum(lengths)
         ref = None
+        exact = torch_reference(torch, x)
         for name, fn in fns.items():
             row = {"case": case, "kernel": name, "tokens": n}
             try:
@@ -141,10 +179,16 @@ def run(out_dir: Path) -> None:
                     row["max_abs_diff_state"] = (pool - ref[1]).abs().max().item()
                     row["max_abs_out"] = ref[0].abs().max().item()
                 row["finite"] = bool(torch.isfinite(out).all().item())
+                row["max_abs_diff_out_vs_torch"] = (out - exact[0]).abs().max().item()
+                row["max_abs_diff_state_vs_torch"] = (pool - exact[1]).abs().max().item()
                 # timing updates scratch state and outputs again and again; values don't matter
                 scratch = kernel_args(tvm, x, x["pool"].clone(), torch.empty_like(out))
                 seconds = cuda_time(torch, lambda f=fn, a=scratch: f(*a))
                 row["us"] = seconds * 1e6
+                row["kernel_us"] = kernel_time_us(torch, lambda f=fn, a=scratch: f(*a))
+                if bw and max(lengths) == 1:  # decode: the state is read and written once
+                    state_bytes = len(lengths) * V_HEADS * V_DIM * K_DIM * 4 * 2
+                    row["copy_bw_fraction"] = state_bytes / (row["kernel_us"] * 1e-6) / bw
             except Exception as err:
                 traceback.print_exc()
                 row["error"] = repr(err)[:500]
@@ -153,13 +197,19 @@ def run(out_dir: Path) -> None:
                            r["kernel"] == "recurrent"), None)  # fmt: skip
             speed = f"{rec_us / row['us']:.2f}x" if rec_us and row.get("us") else "-"
             print(
-                f"| {case} | {name} | {row.get('us', float('nan')):.1f} | {speed} | "
-                f"{row.get('max_abs_diff_out', '-')} | {row.get('max_abs_diff_state', '-')} |"
+                f"| {case} | {name} | {row.get('us', float('nan')):.1f} | "
+                f"{row.get('kernel_us', float('nan')):.1f} | "
+                f"{100 * row.get('copy_bw_fraction', float('nan')):.1f}% | {speed} | "
+                f"{row.get('max_abs_diff_out_vs_torch', '-')} | "
+                f"{row.get('max_abs_diff_state_vs_torch', '-')} |"
                 + (f" ERROR {row['error']}" if "error" in row else ""),
                 flush=True,
             )
-    result = {"device": device, "rows": rows}
+    result = {"device": device, "copy_bw_tbs": bw and bw / 1e12, "rows": rows}
     (out_dir / "gdn_bench_result.json").write_text(json.dumps(result, indent=1))
+    if results is not None:
+        results.mkdir(parents=True, exist_ok=True)
+        (results / "gdn_kernel.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result))
 
 
@@ -168,8 +218,9 @@ def main() -> None:
     p.add_argument("step", choices=["build", "run"])
     p.add_argument("dir", type=Path)
     p.add_argument("--arch", default="sm_90")
+    p.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = p.parse_args()
-    build(args.dir, args.arch) if args.step == "build" else run(args.dir)
+    build(args.dir, args.arch) if args.step == "build" else run(args.dir, args.out)
     sys.stdout.flush()
 
 

@@ -93,13 +93,41 @@ def conv1d_with_state(conv_dim: int, kernel: int, dtype: str, target: Target) ->
     return _for_target(gdn_conv1d, "conv", target)
 
 
+ROWS = 32  # recurrent kernel: state rows (value columns) a block
+PARTS = 4  # recurrent kernel: threads sharing a row, each over k_dim / PARTS of it
+
+
 def gated_delta_rule(
     k_heads: int, v_heads: int, k_dim: int, v_dim: int, target: Target
 ) -> PrimFunc:
     """The gated delta rule over each sequence, starting from and updating its state:
-    S <- S * exp(g); S <- S + beta * k (v - S k)ᵀ; o = S q / sqrt(k_dim)."""
+    S <- S * exp(g); S <- S + beta * k (v - S k)ᵀ; o = S q / sqrt(k_dim).
+
+    A block owns ROWS value columns of one (sequence, head): their state rows are copied to
+    shared memory with whole-row coalesced loads (rows padded by one float, so the threads
+    walking the rows below hit 32 different banks), updated there token by token by PARTS
+    threads a row (partial dot products summed through shared memory), and written back the
+    same way. One sequence at the 4B shapes is 128 blocks, enough to stream its 2 MB of state
+    a layer at bandwidth. The CPU runs the same loop nest, its lanes one after another."""
     group = v_heads // k_heads
     scale = float(k_dim) ** -0.5
+    gpu = target.kind.name == "cuda"
+    rows = next(r for r in (ROWS, 16, 8, 4, 2, 1) if v_dim % r == 0)
+    parts = PARTS if k_dim % PARTS == 0 else 1
+    nt = rows * parts
+    span = k_dim // parts  # dims of a row a thread updates
+    stride = k_dim + 1  # padded shared row
+    vec = 4 if k_dim % 4 == 0 else 1
+    per_row = k_dim // vec
+    copies = -(-rows * per_row // nt)  # vec-wide copies a thread, to and from shared memory
+    tiles = v_dim // rows
+    shared = "shared" if gpu else "global"
+
+    def grid(n):
+        return T.thread_binding(n, thread="blockIdx.x") if gpu else T.parallel(n)
+
+    def lanes():
+        return T.thread_binding(nt, thread="threadIdx.x") if gpu else T.serial(nt)
 
     @T.prim_func(s_tir=True)
     def gdn_delta_rule(
@@ -114,7 +142,7 @@ def gated_delta_rule(
         layer: T.int32,
         out_h: T.handle,
     ):
-        T.func_attr({"tirx.noalias": True})
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
         n_tok, n_ptr, batch = T.int32(), T.int32(), T.int32()
         n_slots, n_layers = T.int32(), T.int32()
         q = T.match_buffer(q_h, (n_tok, k_heads, k_dim), "float32")
@@ -126,37 +154,104 @@ def gated_delta_rule(
         slots = T.match_buffer(slots_h, (batch,), "int32")
         pool = T.match_buffer(pool_h, (n_slots, n_layers, v_heads, v_dim, k_dim), "float32")
         out = T.match_buffer(out_h, (n_tok, v_heads, v_dim), "float32")
-        for b in T.serial(batch):
-            for hv in T.serial(v_heads * v_dim):
-                with T.sblock("delta_rule"):
-                    T.reads()
-                    T.writes()
-                    s = T.sblock_alloc_buffer((k_dim,), "float32", scope="local")
-                    acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                    h: T.let[T.int32] = hv // v_dim
-                    col: T.let[T.int32] = hv % v_dim
-                    kh: T.let[T.int32] = h // group
-                    start: T.let[T.int32] = indptr[b]
-                    slot: T.let[T.int32] = slots[b]
-                    for d in T.serial(k_dim):
-                        s[d] = pool[slot, layer, h, col, d]
-                    for t in T.serial(indptr[b + 1] - start):
-                        decay: T.let[T.float32] = T.exp(g[start + t, h])
-                        acc[0] = T.float32(0)
-                        for d in T.serial(k_dim):
-                            s[d] = s[d] * decay
-                            acc[0] = acc[0] + s[d] * k[start + t, kh, d]
-                        acc[0] = (v[start + t, h, col] - acc[0]) * beta[start + t, h]
-                        for d in T.serial(k_dim):
-                            s[d] = s[d] + k[start + t, kh, d] * acc[0]
-                        acc[0] = T.float32(0)
-                        for d in T.serial(k_dim):
-                            acc[0] = acc[0] + s[d] * q[start + t, kh, d]
-                        out[start + t, h, col] = acc[0] * T.float32(scale)
-                    for d in T.serial(k_dim):
-                        pool[slot, layer, h, col, d] = s[d]
+        for blk in grid(batch * v_heads * tiles):
+            with T.sblock("delta_rule"):
+                T.reads()
+                T.writes()
+                st = T.sblock_alloc_buffer((rows * stride,), "float32", scope=shared)
+                kq = T.sblock_alloc_buffer((2 * k_dim,), "float32", scope=shared)
+                red = T.sblock_alloc_buffer((2 * nt,), "float32", scope=shared)
+                b: T.let[T.int32] = blk // (v_heads * tiles)
+                h: T.let[T.int32] = blk // tiles % v_heads
+                col0: T.let[T.int32] = blk % tiles * rows
+                kh: T.let[T.int32] = h // group
+                start: T.let[T.int32] = indptr[b]
+                slot: T.let[T.int32] = slots[b]
+                for tx in lanes():
+                    with T.sblock("load"):
+                        T.reads()
+                        T.writes()
+                        reg = T.sblock_alloc_buffer((vec,), "float32", scope="local")
+                        for e in T.unroll(copies):
+                            x: T.let[T.int32] = T.min(e * nt + tx, rows * per_row - 1)
+                            for i in T.vectorized(vec):
+                                reg[i] = pool[
+                                    slot, layer, h, col0 + x // per_row, x % per_row * vec + i
+                                ]
+                            for i in T.unroll(vec):
+                                st[x // per_row * stride + x % per_row * vec + i] = reg[i]
+                for t in T.serial(indptr[b + 1] - start):
+                    for tx in lanes():
+                        with T.sblock("stage_kq"):
+                            T.reads()
+                            T.writes()
+                            for e in T.serial((2 * k_dim + nt - 1) // nt):
+                                x: T.let[T.int32] = e * nt + tx
+                                if x < k_dim:
+                                    kq[x] = k[start + t, kh, x]
+                                elif x < 2 * k_dim:
+                                    kq[x] = q[start + t, kh, x - k_dim]
+                    # decay the rows and take this thread's share of S k
+                    for tx in lanes():
+                        with T.sblock("decay"):
+                            T.reads()
+                            T.writes()
+                            acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                            r: T.let[T.int32] = tx % rows
+                            d0: T.let[T.int32] = tx // rows * span
+                            decay: T.let[T.float32] = T.exp(g[start + t, h])
+                            acc[0] = T.float32(0)
+                            for j in T.serial(span):
+                                sv: T.let[T.float32] = st[r * stride + d0 + j] * decay
+                                st[r * stride + d0 + j] = sv
+                                acc[0] = acc[0] + sv * kq[d0 + j]
+                            red[tx] = acc[0]
+                    # the delta update and this thread's share of S q
+                    for tx in lanes():
+                        with T.sblock("update"):
+                            T.reads()
+                            T.writes()
+                            acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                            r: T.let[T.int32] = tx % rows
+                            d0: T.let[T.int32] = tx // rows * span
+                            acc[0] = T.float32(0)
+                            for p in T.serial(parts):
+                                acc[0] = acc[0] + red[p * rows + r]
+                            delta: T.let[T.float32] = (
+                                v[start + t, h, col0 + r] - acc[0]
+                            ) * beta[start + t, h]
+                            acc[0] = T.float32(0)
+                            for j in T.serial(span):
+                                sv: T.let[T.float32] = st[r * stride + d0 + j] + kq[d0 + j] * delta
+                                st[r * stride + d0 + j] = sv
+                                acc[0] = acc[0] + sv * kq[k_dim + d0 + j]
+                            red[nt + tx] = acc[0]
+                    for tx in lanes():
+                        with T.sblock("emit"):
+                            T.reads()
+                            T.writes()
+                            acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                            if tx < rows:
+                                acc[0] = T.float32(0)
+                                for p in T.serial(parts):
+                                    acc[0] = acc[0] + red[nt + p * rows + tx]
+                                out[start + t, h, col0 + tx] = acc[0] * T.float32(scale)
+                for tx in lanes():
+                    with T.sblock("store"):
+                        T.reads()
+                        T.writes()
+                        reg = T.sblock_alloc_buffer((vec,), "float32", scope="local")
+                        for e in T.unroll(copies):
+                            x: T.let[T.int32] = e * nt + tx
+                            if x < rows * per_row:
+                                for i in T.unroll(vec):
+                                    reg[i] = st[x // per_row * stride + x % per_row * vec + i]
+                                for i in T.vectorized(vec):
+                                    pool[
+                                        slot, layer, h, col0 + x // per_row, x % per_row * vec + i
+                                    ] = reg[i]
 
-    return _for_target(gdn_delta_rule, "delta_rule", target)
+    return gdn_delta_rule
 
 
 def reset_slots(numel: int, dtype: str, name: str, target: Target) -> PrimFunc:

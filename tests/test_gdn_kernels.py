@@ -142,3 +142,46 @@ def test_chunked_compiles_for_cuda(tmp_path: Path) -> None:
     assert fatbin_arches(tmp_path / "gdn.so") == {"sass": ["sm_80"], "ptx": ["compute_80"]}
     with pytest.raises(ValueError, match="shared memory"):
         chunked_gated_delta_rule(16, 32, 128, 128, target, col_tile=128)
+
+
+def reference(x: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """The delta rule token by token in float64 (state rows = value columns, as pooled)."""
+    pool = x["pool"].astype(np.float64)
+    n, hv, dv = x["v"].shape
+    hk, dk = x["k"].shape[1:]
+    out = np.zeros((n, hv, dv))
+    for b, slot in enumerate(x["slots"]):
+        for t in range(x["indptr"][b], x["indptr"][b + 1]):
+            for h in range(hv):
+                kh = h // (hv // hk)
+                s = pool[slot, LAYER, h] * np.exp(x["g"][t, h])
+                delta = (x["v"][t, h] - s @ x["k"][t, kh]) * x["beta"][t, h]
+                s += np.outer(delta, x["k"][t, kh])
+                pool[slot, LAYER, h] = s
+                out[t, h] = s @ x["q"][t, kh] * dk**-0.5
+    return out, pool
+
+
+# (k heads, v heads, k dim, v dim): GQA 2, value columns a multiple of the 32-row tile, fewer
+# (16, 8) and an odd k dim (one thread a row, scalar copies).
+@pytest.mark.parametrize("dims", [(2, 4, 16, 16), (1, 2, 128, 64), (2, 2, 12, 8), (1, 1, 7, 3)])
+def test_recurrent_matches_reference(dims: tuple[int, int, int, int]) -> None:
+    hk, hv, dk, dv = dims
+    # decode rows (length 1), an empty sequence, and multi-token ones
+    x = make_inputs([1, 3, 0, 1, 17], [7, 2, 5, 0, 3], hk, hv, dk, dv, seed=2)
+    out, pool = run(recurrent(hk, hv, dk, dv), x)
+    ref_out, ref_pool = reference(x)
+    assert max_rel_err(out, ref_out) < 1e-5 and max_rel_err(pool, ref_pool) < 1e-5
+    # mutation: a state row off by one value column is noticed
+    x["pool"][7, LAYER, 0, [0, 1]] = x["pool"][7, LAYER, 0, [1, 0]]
+    bad_out, _ = run(recurrent(hk, hv, dk, dv), x)
+    if dv > 1:
+        assert max_rel_err(bad_out, ref_out) > 1e-3
+
+
+def test_recurrent_compiles_for_cuda() -> None:
+    prepare_cuda_codegen(["sm_80"])
+    target = Target({"kind": "cuda", "arch": "sm_80"}, host="llvm")
+    lib = tvm.compile(tvm.IRModule({"main": gdn.gated_delta_rule(16, 32, 128, 128, target)}),
+                      target=target)  # fmt: skip
+    assert [m.is_runnable() for m in lib.mod.imports if m.kind == "cuda"] == [True]
