@@ -1,0 +1,392 @@
+"""Benchmark of the decode GEMV (schedules/gemv.py) alone, at every 4B and 9B projection shape,
+against dlight's GEMV rules (what decode ran before) and torch.matmul (cuBLAS).
+
+Two steps, because the GPU server has no compiler:
+  here (nvcc, no GPU):  python benchmarks/gemv_kernel.py build DIR [--arch sm_90]
+  on the GPU server:    python benchmarks/gemv_kernel.py run DIR [--out docs/results]
+
+`build` takes each projection the way the model has it (bf16 x [batch, K] times W [N, K]ᵀ, cast
+to bf16; out_proj, o_proj and down_proj with the residual add behind them), fuses it with the
+CUDA pipeline's passes and compiles the decode ("small") PrimFunc, per shape, as
+  ours         DecodeGemv, the rule the pipeline applies (default_config)
+  m?w?u?s?     the kernel at other configs (m_tiles, warps_k, unroll, stages), to tune the default
+  dlight       dlight's GEMV / LowBatchGEMV(4), the rules decode used before
+`run` measures, in one child process per shape, at batch 1, 4 and 7:
+  - correctness against a fp32 torch reference (max |out - ref| / max |ref|, cuBLAS's beside);
+  - the kernel's CUPTI time (torch.profiler) per call, over a CUDA graph of calls that cycle
+    through copies of W filling 4x the L2, so every call streams W from HBM, as in a decode
+    step; also the graph's wall time per call (launch gaps included);
+  - bytes moved (W, x, the residual read, out written) and their share of the copy bandwidth
+    measured in the same process (common.copy_bandwidth: bytes read + written per second by a
+    device-to-device copy; the roofline is bytes / the full copy bandwidth);
+  - torch.matmul(x, w.T) in bf16 (cuBLAS, GEMM only, no residual) the same way.
+A markdown table goes to stdout, the JSON to OUT/gemv_kernel.json (and DIR).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+MANIFEST = "gemv_bench.json"
+BATCHES = (1, 4, 7)
+MIN_CALLS = 24  # calls per timed graph
+
+
+def _variants(default) -> dict[str, object]:
+    """Configs around the default: warps_k halved/doubled, other ring depths and unrolls, the
+    other m-tile count."""
+    from dataclasses import replace
+
+    out = {}
+    for change in (
+        {"warps_k": max(1, default.warps_k // 2)},
+        {"warps_k": min(16, default.warps_k * 2)},
+        {"stages": 2},
+        {"stages": 4},
+        {"unroll": 1},
+        {"unroll": 4, "stages": 2},
+        {"m_tiles": 3 - default.m_tiles},
+    ):
+        cfg = replace(default, **change)
+        if cfg != default:
+            out[f"m{cfg.m_tiles}w{cfg.warps_k}u{cfg.unroll}s{cfg.stages}"] = cfg
+    return out
+
+
+def build(out: Path, arch: str) -> None:
+    import dataclasses
+
+    import tvm
+    from gemm_kernel import _fused_pair, _roles, projections
+    from tvm.s_tir import dlight as dl
+
+    from qwen35_tvm.compile.cuda_toolchain import prepare_cuda_codegen
+    from qwen35_tvm.compile.targets import make_target
+    from qwen35_tvm.schedules.gemm_match import match_gemm
+    from qwen35_tvm.schedules.gemv import DecodeGemv, default_config, gemv_for
+
+    target, arches = make_target("cuda", arch)
+    prepare_cuda_codegen(arches)
+    out.mkdir(parents=True, exist_ok=True)
+    entries = []
+    for model in ("4b", "9b"):
+        for proj in projections(model):
+            n, k, residual = proj["n"], proj["k"], proj["residual"]
+            _, small = _fused_pair(n, k, residual, target)
+            small = small.with_attr("dlight.do_not_tensorize", True)
+            default = default_config(n, k)
+            configs = {"ours": default, **_variants(default)}
+            kernels, errors = {}, {}
+            for name, cfg in [*configs.items(), ("dlight", None)]:
+                try:
+                    with target:
+                        if cfg is None:
+                            sch = dl.gpu.GEMV().apply(small, target, False)
+                            sch = sch or dl.gpu.LowBatchGEMV(4).apply(small, target, False)
+                            func = sch.mod["main"]
+                        elif name == "ours":
+                            func = DecodeGemv().apply(small, target, False).mod["main"]
+                        else:
+                            func = gemv_for(small, target, cfg)
+                    kernels[name] = func.with_attr("tirx.is_scheduled", True)
+                except Exception as err:  # noqa: BLE001  keep building the others
+                    errors[name] = f"{type(err).__name__}: {err}"
+            file = f"gemv_{model}_{n}x{k}{'_res' if residual else ''}.so"
+            mod = tvm.IRModule({nm: f.with_attr("global_symbol", nm) for nm, f in kernels.items()})
+            tvm.compile(mod, target=target).export_library(str(out / file))
+            m = match_gemm(small)
+            entries.append(
+                {
+                    "model": model,
+                    **proj,
+                    "file": file,
+                    "roles": _roles(small),
+                    "out_dtype": m.out_dtype,
+                    "kernels": {
+                        nm: dataclasses.asdict(configs[nm]) if nm in configs else None
+                        for nm in kernels
+                    },
+                    "build_errors": errors,
+                }
+            )
+            print(f"built {file}: {sorted(kernels)} {errors or ''}", flush=True)
+    (out / MANIFEST).write_text(json.dumps({"arch": arches, "entries": entries}, indent=1))
+
+
+# ---- GPU side ------------------------------------------------------------------------------
+
+
+def _runner(torch, tvm_ffi, calls: list) -> tuple:
+    """(run, how, wall seconds per call): `calls` captured into a CUDA graph, or replayed
+    eagerly if the capture fails."""
+    from common import cuda_time
+
+    for c in calls:
+        c()
+    torch.cuda.synchronize()
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with tvm_ffi.use_torch_stream(torch.cuda.graph(graph)):
+            for c in calls:
+                c()
+        run, how = graph.replay, "graph"
+    except Exception as err:  # noqa: BLE001
+        print(f"  graph capture failed ({err}); timing eager calls", file=sys.stderr)
+
+        def run():
+            for c in calls:
+                c()
+
+        how = "eager"
+    return run, how, cuda_time(torch, run, iters=5) / len(calls)
+
+
+def _kernel_us(torch, runs: dict, calls: int) -> dict[str, float]:
+    """CUPTI time per call of each run's kernels, all in one profiler session; a kernel named
+    NAME_kernel* is TVM function NAME's, any other (cuBLAS) torch's."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for run in runs.values():
+            run()
+            torch.cuda.synchronize()
+    total = dict.fromkeys(runs, 0.0)
+    for e in prof.key_averages():
+        if e.device_time_total <= 0 or "Memcpy" in e.key or "Memset" in e.key:
+            continue
+        owner = next((r for r in runs if r != "torch" and e.key.startswith(f"{r}_kernel")), None)
+        owner = owner or "torch"
+        if owner in total:
+            total[owner] += e.device_time_total
+    return {name: t / calls for name, t in total.items()}
+
+
+def _measure(out: Path, file: str) -> list[dict]:
+    """In a child process: every kernel of one shape, and cuBLAS, at each batch."""
+    os.environ.setdefault("TVM_USE_RUNTIME_LIB", "1")
+    import torch
+    import tvm
+    import tvm_ffi
+    from common import copy_bandwidth
+
+    from qwen35_tvm.runtime.artifact import device_of
+
+    manifest = json.loads((out / MANIFEST).read_text())
+    entry = next(e for e in manifest["entries"] if e["file"] == file)
+    n, k, roles = entry["n"], entry["k"], entry["roles"]
+    device_of("cuda")  # loads TVM's CUDA runtime
+    bw = copy_bandwidth(torch)
+    torch.cuda.empty_cache()
+    lib = tvm.runtime.load_module(str(out / file))
+    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 60 << 20)
+    copies = max(2, -(-4 * l2 // (n * k * 2)))
+    reps = -(-MIN_CALLS // copies)  # each graph: every copy `reps` times
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    ws = [
+        (torch.randn(n, k, device="cuda", generator=gen) * k**-0.5).bfloat16()
+        for _ in range(copies)
+    ]
+    out_dtype = getattr(torch, entry["out_dtype"])
+    dl = tvm.runtime.from_dlpack
+    rows = []
+    for batch in BATCHES:
+        x = torch.randn(batch, k, device="cuda", generator=gen).bfloat16()
+        res = torch.randn(batch, n, device="cuda", generator=gen).bfloat16()
+        ref = x.float() @ ws[0].float().T
+        if "res" in roles:
+            ref += res.float()
+        scale = ref.abs().max().item()
+        moved = n * k * 2 + batch * k * 2 + batch * n * out_dtype.itemsize
+        moved += batch * n * 2 if "res" in roles else 0
+        base = {
+            "model": entry["model"],
+            "names": entry["names"],
+            "n": n,
+            "k": k,
+            "residual": entry["residual"],
+            "batch": batch,
+            "bytes": moved,
+            "copy_bw_tbs": bw / 1e12,
+        }
+        cublas = (x @ ws[0].T + res if "res" in roles else x @ ws[0].T).float()
+        runs, batch_rows = {}, []
+        for kernel in ["torch", *entry["kernels"]]:
+            row = {**base, "kernel": kernel, "config": entry["kernels"].get(kernel)}
+            try:
+                if kernel == "torch":
+                    got = cublas
+                    calls = [lambda w=w, x=x: torch.matmul(x, w.T) for w in ws * reps]
+                else:
+                    fn = lib[kernel]
+                    res_out = torch.empty(batch, n, device="cuda", dtype=out_dtype)
+                    named = {"x": dl(x), "res": dl(res), "out": dl(res_out)}
+                    order = sorted(roles, key=roles.get)
+                    argss = [[dl(w) if r == "w" else named[r] for r in order] for w in ws]
+                    fn(*argss[0])
+                    torch.cuda.synchronize()
+                    got = res_out.float()
+                    calls = [lambda a=a, fn=fn: fn(*a) for a in argss * reps]
+                row["max_rel_err"] = (got - ref).abs().max().item() / scale
+                row["cublas_rel_err"] = (cublas - ref).abs().max().item() / scale
+                runs[kernel], row["timed"], wall = _runner(torch, tvm_ffi, calls)
+                row["wall_us"] = wall * 1e6
+            except Exception as err:  # noqa: BLE001  report, go on with the next kernel
+                row["error"] = f"{type(err).__name__}: {err}"
+                traceback.print_exc(file=sys.stderr)
+            batch_rows.append(row)
+        try:
+            kernel_us = _kernel_us(torch, runs, copies * reps)
+        except Exception as err:  # noqa: BLE001
+            kernel_us = {}
+            print(f"  profiler failed: {err}", file=sys.stderr)
+        for row in batch_rows:
+            if kernel_us.get(row["kernel"], 0) > 0:
+                row["us"], row["us_from"] = kernel_us[row["kernel"]], "cupti"
+            elif "wall_us" in row:  # no CUPTI: the graph's (or loop's) time per call
+                row["us"], row["us_from"] = row["wall_us"], "wall"
+            if "us" in row:
+                row["pct_copy_bw"] = 100 * moved / (row["us"] * 1e-6) / bw
+        rows += batch_rows
+    return rows
+
+
+def run(out: Path, results: Path | None, timeout: int) -> None:
+    manifest = json.loads((out / MANIFEST).read_text())
+    rows: list[dict] = []
+    print(
+        "| model | projection | N x K | B | kernel | µs (CUPTI) | graph µs/call | MB moved |"
+        " of copy bw | max rel err | cuBLAS µs | vs cuBLAS |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for entry in manifest["entries"]:
+        cmd = [sys.executable, str(Path(__file__).resolve()), "measure", str(out), entry["file"]]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+            got = [json.loads(line) for line in proc.stdout.splitlines() if line[:1] == "{"]
+            if proc.returncode != 0 or not got:
+                got.append(
+                    {
+                        "file": entry["file"],
+                        "error": f"exit {proc.returncode}: {proc.stderr[-1500:]}",
+                    }
+                )
+        except subprocess.TimeoutExpired:
+            got = [{"file": entry["file"], "error": f"timeout {timeout}s"}]
+        for r in got:
+            print(_line(r, got), flush=True)
+        rows += got
+    summary = _summary(rows)
+    for line in summary["lines"]:
+        print(line, file=sys.stderr)
+    result = {
+        "device": _device_name(),
+        "arch": manifest["arch"],
+        "rows": rows,
+        "best": summary["best"],
+    }
+    (out / "gemv_kernel.json").write_text(json.dumps(result, indent=1))
+    if results is not None:
+        results.mkdir(parents=True, exist_ok=True)
+        (results / "gemv_kernel.json").write_text(json.dumps(result, indent=1))
+
+
+def _device_name() -> str:
+    try:
+        query = ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]
+        return subprocess.run(query, capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return "unknown"
+
+
+def _line(r: dict, rows: list[dict]) -> str:
+    if "error" in r or "us" not in r:
+        return (
+            f"| {r.get('model')} | {r.get('file', r.get('names'))} | | {r.get('batch')} | "
+            f"{r.get('kernel')} | ERROR {str(r.get('error'))[-200:]} |"
+        )
+    torch_row = next(
+        (
+            t
+            for t in rows
+            if t.get("kernel") == "torch"
+            and t["n"] == r["n"]
+            and t["k"] == r["k"]
+            and t["batch"] == r["batch"]
+            and "us" in t
+        ),
+        None,
+    )
+    cub = torch_row["us"] if torch_row else float("nan")
+    return (
+        f"| {r['model']} | {'/'.join(r['names'])} | {r['n']}x{r['k']} | {r['batch']} | "
+        f"{r['kernel']} | {r['us']:.1f} | {r['wall_us']:.1f} | {r['bytes'] / 1e6:.1f} | "
+        f"{r['pct_copy_bw']:.1f}% | {r['max_rel_err']:.1e} | {cub:.1f} | "
+        f"x{cub / r['us']:.2f} |"
+    )
+
+
+def _summary(rows: list[dict]) -> dict:
+    """Per shape and batch: the default kernel's share of copy bandwidth, and the best
+    config's."""
+    best, lines = [], ["shape, batch: ours (default) / best config, % of copy bandwidth"]
+    keys = sorted({(r["model"], r["n"], r["k"], r["batch"]) for r in rows if "us" in r})
+    for model, n, k, batch in keys:
+        mine = [
+            r
+            for r in rows
+            if (r.get("model"), r.get("n"), r.get("k"), r.get("batch")) == (model, n, k, batch)
+            and "us" in r
+            and r["kernel"] not in ("torch", "dlight")
+            and r["max_rel_err"] < 2**-6
+        ]
+        if not mine:
+            continue
+        top = max(mine, key=lambda r: r["pct_copy_bw"])
+        ours = next((r for r in mine if r["kernel"] == "ours"), None)
+        best.append(
+            {
+                "model": model,
+                "n": n,
+                "k": k,
+                "batch": batch,
+                "kernel": top["kernel"],
+                "config": top["config"],
+                "pct_copy_bw": top["pct_copy_bw"],
+                "ours_pct_copy_bw": ours and ours["pct_copy_bw"],
+            }
+        )
+        mark = "ok" if top["pct_copy_bw"] >= 90 else "MISS"
+        ours_pct = f"{ours['pct_copy_bw']:.1f}%" if ours else "n/a"
+        lines.append(
+            f"{model} {n}x{k} B={batch}: {ours_pct} / {top['kernel']} "
+            f"{top['pct_copy_bw']:.1f}% {mark}"
+        )
+    return {"best": best, "lines": lines}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("step", choices=["build", "run", "measure"])
+    p.add_argument("dir", type=Path)
+    p.add_argument("file", nargs="?", help="measure only: library file")
+    p.add_argument("--arch", default="sm_90")
+    p.add_argument("--out", type=Path, default=None, help="run: also write the JSON here")
+    p.add_argument("--timeout", type=int, default=300, help="seconds per shape (run)")
+    args = p.parse_args()
+    if args.step == "build":
+        build(args.dir, args.arch)
+    elif args.step == "run":
+        run(args.dir, args.out, args.timeout)
+    else:
+        for row in _measure(args.dir, args.file):
+            print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
