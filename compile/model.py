@@ -229,6 +229,11 @@ class GatedDeltaNet(nn.Module):
         return out, conv_pool, rec_pool
 
 
+def _pick_workspaces(n) -> list[Tensor]:
+    val, idx = greedy.workspace_shapes(n)
+    return [Tensor.placeholder(val, F32), Tensor.placeholder(idx, "int32")]
+
+
 def l2_normalize(x: Tensor, eps: float = 1e-6) -> Tensor:
     inv = rsqrt(op.sum(op.square(x), axis=-1, keepdims=True) + eps)
     return x * inv
@@ -354,12 +359,12 @@ class Qwen35LM(nn.Module):
             input_ids, indptr, slots, positions, kv, conv_pool, rec_pool, chunked=False
         )
         logits_out = self.lm_head(self.norm(x), out=logits_out)
-        best, best_logprob = op.tensor_ir_inplace_op(
+        best, best_logprob, _, _ = op.tensor_ir_inplace_op(
             greedy.greedy_pick(self.widths.decodable, self.widths.selection, Target.current()),
             "greedy_pick",
             [logits_out, best_out, logprob_out],
-            inplace_indices=[1, 2],
-            out=[best_out, logprob_out],
+            inplace_indices=[1, 2, -1, -1],
+            out=[best_out, logprob_out, *_pick_workspaces(batch)],
         )
         return logits_out, best, best_logprob, kv.k_pool, kv.v_pool, conv_pool, rec_pool
 
@@ -374,13 +379,14 @@ class Qwen35LM(nn.Module):
         layout, decodable columns only), and its logprob in the masked distribution. Runs
         after a decode or prefill on the logits it left on the device."""
         w = self.widths
-        return op.tensor_ir_inplace_op(
+        best, logprob, _, _ = op.tensor_ir_inplace_op(
             greedy.greedy_pick(w.decodable, w.selection, Target.current(), masked=True),
             "masked_greedy_pick",
             [logits, rows, bitmask, best_out, logprob_out],
-            inplace_indices=[3, 4],
-            out=[best_out, logprob_out],
+            inplace_indices=[3, 4, -1, -1],
+            out=[best_out, logprob_out, *_pick_workspaces(rows.shape[0])],
         )
+        return best, logprob
 
     def constrained_mask(self, logits: Tensor, rows: Tensor, bitmask: Tensor) -> Tensor:
         """-inf, in place, over the decodable columns each row's bitmask forbids: constrained

@@ -5,10 +5,10 @@ Run where the logits are, so a greedy decode step brings 8 bytes a row to the ho
 of the whole 248,192-column row. Only the first `decodable` columns are read: pad columns
 never compete, whether or not the logits kernel masked them.
 
-One block per row: each thread scans a strided share of the columns, then the block reduces
-in shared memory by halving strides, once for the (max, first index) and once for the sum
-of exp(x - max). Ties go to the lower id, as numpy's argmax does. Lanes past the live half
-of a step compute values nobody reads, which keeps every shared access unconditional.
+A row is cut into CHUNKS chunks, a block each, so that one row (a batch-1 decode step) still
+fills the GPU; each thread keeps a running (max, first index, sum of exp(x - max)) in one pass
+over its columns, the block reduces them in shared memory by halving strides, and a second
+kernel combines a row's chunks the same way. Ties go to the lower id, as numpy's argmax does.
 
 The masked variants read xgrammar's bitmask layout, [rows, ceil(decodable / 32)] int32 with
 bit j % 32 of word j // 32 set when token j is allowed, for the logits rows listed in `rows`
@@ -24,7 +24,8 @@ from tvm.script import tirx as T
 from tvm.target import Target
 from tvm.tirx import PrimFunc
 
-GPU_THREADS = 512
+GPU_THREADS = 256
+CHUNKS = 128  # column chunks of a row, a block each: one row alone spreads over the GPU
 
 
 def mask_words(decodable: int) -> int:
@@ -32,9 +33,9 @@ def mask_words(decodable: int) -> int:
     return (decodable + 31) // 32
 
 
-def _loops(target: Target) -> tuple[bool, int, object, object]:
+def _loops(target: Target, threads: int = GPU_THREADS) -> tuple[bool, int, object, object]:
     gpu = target.kind.name == "cuda"
-    nt = GPU_THREADS if gpu else 1
+    nt = threads if gpu else 1
 
     def rows(n):
         return T.thread_binding(n, thread="blockIdx.x") if gpu else T.parallel(n)
@@ -45,14 +46,29 @@ def _loops(target: Target) -> tuple[bool, int, object, object]:
     return gpu, nt, rows, lanes
 
 
+def _term(x, m):
+    """exp(x - m) with exp(-inf - -inf) = 0 (a part that saw no live column)."""
+    return T.Select(x == T.float32("-inf"), T.float32(0), T.exp(x - m))
+
+
+def workspace_shapes(n) -> tuple[tuple, tuple]:
+    """The pick's workspaces for n rows: per-chunk (max, sum of exp) and argmax."""
+    return (n, CHUNKS, 2), (n, CHUNKS)
+
+
 def greedy_pick(
     decodable: int, selection: int, target: Target, masked: bool = False
 ) -> PrimFunc:
-    """`greedy_pick(logits, best, logprob)`, or with `masked`
-    `masked_greedy_pick(logits, rows, bitmask, best, logprob)`: row `rows[i]` of the logits
-    under mask row i, results in slot i."""
+    """`greedy_pick(logits, best, logprob, ws_val, ws_idx)`, or with `masked`
+    `masked_greedy_pick(logits, rows, bitmask, best, logprob, ws_val, ws_idx)`: row `rows[i]`
+    of the logits under mask row i, results in slot i. The workspaces are `workspace_shapes`.
+
+    Two kernels: CHUNKS blocks a row each scan a chunk in one pass, keeping a running (max,
+    first argmax, sum of exp(x - max)) a thread, and reduce the block's; then a block a row
+    combines its chunks' triples."""
     gpu, nt, rows, lanes = _loops(target)
-    steps = nt.bit_length() - 1  # nt is a power of two
+    _, nt2, _, lanes2 = _loops(target, CHUNKS)
+    span = -(-decodable // CHUNKS)  # columns a chunk
     shared = "shared" if gpu else "global"
 
     # Trace-time switches: the plain pick reads row b and every decodable column.
@@ -67,72 +83,111 @@ def greedy_pick(
         return tirx.And(c < decodable, T.bitwise_and(T.shift_right(word, c % 32), 1) != 0)
 
     @T.macro
-    def pick(logits, rows_buf, bitmask, best, logprob, n):
+    def reduce_triples(vals, ids, sums, lanes_, width):
+        # Ping-pong between two rows: step s reads row s % 2 and every lane writes only its
+        # own slot of the other, so no lane reads what another writes; the result is slot 0
+        # of row steps % 2. Lanes past the live half compute values nobody reads.
+        for s in T.serial(width.bit_length() - 1):
+            for tx in lanes_():
+                with T.sblock("reduce"):
+                    T.reads()
+                    T.writes()
+                    # TVM's sync pass wants shared loads outside conditions.
+                    o: T.let[T.int32] = T.min(tx + T.shift_right(width, s + 1), width - 1)
+                    om: T.let[T.float32] = vals[s % 2, o]
+                    oi: T.let[T.int32] = ids[s % 2, o]
+                    os: T.let[T.float32] = sums[s % 2, o]
+                    cm: T.let[T.float32] = vals[s % 2, tx]
+                    ci: T.let[T.int32] = ids[s % 2, tx]
+                    cs: T.let[T.float32] = sums[s % 2, tx]
+                    better: T.let[T.bool] = om > cm or (om == cm and oi < ci)
+                    top: T.let[T.float32] = T.max(om, cm)
+                    vals[1 - s % 2, tx] = top
+                    ids[1 - s % 2, tx] = T.Select(better, oi, ci)
+                    sums[1 - s % 2, tx] = cs * _term(cm, top) + os * _term(om, top)
+
+    @T.macro
+    def pick(logits, rows_buf, bitmask, best, logprob, ws_val, ws_idx, n):
+        for bc in rows(n * CHUNKS):
+            with T.sblock("chunk"):
+                T.reads()
+                T.writes()
+                vals = T.sblock_alloc_buffer((2, nt), "float32", scope=shared)
+                ids = T.sblock_alloc_buffer((2, nt), "int32", scope=shared)
+                sums = T.sblock_alloc_buffer((2, nt), "float32", scope=shared)
+                b: T.let[T.int32] = bc // CHUNKS
+                r: T.let[T.int32] = source(rows_buf, b)
+                c0: T.let[T.int32] = bc % CHUNKS * span
+                for tx in lanes():
+                    with T.sblock("scan"):
+                        T.reads()
+                        T.writes()
+                        run = T.sblock_alloc_buffer((3,), "float32", scope="local")
+                        arg = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                        run[0] = T.float32("-inf")
+                        run[1] = T.float32(0)
+                        arg[0] = 0
+                        for e in T.serial((span + nt - 1) // nt):
+                            c: T.let[T.int32] = c0 + e * nt + tx
+                            if e * nt + tx < span and live(bitmask, b, c):
+                                x: T.let[T.float32] = logits[r, c]
+                                if x > run[0]:  # ascending c: the first max stays
+                                    run[1] = run[1] * _term(run[0], x) + T.float32(1)
+                                    run[0] = x
+                                    arg[0] = c
+                                else:
+                                    run[1] = run[1] + _term(x, run[0])
+                        vals[0, tx] = run[0]
+                        ids[0, tx] = arg[0]
+                        sums[0, tx] = run[1]
+                reduce_triples(vals, ids, sums, lanes, nt)
+                for tx in lanes():
+                    with T.sblock("chunk_out"):
+                        T.reads()
+                        T.writes()
+                        m: T.let[T.float32] = vals[(nt.bit_length() - 1) % 2, 0]
+                        i: T.let[T.int32] = ids[(nt.bit_length() - 1) % 2, 0]
+                        sm: T.let[T.float32] = sums[(nt.bit_length() - 1) % 2, 0]
+                        if tx == 0:
+                            ws_val[b, bc % CHUNKS, 0] = m
+                            ws_val[b, bc % CHUNKS, 1] = sm
+                            ws_idx[b, bc % CHUNKS] = i
         for b in rows(n):
             with T.sblock("row"):
                 T.reads()
                 T.writes()
-                r: T.let[T.int32] = source(rows_buf, b)
-                # Reductions ping-pong between two rows: step s reads row s % 2 and every lane
-                # writes only its own slot of the other, so no lane reads what another writes.
-                vals = T.sblock_alloc_buffer((2, nt), "float32", scope=shared)
-                ids = T.sblock_alloc_buffer((2, nt), "int32", scope=shared)
-                sums = T.sblock_alloc_buffer((2, nt), "float32", scope=shared)
-                for tx in lanes():
-                    with T.sblock("scan_max"):
+                vals = T.sblock_alloc_buffer((2, nt2), "float32", scope=shared)
+                ids = T.sblock_alloc_buffer((2, nt2), "int32", scope=shared)
+                sums = T.sblock_alloc_buffer((2, nt2), "float32", scope=shared)
+                for tx in lanes2():
+                    with T.sblock("gather"):
                         T.reads()
                         T.writes()
-                        m = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                        i = T.sblock_alloc_buffer((1,), "int32", scope="local")
-                        m[0] = T.float32("-inf")
-                        i[0] = 0
-                        for e in T.serial((decodable + nt - 1) // nt):
-                            c: T.let[T.int32] = e * nt + tx
-                            if live(bitmask, b, c):
-                                if logits[r, c] > m[0]:  # ascending c: the first max stays
-                                    m[0] = logits[r, c]
-                                    i[0] = c
-                        vals[0, tx] = m[0]
-                        ids[0, tx] = i[0]
-                for s in T.serial(steps):
-                    for tx in lanes():
-                        with T.sblock("reduce_max"):
-                            T.reads()
-                            T.writes()
-                            # TVM's sync pass wants shared loads outside conditions.
-                            o: T.let[T.int32] = T.min(tx + T.shift_right(nt, s + 1), nt - 1)
-                            ov: T.let[T.float32] = vals[s % 2, o]
-                            oi: T.let[T.int32] = ids[s % 2, o]
-                            cv: T.let[T.float32] = vals[s % 2, tx]
-                            ci: T.let[T.int32] = ids[s % 2, tx]
-                            better: T.let[T.bool] = ov > cv or (ov == cv and oi < ci)
-                            vals[1 - s % 2, tx] = T.Select(better, ov, cv)
-                            ids[1 - s % 2, tx] = T.Select(better, oi, ci)
-                for tx in lanes():
-                    with T.sblock("scan_sum"):
-                        T.reads()
-                        T.writes()
-                        acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                        peak: T.let[T.float32] = vals[steps % 2, 0]
-                        acc[0] = T.float32(0)
-                        for e in T.serial((decodable + nt - 1) // nt):
-                            c: T.let[T.int32] = e * nt + tx
-                            if live(bitmask, b, c):
-                                acc[0] = acc[0] + T.exp(logits[r, c] - peak)
-                        sums[0, tx] = acc[0]
-                for s in T.serial(steps):
-                    for tx in lanes():
-                        with T.sblock("reduce_sum"):
-                            T.reads()
-                            T.writes()
-                            o: T.let[T.int32] = T.min(tx + T.shift_right(nt, s + 1), nt - 1)
-                            sums[1 - s % 2, tx] = sums[s % 2, tx] + sums[s % 2, o]
-                for tx in lanes():
+                        run = T.sblock_alloc_buffer((3,), "float32", scope="local")
+                        arg = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                        run[0] = T.float32("-inf")
+                        run[1] = T.float32(0)
+                        arg[0] = 0
+                        # ascending chunks: on equal maxima the lower id stays
+                        for e in T.serial(CHUNKS // nt2):
+                            m: T.let[T.float32] = ws_val[b, e * nt2 + tx, 0]
+                            top: T.let[T.float32] = T.max(run[0], m)
+                            run[1] = run[1] * _term(run[0], top) + ws_val[
+                                b, e * nt2 + tx, 1
+                            ] * _term(m, top)
+                            if m > run[0]:
+                                arg[0] = ws_idx[b, e * nt2 + tx]
+                            run[0] = top
+                        vals[0, tx] = run[0]
+                        ids[0, tx] = arg[0]
+                        sums[0, tx] = run[1]
+                reduce_triples(vals, ids, sums, lanes2, nt2)
+                for tx in lanes2():
                     with T.sblock("write"):
                         T.reads()
                         T.writes()
-                        pick_id: T.let[T.int32] = ids[steps % 2, 0]
-                        total: T.let[T.float32] = sums[steps % 2, 0]
+                        pick_id: T.let[T.int32] = ids[(nt2.bit_length() - 1) % 2, 0]
+                        total: T.let[T.float32] = sums[(nt2.bit_length() - 1) % 2, 0]
                         if tx == 0:
                             best[b] = pick_id
                             logprob[b] = -T.log(total)
@@ -147,6 +202,8 @@ def greedy_pick(
             bitmask_h: T.handle,
             best_h: T.handle,
             logprob_h: T.handle,
+            ws_val_h: T.handle,
+            ws_idx_h: T.handle,
         ):
             T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
             batch, n = T.int32(), T.int32()
@@ -155,18 +212,28 @@ def greedy_pick(
             bitmask = T.match_buffer(bitmask_h, (n, mask_words(decodable)), "int32")
             best = T.match_buffer(best_h, (n,), "int32")
             logprob = T.match_buffer(logprob_h, (n,), "float32")
-            pick(logits, rows_buf, bitmask, best, logprob, n)
+            ws_val = T.match_buffer(ws_val_h, (n, CHUNKS, 2), "float32")
+            ws_idx = T.match_buffer(ws_idx_h, (n, CHUNKS), "int32")
+            pick(logits, rows_buf, bitmask, best, logprob, ws_val, ws_idx, n)
 
         return masked_greedy_pick
 
     @T.prim_func(s_tir=True)
-    def greedy_pick(logits_h: T.handle, best_h: T.handle, logprob_h: T.handle):
+    def greedy_pick(
+        logits_h: T.handle,
+        best_h: T.handle,
+        logprob_h: T.handle,
+        ws_val_h: T.handle,
+        ws_idx_h: T.handle,
+    ):
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
         batch = T.int32()
         logits = T.match_buffer(logits_h, (batch, selection), "float32")
         best = T.match_buffer(best_h, (batch,), "int32")
         logprob = T.match_buffer(logprob_h, (batch,), "float32")
-        pick(logits, best, logits, best, logprob, batch)  # rows and bitmask unused
+        ws_val = T.match_buffer(ws_val_h, (batch, CHUNKS, 2), "float32")
+        ws_idx = T.match_buffer(ws_idx_h, (batch, CHUNKS), "int32")
+        pick(logits, best, logits, best, logprob, ws_val, ws_idx, batch)  # no rows, no mask
 
     return greedy_pick
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import tvm
 
-from qwen35_tvm.schedules.greedy import greedy_pick
+from qwen35_tvm.schedules.greedy import greedy_pick, workspace_shapes
 
 DECODABLE, SELECTION = 1000, 1024
 
@@ -19,7 +19,9 @@ def _run_cpu(logits: np.ndarray, decodable: int) -> tuple[np.ndarray, np.ndarray
     dev = tvm.cpu()
     best = tvm.runtime.empty((logits.shape[0],), "int32", dev)
     logprob = tvm.runtime.empty((logits.shape[0],), "float32", dev)
-    lib["greedy_pick"](tvm.runtime.tensor(logits, dev), best, logprob)
+    ws = [tvm.runtime.empty(shape, dt, dev) for shape, dt in
+          zip(workspace_shapes(logits.shape[0]), ("float32", "int32"), strict=True)]  # fmt: skip
+    lib["greedy_pick"](tvm.runtime.tensor(logits, dev), best, logprob, *ws)
     return best.numpy(), logprob.numpy()
 
 

@@ -9,7 +9,12 @@ import numpy as np
 import pytest
 import tvm
 
-from qwen35_tvm.schedules.greedy import apply_token_bitmask, greedy_pick, mask_words
+from qwen35_tvm.schedules.greedy import (
+    apply_token_bitmask,
+    greedy_pick,
+    mask_words,
+    workspace_shapes,
+)
 
 DECODABLE, SELECTION = 1003, 1024  # 1003 = 31 words + 11 bits; 21 pad columns
 
@@ -35,7 +40,9 @@ def masked_pick(logits, rows, allowed, decodable=DECODABLE, respect_mask=True):
     best = tvm.runtime.empty((len(rows),), "int32", dev)
     logprob = tvm.runtime.empty((len(rows),), "float32", dev)
     args = (logits, np.asarray(rows, np.int32), bits)
-    lib["masked_greedy_pick"](*(tvm.runtime.tensor(a, dev) for a in args), best, logprob)
+    ws = [tvm.runtime.empty(shape, dt, dev) for shape, dt in
+          zip(workspace_shapes(len(rows)), ("float32", "int32"), strict=True)]  # fmt: skip
+    lib["masked_greedy_pick"](*(tvm.runtime.tensor(a, dev) for a in args), best, logprob, *ws)
     return best.numpy(), logprob.numpy()
 
 
@@ -87,7 +94,9 @@ def test_all_ones_mask_equals_the_plain_pick():
     dev = tvm.cpu()
     plain_best = tvm.runtime.empty((len(rows),), "int32", dev)
     plain_lp = tvm.runtime.empty((len(rows),), "float32", dev)
-    lib["greedy_pick"](tvm.runtime.tensor(logits, dev), plain_best, plain_lp)
+    ws = [tvm.runtime.empty(shape, dt, dev) for shape, dt in
+          zip(workspace_shapes(len(rows)), ("float32", "int32"), strict=True)]  # fmt: skip
+    lib["greedy_pick"](tvm.runtime.tensor(logits, dev), plain_best, plain_lp, *ws)
     np.testing.assert_array_equal(best, plain_best.numpy())
     np.testing.assert_array_equal(logprob, plain_lp.numpy())
     assert (best < DECODABLE).all()
