@@ -9,8 +9,9 @@ one sequence of 1,024 tokens, 16 sequences of 1,024 tokens, and 16 and 1 sequenc
 (decode), each sequence starting from a non-zero state in a scattered slot. Every kernel is
 checked against a float64 torch recurrence (max |Δ| of outputs and final states), and each
 chunked variant against the recurrent kernel too. Decode rows also give the kernels' CUPTI
-time and the state bytes (read and written) over the copy bandwidth of the same run. Every variant and case is isolated: a failure is printed and the rest still runs.
-A table goes to stdout and all rows, as JSON, to DIR/gdn_bench_result.json and stdout.
+time and the state bytes (read and written) over the copy bandwidth of the same run. Every
+variant and case is isolated: a failure is printed and the rest still runs. A table goes to
+stdout and all rows, as JSON, to DIR/gdn_bench_result.json (and --out DIR/gdn_kernel.json).
 """
 
 from __future__ import annotations
