@@ -120,9 +120,10 @@ class GrammarState:
         self.decodable = decodable
         self._matcher = _xgrammar().GrammarMatcher(compiled)
         self._bitmask = np.full((1, (decodable + 31) // 32), -1, dtype=np.int32)
-        self._next: Future | None = _POOL.submit(self._fill)
+        self._ready = False  # the last fill's result: a mask to apply
         self.broken = False  # a token the grammar refused was accepted (masking switched off)
         self.accepted = 0  # tokens the grammar accepted (the stop token that ends it included)
+        self._next: Future | None = _POOL.submit(self._fill)
 
     def _fill(self) -> bool:
         """Compute the bitmask for the next token; False when it allows every token (nothing
@@ -131,17 +132,23 @@ class GrammarState:
             return False
         return bool(self._matcher.fill_next_token_bitmask(self._bitmask))
 
+    def _settle(self) -> None:
+        """Wait for the worker's pending accept and fill, if any."""
+        if self._next is not None:
+            self._ready = self._next.result()
+            self._next = None
+
     @property
     def active(self) -> bool:
         """True while the grammar still constrains tokens (not terminated, not broken)."""
+        self._settle()
         return not (self.broken or self._matcher.is_terminated())
 
     def bitmask(self) -> np.ndarray | None:
         """The next token's mask, [ceil(decodable / 32)] int32 (valid until `accept`), or None
-        when there is nothing to apply. Waits for the worker's fill."""
-        pending, self._next = self._next, None
-        ready = pending.result() if pending is not None else self._fill()
-        if not ready or self.broken or not _MASKING:
+        when there is nothing to apply. Waits for the worker, which ran while the GPU stepped."""
+        self._settle()
+        if not self._ready or self.broken or not _MASKING:
             return None
         return self._bitmask[0]
 
@@ -152,14 +159,17 @@ class GrammarState:
             apply_bitmask(row, bits, self.decodable)
 
     def accept(self, token: int) -> None:
-        """Advance with the chosen token and start computing the next mask."""
-        if self._next is not None:  # the mask was not asked for: let the pending fill finish
-            self._next.result()
-            self._next = None
-        if not self.active:
-            return
-        if not self._matcher.accept_token(int(token)):
+        """Hand the chosen token to the worker, which advances the matcher and computes the
+        next mask while the next step runs on the GPU: the step loop never waits on xgrammar
+        until it needs the mask."""
+        self._settle()
+        self._next = _POOL.submit(self._advance, int(token))
+
+    def _advance(self, token: int) -> bool:
+        if self.broken or self._matcher.is_terminated():
+            return False
+        if not self._matcher.accept_token(token):
             self.broken = True
-            return
+            return False
         self.accepted += 1
-        self._next = _POOL.submit(self._fill)
+        return self._fill()

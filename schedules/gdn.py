@@ -19,27 +19,34 @@ from tvm.script import tirx as T
 from tvm.target import Target
 from tvm.tirx import PrimFunc
 
+from .kv_cache import seq_of_token
+
 GPU_THREADS = 128
 
 
-def _for_target(func: PrimFunc, block: str, target: Target) -> PrimFunc:
-    """Each kernel is written as (sequence or slot) x (independent lane) loops around one block:
-    the CPU runs lanes in parallel; the GPU gives sequences the grid's y axis and lanes threads."""
+def _for_target(func: PrimFunc, blocks: list[str], target: Target) -> PrimFunc:
+    """Each kernel is written as (row) x (independent lane) loops around one block: the CPU
+    runs lanes in parallel; the GPU gives rows the grid's y axis and lanes threads."""
     sch = s_tir.Schedule(func)
-    outer, inner = sch.get_loops(sch.get_sblock(block))[:2]
-    if target.kind.name == "cuda":
-        bx, tx = sch.split(inner, [None, GPU_THREADS])
-        sch.bind(outer, "blockIdx.y")
-        sch.bind(bx, "blockIdx.x")
-        sch.bind(tx, "threadIdx.x")
-    else:
-        sch.parallel(inner)
+    for block in blocks:
+        outer, inner = sch.get_loops(sch.get_sblock(block))[:2]
+        if target.kind.name == "cuda":
+            bx, tx = sch.split(inner, [None, GPU_THREADS])
+            sch.bind(outer, "blockIdx.y")
+            sch.bind(bx, "blockIdx.x")
+            sch.bind(tx, "threadIdx.x")
+        else:
+            sch.parallel(inner)
     return sch.mod["main"].with_attr("tirx.is_scheduled", True)
 
 
 def conv1d_with_state(conv_dim: int, kernel: int, dtype: str, target: Target) -> PrimFunc:
     """out[t] = silu(sum_k w[k] * x[t - kernel + 1 + k]), reading the window before a
-    sequence's first token from its conv state and leaving its last kernel - 1 inputs there."""
+    sequence's first token from its conv state and leaving its last kernel - 1 inputs there.
+
+    Every (token, channel) is independent, so a prefill chunk's tokens run in parallel (a
+    thread each, its sequence found by binary search); a second kernel then moves each
+    sequence's last inputs into its state, after every window has read the old one."""
     hist = kernel - 1
 
     @T.prim_func(s_tir=True)
@@ -61,26 +68,35 @@ def conv1d_with_state(conv_dim: int, kernel: int, dtype: str, target: Target) ->
         slots = T.match_buffer(slots_h, (batch,), "int32")
         pool = T.match_buffer(pool_h, (n_slots, n_layers, conv_dim, hist), dtype)
         out = T.match_buffer(out_h, (n_tok, conv_dim), dtype)
-        for b in T.serial(batch):
+        for i in T.serial(n_tok):
             for c in T.serial(conv_dim):
                 with T.sblock("conv"):
                     T.reads()
                     T.writes()
                     acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                    lo = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                    hi = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                    seq_of_token(indptr, batch, i, lo, hi)
+                    t: T.let[T.int32] = i - indptr[lo[0]]  # the token's place in its sequence
+                    slot: T.let[T.int32] = slots[lo[0]]
+                    acc[0] = T.float32(0)
+                    for k in T.unroll(kernel):
+                        # j: the input's position relative to the sequence's first token
+                        j: T.let[T.int32] = t - hist + k
+                        acc[0] = acc[0] + T.Cast("float32", w[c, k]) * T.if_then_else(
+                            j >= 0,
+                            T.Cast("float32", x[T.max(i - hist + k, 0), c]),
+                            T.Cast("float32", pool[slot, layer, c, T.min(hist + j, hist - 1)]),
+                        )
+                    out[i, c] = T.Cast(dtype, acc[0] / (T.float32(1) + T.exp(-acc[0])))
+        for b in T.serial(batch):
+            for c in T.serial(conv_dim):
+                with T.sblock("conv_state"):
+                    T.reads()
+                    T.writes()
                     start: T.let[T.int32] = indptr[b]
                     length: T.let[T.int32] = indptr[b + 1] - start
                     slot: T.let[T.int32] = slots[b]
-                    for t in T.serial(length):
-                        acc[0] = T.float32(0)
-                        for k in T.serial(kernel):
-                            # j: the input's position relative to this sequence's first token
-                            j: T.let[T.int32] = t - hist + k
-                            acc[0] = acc[0] + T.Cast("float32", w[c, k]) * T.if_then_else(
-                                j >= 0,
-                                T.Cast("float32", x[start + T.max(j, 0), c]),
-                                T.Cast("float32", pool[slot, layer, c, T.min(hist + j, hist - 1)]),
-                            )
-                        out[start + t, c] = T.Cast(dtype, acc[0] / (T.float32(1) + T.exp(-acc[0])))
                     # Ascending i reads old state at i + length >= i before overwriting it.
                     for i in T.serial(hist):
                         j: T.let[T.int32] = length - hist + i
@@ -90,7 +106,7 @@ def conv1d_with_state(conv_dim: int, kernel: int, dtype: str, target: Target) ->
                             pool[slot, layer, c, T.min(hist + j, hist - 1)],
                         )
 
-    return _for_target(gdn_conv1d, "conv", target)
+    return _for_target(gdn_conv1d, ["conv", "conv_state"], target)
 
 
 ROWS = 32  # recurrent kernel: state rows (value columns) a block
@@ -270,4 +286,4 @@ def reset_slots(numel: int, dtype: str, name: str, target: Target) -> PrimFunc:
                     T.writes()
                     pool[slots[i], e] = T.Cast(dtype, 0)
 
-    return _for_target(gdn_reset_slots, "reset", target).with_attr("global_symbol", name)
+    return _for_target(gdn_reset_slots, ["reset"], target).with_attr("global_symbol", name)

@@ -185,3 +185,46 @@ def test_recurrent_compiles_for_cuda() -> None:
     lib = tvm.compile(tvm.IRModule({"main": gdn.gated_delta_rule(16, 32, 128, 128, target)}),
                       target=target)  # fmt: skip
     assert [m.is_runnable() for m in lib.mod.imports if m.kind == "cuda"] == [True]
+
+
+def conv_reference(x, w, indptr, slots, pool):
+    """silu of the causal depthwise conv over [old state, tokens] per sequence; new state."""
+    hist = w.shape[1] - 1
+    out, pool = np.zeros(x.shape), pool.astype(np.float64).copy()
+    for b, slot in enumerate(slots):
+        seq = x[indptr[b] : indptr[b + 1]].astype(np.float64)
+        full = np.concatenate([pool[slot, LAYER].T, seq])  # [hist + length, channels]
+        for t in range(len(seq)):
+            acc = (full[t : t + hist + 1] * w.T).sum(axis=0)
+            out[indptr[b] + t] = acc / (1 + np.exp(-acc))
+        pool[slot, LAYER] = full[len(full) - hist :].T
+    return out, pool
+
+
+@pytest.mark.parametrize("target", ["llvm", "cuda"])
+def test_conv1d_matches_reference(target: str) -> None:
+    channels, kernel = 40, 4
+    if target == "cuda":  # no GPU here: the GPU schedule must at least compile
+        prepare_cuda_codegen(["sm_80"])
+        cuda = Target({"kind": "cuda", "arch": "sm_80"}, host="llvm")
+        tvm.compile(tvm.IRModule({"main": gdn.conv1d_with_state(8192, 4, "bfloat16", cuda)}),
+                    target=cuda)  # fmt: skip
+        return
+    lib = _compile(("conv", channels), gdn.conv1d_with_state(channels, kernel, "float32", LLVM))
+    rng = np.random.default_rng(3)
+    # lengths around the window (hist = 3): empty, 1, 2, 3, 4 and a longer one
+    lengths, slots = [2, 0, 1, 3, 4, 11], [5, 1, 7, 0, 2, 8]
+    indptr = np.concatenate([[0], np.cumsum(lengths)]).astype("int32")
+    x = rng.normal(size=(indptr[-1], channels)).astype("float32")
+    w = rng.normal(size=(channels, kernel)).astype("float32")
+    pool = rng.normal(size=(N_SLOTS, N_LAYERS, channels, kernel - 1)).astype("float32")
+    ref_out, ref_pool = conv_reference(x, w, indptr, slots, pool)
+    args = [x, w, indptr, np.array(slots, "int32"), pool]
+    tensors = [tvm.runtime.tensor(a.copy()) for a in args]
+    out = tvm.runtime.tensor(np.zeros_like(x))
+    lib["main"](*tensors, LAYER, out)
+    np.testing.assert_allclose(out.numpy(), ref_out, atol=1e-5)
+    np.testing.assert_allclose(tensors[4].numpy(), ref_pool, atol=1e-6)
+    # mutation: the reference notices a sequence reading another's state
+    bad_out, _ = conv_reference(x, w, indptr, [1, 5, 7, 0, 2, 8], pool)
+    assert np.abs(bad_out - out.numpy()).max() > 1e-2
