@@ -1,0 +1,125 @@
+"""Where a decode step's and a prefill's GPU time goes: the CUPTI kernel table.
+
+  on the GPU:  python benchmarks/profile_step.py ARTIFACT_DIR [--batch 1,16] [--context 1024]
+               [--out docs/results]
+
+ARTIFACT_DIR is an artifact with weights (engine_throughput.py leaves one per variant in its
+WORK dir). Each batch size gets that many sequences of `context` random tokens, prefilled,
+then `steps` decode steps run under torch.profiler, which records every TVM kernel through
+CUPTI, inside CUDA graphs too. Kernels are grouped by name: calls and µs per step, share of
+the step. The step's roofline (weights once, each sequence's GDN state read and written and
+its K/V read, over the copy bandwidth of the same run) heads each table. The prefill of one
+`context`-token prompt gets the same table. JSON: stdout and, with --out, profile_step.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+
+def kernel_table(torch, fn, repeats: int) -> tuple[list[dict], float]:
+    """(rows grouped by kernel name, GPU µs per call of `fn`) over `repeats` calls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            fn()
+        torch.cuda.synchronize()
+    us: dict[str, float] = defaultdict(float)
+    calls: dict[str, int] = defaultdict(int)
+    for e in prof.events():
+        if e.device_type.name != "CUDA" or "Memcpy" in e.name or "Memset" in e.name:
+            continue
+        us[e.name] += e.device_time / repeats
+        calls[e.name] += 1
+    total = sum(us.values())
+    rows = [
+        {
+            "kernel": name[:100],
+            "calls": calls[name] / repeats,
+            "us": round(t, 2),
+            "share": round(t / total, 4),
+        }
+        for name, t in sorted(us.items(), key=lambda kv: -kv[1])
+    ]
+    return rows, total
+
+
+def print_table(title: str, rows: list[dict], total_us: float, top: int) -> None:
+    kernels = sum(r["calls"] for r in rows)
+    print(f"\n### {title}: {total_us:.0f} µs of GPU time, {kernels:.0f} kernels\n")
+    print("| kernel | calls | µs | share |\n|---|---|---|---|")
+    for r in rows[:top]:
+        print(f"| {r['kernel']} | {r['calls']:g} | {r['us']:.1f} | {100 * r['share']:.1f}% |")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("artifact", type=Path)
+    p.add_argument("--batch", default="1,16")
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+
+    import torch
+    from common import copy_bandwidth
+    from engine_throughput import step_bytes
+
+    from qwen35_tvm.runtime.artifact import Artifact
+    from qwen35_tvm.runtime.model_runner import ModelRunner
+
+    batches = [int(b) for b in args.batch.split(",")]
+    artifact = Artifact(args.artifact, device="cuda")
+    per_seq = args.context + args.steps * 3 + 16
+    n = max(batches) + 1  # one more slot for the prefill profile
+    runner = ModelRunner(artifact, max_batch_size=max(batches), max_total_tokens=n * per_seq,
+                         num_slots=n)  # fmt: skip
+    pages = -(-per_seq // artifact.page_size)
+    bw = copy_bandwidth(torch)
+    rng = np.random.default_rng(0)
+    report: dict = {"device": torch.cuda.get_device_name(), "copy_bw_tbs": bw / 1e12}
+
+    def prompt() -> list[int]:
+        return rng.integers(1000, 100000, args.context).tolist()
+
+    for b in batches:
+        slots = list(range(b))
+        for s in slots:
+            runner.add_sequence(s, list(range(s * pages, (s + 1) * pages)))
+            runner.prefill([s], [prompt()], np.array([args.context - 1]))
+        runner.decode(slots, [1] * b)  # captures this batch size's graph
+        rows, total = kernel_table(torch, lambda s=slots: runner.decode(s, [1] * len(s)), 3)
+        roof_us = step_bytes(artifact, b, args.context) / bw * 1e6
+        key = f"decode_b{b}"
+        report[key] = {"gpu_us": total, "roofline_us": roof_us, "kernels": rows}
+        print_table(f"decode, batch {b} at {args.context} tokens (roofline {roof_us:.0f} µs)",
+                    rows, total, args.top)  # fmt: skip
+        for s in slots:
+            runner.remove_sequence(s)
+    slot = n - 1
+
+    def prefill() -> None:
+        runner.add_sequence(slot, list(range(slot * pages, (slot + 1) * pages)))
+        runner.prefill([slot], [prompt()], np.array([args.context - 1])).rows()
+        runner.remove_sequence(slot)
+
+    prefill()  # loads the prefill kernels
+    rows, total = kernel_table(torch, prefill, 2)
+    report[f"prefill_{args.context}"] = {"gpu_us": total, "kernels": rows}
+    print_table(f"prefill of {args.context} tokens", rows, total, args.top)
+    text = json.dumps(report, indent=1)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "profile_step.json").write_text(text)
+
+
+if __name__ == "__main__":
+    main()
