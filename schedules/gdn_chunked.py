@@ -61,7 +61,7 @@ def chunked_gated_delta_rule(
     k_dim: int,
     v_dim: int,
     target: Target,
-    chunk: int = 64,
+    chunk: int = 32,  # H200, 4B heads: 589 vs 607 us at 1x1,024, 3.8 vs 4.9 ms at 16x1,024
     *,
     threads: int | None = None,
     col_tile: int | None = None,

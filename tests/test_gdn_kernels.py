@@ -141,7 +141,7 @@ def test_chunked_compiles_for_cuda(tmp_path: Path) -> None:
     lib.export_library(str(tmp_path / "gdn.so"))
     assert fatbin_arches(tmp_path / "gdn.so") == {"sass": ["sm_80"], "ptx": ["compute_80"]}
     with pytest.raises(ValueError, match="shared memory"):
-        chunked_gated_delta_rule(16, 32, 128, 128, target, col_tile=128)
+        chunked_gated_delta_rule(16, 32, 128, 128, target, 64, col_tile=128)
 
 
 def reference(x: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
