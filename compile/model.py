@@ -9,6 +9,8 @@ and a page table, all plain tensors, so a decode step can be one CUDA graph.
 
 from __future__ import annotations
 
+import functools
+import operator
 from typing import NamedTuple
 
 import numpy as np
@@ -18,7 +20,16 @@ from tvm.relax.frontend.nn import Tensor, op
 from tvm.relax.frontend.nn.core import wrap_nested
 from tvm.target import Target
 
-from ..schedules import attention, attention_prefill, gdn, gdn_chunked, greedy, kv_cache, logits
+from ..schedules import (
+    attention,
+    attention_prefill,
+    gdn,
+    gdn_chunked,
+    greedy,
+    kv_cache,
+    logits,
+    norm,
+)
 from .config import FULL, ModelConfig
 from .vocab import VocabWidths
 
@@ -34,8 +45,17 @@ def rsqrt(x: Tensor) -> Tensor:
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """RMSNorm in float32; `weight` already holds HF's (1 + w), folded at conversion."""
-    return op.rms_norm(x.astype(F32), weight, axes=[-1], epsilon=eps).astype(x.dtype)
+    """RMSNorm over the last axis in float32 (schedules/norm.py: one kernel, casts included);
+    `weight` already holds HF's (1 + w), folded at conversion."""
+    *lead, dim = x.shape
+    rows = functools.reduce(operator.mul, lead)
+    y = op.tensor_ir_op(
+        norm.rms_norm(int(dim), eps, x.dtype, Target.current()),
+        f"rms_norm_{dim}",
+        [op.reshape(x, (rows, dim)), weight],
+        out=Tensor.placeholder((rows, dim), x.dtype),
+    )
+    return op.reshape(y, x.shape)
 
 
 class Linear(nn.Linear):

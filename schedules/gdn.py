@@ -217,7 +217,7 @@ def gated_delta_rule(
                             d0: T.let[T.int32] = tx // rows * span
                             decay: T.let[T.float32] = T.exp(g[start + t, h])
                             acc[0] = T.float32(0)
-                            for j in T.serial(span):
+                            for j in T.unroll(span):
                                 sv: T.let[T.float32] = st[r * stride + d0 + j] * decay
                                 st[r * stride + d0 + j] = sv
                                 acc[0] = acc[0] + sv * kq[d0 + j]
@@ -231,13 +231,13 @@ def gated_delta_rule(
                             r: T.let[T.int32] = tx % rows
                             d0: T.let[T.int32] = tx // rows * span
                             acc[0] = T.float32(0)
-                            for p in T.serial(parts):
+                            for p in T.unroll(parts):
                                 acc[0] = acc[0] + red[p * rows + r]
                             delta: T.let[T.float32] = (
                                 v[start + t, h, col0 + r] - acc[0]
                             ) * beta[start + t, h]
                             acc[0] = T.float32(0)
-                            for j in T.serial(span):
+                            for j in T.unroll(span):
                                 sv: T.let[T.float32] = st[r * stride + d0 + j] + kq[d0 + j] * delta
                                 st[r * stride + d0 + j] = sv
                                 acc[0] = acc[0] + sv * kq[k_dim + d0 + j]
@@ -249,7 +249,7 @@ def gated_delta_rule(
                             acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
                             if tx < rows:
                                 acc[0] = T.float32(0)
-                                for p in T.serial(parts):
+                                for p in T.unroll(parts):
                                     acc[0] = acc[0] + red[nt + p * rows + tx]
                                 out[start + t, h, col0 + tx] = acc[0] * T.float32(scale)
                 for tx in lanes():

@@ -1,0 +1,59 @@
+"""schedules/norm.py's RMSNorm against numpy, in float32 and bfloat16 (the CPU build runs the
+GPU kernel's loop nest), at row widths that leave threads idle or give them several columns,
+and compiled for CUDA."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+import tvm
+
+from qwen35_tvm.schedules.norm import rms_norm
+
+EPS = 1e-6
+
+
+def run(x: np.ndarray, w: np.ndarray, dtype: str, eps: float = EPS) -> np.ndarray:
+    target = tvm.target.Target("llvm")
+    dim = x.shape[1]
+    lib = tvm.compile(tvm.IRModule({"main": rms_norm(dim, eps, dtype, target)}), target=target)
+    np_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32
+    out = tvm.runtime.tensor(np.zeros(x.shape, np_dtype))
+    lib[f"rms_norm_{dim}"](tvm.runtime.tensor(x.astype(np_dtype)), tvm.runtime.tensor(w), out)
+    return out.numpy().astype(np.float32)
+
+
+def reference(x: np.ndarray, w: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "bfloat16":
+        x = x.astype(ml_dtypes.bfloat16).astype(np.float32)
+    x = x.astype(np.float64)
+    return x / np.sqrt((x**2).mean(axis=1, keepdims=True) + EPS) * w
+
+
+@pytest.mark.parametrize("dtype, tol", [("float32", 1e-5), ("bfloat16", 1.6e-2)])
+@pytest.mark.parametrize("rows, dim", [(1, 1), (5, 7), (3, 40), (2, 300), (1, 2560)])
+def test_matches_numpy(dtype: str, tol: float, rows: int, dim: int) -> None:
+    rng = np.random.default_rng(dim)
+    x = (rng.normal(size=(rows, dim)) * 3).astype(np.float32)
+    w = rng.normal(size=(dim,)).astype(np.float32)
+    ref = reference(x, w, dtype)
+    got = run(x, w, dtype)
+    assert np.abs(got - ref).max() <= tol * max(1.0, np.abs(ref).max())
+
+
+def test_comparison_notices_a_wrong_mean() -> None:
+    # mutation: an eps the size of the mean square moves every output by ~30%
+    rng = np.random.default_rng(0)
+    x, w = rng.normal(size=(3, 40)).astype(np.float32), np.ones(40, np.float32)
+    assert np.abs(run(x, w, "float32", eps=1.0) - reference(x, w, "float32")).max() > 0.1
+
+
+def test_compiles_for_cuda() -> None:
+    from qwen35_tvm.compile.cuda_toolchain import prepare_cuda_codegen
+
+    prepare_cuda_codegen(["sm_80"])
+    target = tvm.target.Target({"kind": "cuda", "arch": "sm_80"}, host="llvm")
+    for dim in (256, 2560):
+        lib = tvm.compile(tvm.IRModule({"main": rms_norm(dim, EPS, "bfloat16", target)}), target)
+        assert [m.is_runnable() for m in lib.mod.imports if m.kind == "cuda"] == [True]
