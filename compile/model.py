@@ -40,10 +40,6 @@ def _unary(fn, x: Tensor, name: str) -> Tensor:
     return wrap_nested(fn(x._expr), name)  # nn.op lacks these elementwise ops
 
 
-def rsqrt(x: Tensor) -> Tensor:
-    return _unary(relax.op.rsqrt, x, "rsqrt")
-
-
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """RMSNorm over the last axis in float32 (schedules/norm.py: one kernel, casts included);
     `weight` already holds HF's (1 + w), folded at conversion."""
@@ -51,7 +47,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     rows = functools.reduce(operator.mul, lead)
     y = op.tensor_ir_op(
         norm.rms_norm(int(dim), eps, x.dtype, Target.current()),
-        f"rms_norm_{dim}",
+        norm.kernel_name(int(dim), eps, x.dtype),
         [op.reshape(x, (rows, dim)), weight],
         out=Tensor.placeholder((rows, dim), x.dtype),
     )
@@ -255,8 +251,11 @@ def _pick_workspaces(n) -> list[Tensor]:
 
 
 def l2_normalize(x: Tensor, eps: float = 1e-6) -> Tensor:
-    inv = rsqrt(op.sum(op.square(x), axis=-1, keepdims=True) + eps)
-    return x * inv
+    """x / sqrt(sum(x^2) + eps) over the last axis, as the one-kernel RMSNorm: the same value
+    is (x / sqrt(mean(x^2) + eps / dim)) / sqrt(dim)."""
+    dim = int(x.shape[-1])
+    scale = nn.Tensor.from_const(np.full((dim,), dim**-0.5, np.float32))
+    return rms_norm(x, scale, eps / dim)
 
 
 class DecoderLayer(nn.Module):

@@ -76,5 +76,9 @@ def rms_norm(dim: int, eps: float, dtype: str, target: Target) -> PrimFunc:
                             if c < dim:
                                 out[r, c] = T.Cast(dtype, T.Cast("float32", x[r, c]) * inv * w[c])
 
-    # one kernel a row width (the hidden size, the head size): names must differ in a module
-    return rms_norm_rows.with_attr("global_symbol", f"rms_norm_{dim}")
+    # names must differ in a module, which holds one kernel for each width, dtype and eps
+    return rms_norm_rows.with_attr("global_symbol", kernel_name(dim, eps, dtype))
+
+
+def kernel_name(dim: int, eps: float, dtype: str) -> str:
+    return f"rms_norm_{dtype}_{dim}_eps{eps:.6e}".replace(".", "p").replace("-", "m")

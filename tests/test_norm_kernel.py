@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import tvm
 
-from qwen35_tvm.schedules.norm import rms_norm
+from qwen35_tvm.schedules.norm import kernel_name, rms_norm
 
 EPS = 1e-6
 
@@ -20,7 +20,8 @@ def run(x: np.ndarray, w: np.ndarray, dtype: str, eps: float = EPS) -> np.ndarra
     lib = tvm.compile(tvm.IRModule({"main": rms_norm(dim, eps, dtype, target)}), target=target)
     np_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32
     out = tvm.runtime.tensor(np.zeros(x.shape, np_dtype))
-    lib[f"rms_norm_{dim}"](tvm.runtime.tensor(x.astype(np_dtype)), tvm.runtime.tensor(w), out)
+    args = tvm.runtime.tensor(x.astype(np_dtype)), tvm.runtime.tensor(w)
+    lib[kernel_name(dim, eps, dtype)](*args, out)
     return out.numpy().astype(np.float32)
 
 
