@@ -1,17 +1,25 @@
-"""Benchmark of the decode GEMV (schedules/gemv.py) alone, at every 4B and 9B projection shape,
-against dlight's GEMV rules (what decode ran before) and torch.matmul (cuBLAS).
+"""Benchmark of the decode GEMV (schedules/gemv.py) alone, at every 4B and 9B projection shape:
+decode's batches of 1-7 ("small") against dlight's GEMV rules (what decode ran before), and
+decode_wide's of 8-64 ("wide") against the tiled tensor-core GEMM it ran before; both against
+torch.matmul (cuBLAS).
 
 Two steps, because the GPU server has no compiler:
-  here (nvcc, no GPU):  python benchmarks/gemv_kernel.py build DIR [--arch sm_90]
+  here (nvcc, no GPU):  python benchmarks/gemv_kernel.py build DIR [--arch sm_90] [--rows wide]
   on the GPU server:    python benchmarks/gemv_kernel.py run DIR [--out docs/results]
 
 `build` takes each projection the way the model has it (bf16 x [batch, K] times W [N, K]ᵀ, cast
 to bf16; out_proj, o_proj and down_proj with the residual add behind them), fuses it with the
-CUDA pipeline's passes and compiles the decode ("small") PrimFunc, per shape, as
-  ours         DecodeGemv, the rule the pipeline applies (default_config)
-  m?w?u?s?     the kernel at other configs (m_tiles, warps_k, unroll, stages), to tune the default
-  dlight       dlight's GEMV / LowBatchGEMV(4), the rules decode used before
-`run` measures, in one child process per shape, at batch 1, 4 and 7:
+CUDA pipeline's passes and compiles the decode PrimFunc, per shape and row class (`--rows`
+small, wide or both), as
+  ours         DecodeGemv, the rule the pipeline applies (default_config / wide_buckets)
+  small:  m?w?u?s?   the kernel at other configs (m_tiles, warps_k, unroll, stages)
+          dlight     dlight's GEMV / LowBatchGEMV(4), the rules decode used before
+  wide:   regs       the 16-64 row buckets with the weight ring in registers
+          m?         ... with that many m-tiles a warp
+          half       ... with half the shared weight ring
+          mma_wide   MatmulMMA(WIDE_DECODE_CONFIG), the tiled GEMM decode_wide used before
+`run` measures, in one child process per shape and class, at batch 1, 4, 7 (small) or 16, 64
+(wide; batch 8, 9 and 33 checked for correctness only):
   - correctness against a fp32 torch reference (max |out - ref| / max |ref|, cuBLAS's beside);
   - the kernel's CUPTI time (torch.profiler) per call, over a CUDA graph of calls that cycle
     through copies of W filling 4x the L2, so every call streams W from HBM, as in a decode
@@ -20,7 +28,8 @@ CUDA pipeline's passes and compiles the decode ("small") PrimFunc, per shape, as
     measured in the same process (common.copy_bandwidth: bytes read + written per second by a
     device-to-device copy; the roofline is bytes / the full copy bandwidth);
   - torch.matmul(x, w.T) in bf16 (cuBLAS, GEMM only, no residual) the same way.
-A markdown table goes to stdout, the JSON to OUT/gemv_kernel.json (and DIR).
+A markdown table goes to stdout, the JSON to OUT/gemv_kernel.json (small only) or
+gemv_kernel_wide.json (and DIR).
 """
 
 from __future__ import annotations
@@ -34,7 +43,8 @@ import traceback
 from pathlib import Path
 
 MANIFEST = "gemv_bench.json"
-BATCHES = (1, 4, 7)
+BATCHES = {"small": (1, 4, 7), "wide": (16, 64)}
+CHECK_BATCHES = {"small": (), "wide": (8, 9, 33)}  # correctness only: bucket edges, odd rows
 MIN_CALLS = 24  # calls per timed graph
 
 
@@ -59,64 +69,122 @@ def _variants(default) -> dict[str, object]:
     return out
 
 
-def build(out: Path, arch: str) -> None:
+def _wide_variants(n: int, k: int) -> dict[str, object]:
+    """Bucket plans around the default: the weight ring in registers, the other m-tile count,
+    half the shared ring."""
+    from dataclasses import replace
+
+    from qwen35_tvm.schedules.gemv_config import wide_buckets
+    from qwen35_tvm.schedules.gemv_rule import plan
+
+    default = plan(n, k, "wide")
+    other = 1 if default[-1][1].m_tiles == 2 else 2
+    half = tuple(
+        (limit, replace(cfg, stages=max(2, cfg.stages // 2)) if cfg.w_smem else cfg)
+        for limit, cfg in default
+    )
+    return {
+        "regs": wide_buckets(n, k, w_smem=False),
+        f"m{other}": wide_buckets(n, k, m_tiles=other),
+        "half": half,
+    }
+
+
+def _config_json(cfg) -> object:
     import dataclasses
 
+    if cfg is None:
+        return None
+    if dataclasses.is_dataclass(cfg):
+        return dataclasses.asdict(cfg)
+    return [[limit, dataclasses.asdict(c)] for limit, c in cfg]  # buckets
+
+
+def _kernels(small, rows: str, target) -> tuple[dict, dict, dict]:
+    """{name: PrimFunc}, {name: config}, {name: why it failed} of one shape and row class."""
+    from tvm.s_tir import dlight as dl
+
+    from qwen35_tvm.schedules.gemm_match import match_gemm
+    from qwen35_tvm.schedules.gemv_config import default_config
+    from qwen35_tvm.schedules.gemv_rule import DecodeGemv, gemv_for, plan
+    from qwen35_tvm.schedules.matmul import ROWS_ATTR, WIDE_DECODE_CONFIG, MatmulMMA
+
+    match = match_gemm(small)
+    n, k = match.n, match.k
+    func = small.with_attr(ROWS_ATTR, rows)
+
+    def rule(*rules):
+        for r in rules:  # the first that applies
+            sch = r.apply(func, target, False)
+            if sch is not None:
+                return sch.mod["main"]
+        raise RuntimeError("no rule applied")
+
+    if rows == "small":
+        default = default_config(n, k)
+        configs = {"ours": default, **_variants(default)}
+        makers = {"ours": lambda: rule(DecodeGemv())}
+        baseline = {"dlight": lambda: rule(dl.gpu.GEMV(), dl.gpu.LowBatchGEMV(4))}
+    else:
+        configs = {"ours": plan(n, k, "wide"), **_wide_variants(n, k)}
+        makers = {"ours": lambda: rule(DecodeGemv(rows="wide"))}
+        baseline = {"mma_wide": lambda: rule(MatmulMMA(WIDE_DECODE_CONFIG, rows="wide"))}
+    for name, cfg in configs.items():
+        if name != "ours":
+            makers[name] = lambda cfg=cfg: gemv_for(func, target, cfg)
+    kernels, errors = {}, {}
+    for name, make in {**makers, **baseline}.items():
+        try:
+            with target:
+                kernels[name] = make().with_attr("tirx.is_scheduled", True)
+        except Exception as err:  # noqa: BLE001  keep building the others
+            errors[name] = f"{type(err).__name__}: {err}"
+    return kernels, {nm: _config_json(configs.get(nm)) for nm in kernels}, errors
+
+
+def build(out: Path, arch: str, rows: str = "small") -> None:
     import tvm
     from gemm_kernel import _fused_pair, _roles, projections
-    from tvm.s_tir import dlight as dl
 
     from qwen35_tvm.compile.cuda_toolchain import prepare_cuda_codegen
     from qwen35_tvm.compile.targets import make_target
     from qwen35_tvm.schedules.gemm_match import match_gemm
-    from qwen35_tvm.schedules.gemv import DecodeGemv, default_config, gemv_for
 
     target, arches = make_target("cuda", arch)
     prepare_cuda_codegen(arches)
     out.mkdir(parents=True, exist_ok=True)
     entries = []
+    classes = ("small", "wide") if rows == "both" else (rows,)
     for model in ("4b", "9b"):
         for proj in projections(model):
             n, k, residual = proj["n"], proj["k"], proj["residual"]
             _, small = _fused_pair(n, k, residual, target)
             small = small.with_attr("dlight.do_not_tensorize", True)
-            default = default_config(n, k)
-            configs = {"ours": default, **_variants(default)}
-            kernels, errors = {}, {}
-            for name, cfg in [*configs.items(), ("dlight", None)]:
-                try:
-                    with target:
-                        if cfg is None:
-                            sch = dl.gpu.GEMV().apply(small, target, False)
-                            sch = sch or dl.gpu.LowBatchGEMV(4).apply(small, target, False)
-                            func = sch.mod["main"]
-                        elif name == "ours":
-                            func = DecodeGemv().apply(small, target, False).mod["main"]
-                        else:
-                            func = gemv_for(small, target, cfg)
-                    kernels[name] = func.with_attr("tirx.is_scheduled", True)
-                except Exception as err:  # noqa: BLE001  keep building the others
-                    errors[name] = f"{type(err).__name__}: {err}"
-            file = f"gemv_{model}_{n}x{k}{'_res' if residual else ''}.so"
-            mod = tvm.IRModule({nm: f.with_attr("global_symbol", nm) for nm, f in kernels.items()})
-            tvm.compile(mod, target=target).export_library(str(out / file))
-            m = match_gemm(small)
-            entries.append(
-                {
-                    "model": model,
-                    **proj,
-                    "file": file,
-                    "roles": _roles(small),
-                    "out_dtype": m.out_dtype,
-                    "kernels": {
-                        nm: dataclasses.asdict(configs[nm]) if nm in configs else None
-                        for nm in kernels
-                    },
-                    "build_errors": errors,
-                }
-            )
-            print(f"built {file}: {sorted(kernels)} {errors or ''}", flush=True)
-    (out / MANIFEST).write_text(json.dumps({"arch": arches, "entries": entries}, indent=1))
+            for cls in classes:
+                kernels, configs, errors = _kernels(small, cls, target)
+                tag = "" if cls == "small" else "wide_"
+                file = f"gemv_{tag}{model}_{n}x{k}{'_res' if residual else ''}.so"
+                mod = tvm.IRModule(
+                    {nm: f.with_attr("global_symbol", nm) for nm, f in kernels.items()}
+                )
+                tvm.compile(mod, target=target).export_library(str(out / file))
+                entries.append(
+                    {
+                        "model": model,
+                        **proj,
+                        "rows": cls,
+                        "file": file,
+                        "roles": _roles(small),
+                        "out_dtype": match_gemm(small).out_dtype,
+                        "kernels": configs,
+                        "batches": BATCHES[cls],
+                        "check_batches": CHECK_BATCHES[cls],
+                        "build_errors": errors,
+                    }
+                )
+                print(f"built {file}: {sorted(kernels)} {errors or ''}", flush=True)
+    manifest = {"arch": arches, "rows": rows, "entries": entries}
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
 
 
 # ---- GPU side ------------------------------------------------------------------------------
@@ -174,6 +242,7 @@ def _measure(out: Path, file: str) -> list[dict]:
     import tvm
     import tvm_ffi
     from common import copy_bandwidth
+    from gemv_report import PREVIOUS
 
     from qwen35_tvm.runtime.artifact import device_of
 
@@ -195,7 +264,8 @@ def _measure(out: Path, file: str) -> list[dict]:
     out_dtype = getattr(torch, entry["out_dtype"])
     dl = tvm.runtime.from_dlpack
     rows = []
-    for batch in BATCHES:
+    for batch in [*entry["batches"], *entry["check_batches"]]:
+        timed = batch in entry["batches"]
         x = torch.randn(batch, k, device="cuda", generator=gen).bfloat16()
         res = torch.randn(batch, n, device="cuda", generator=gen).bfloat16()
         ref = x.float() @ ws[0].float().T
@@ -210,13 +280,16 @@ def _measure(out: Path, file: str) -> list[dict]:
             "n": n,
             "k": k,
             "residual": entry["residual"],
+            "rows": entry["rows"],
             "batch": batch,
             "bytes": moved,
             "copy_bw_tbs": bw / 1e12,
         }
         cublas = (x @ ws[0].T + res if "res" in roles else x @ ws[0].T).float()
         runs, batch_rows = {}, []
-        for kernel in ["torch", *entry["kernels"]]:
+        # a check-only batch runs our kernels once each, untimed
+        kernels = [kn for kn in entry["kernels"] if timed or kn not in PREVIOUS]
+        for kernel in ["torch", *kernels] if timed else kernels:
             row = {**base, "kernel": kernel, "config": entry["kernels"].get(kernel)}
             try:
                 if kernel == "torch":
@@ -234,12 +307,19 @@ def _measure(out: Path, file: str) -> list[dict]:
                     calls = [lambda a=a, fn=fn: fn(*a) for a in argss * reps]
                 row["max_rel_err"] = (got - ref).abs().max().item() / scale
                 row["cublas_rel_err"] = (cublas - ref).abs().max().item() / scale
+                if not timed:
+                    row["timed"] = "check only"
+                    continue
                 runs[kernel], row["timed"], wall = _runner(torch, tvm_ffi, calls)
                 row["wall_us"] = wall * 1e6
             except Exception as err:  # noqa: BLE001  report, go on with the next kernel
                 row["error"] = f"{type(err).__name__}: {err}"
                 traceback.print_exc(file=sys.stderr)
-            batch_rows.append(row)
+            finally:
+                batch_rows.append(row)
+        if not timed:
+            rows += batch_rows
+            continue
         try:
             kernel_us = _kernel_us(torch, runs, copies * reps)
         except Exception as err:  # noqa: BLE001
@@ -257,13 +337,15 @@ def _measure(out: Path, file: str) -> list[dict]:
 
 
 def run(out: Path, results: Path | None, timeout: int) -> None:
+    from gemv_report import device_name, summarize, table_line
+
     manifest = json.loads((out / MANIFEST).read_text())
     rows: list[dict] = []
     print(
         "| model | projection | N x K | B | kernel | µs (CUPTI) | graph µs/call | MB moved |"
-        " of copy bw | max rel err | cuBLAS µs | vs cuBLAS |"
+        " of copy bw | max rel err | cuBLAS µs | vs cuBLAS | vs before |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for entry in manifest["entries"]:
         cmd = [sys.executable, str(Path(__file__).resolve()), "measure", str(out), entry["file"]]
         try:
@@ -279,95 +361,24 @@ def run(out: Path, results: Path | None, timeout: int) -> None:
         except subprocess.TimeoutExpired:
             got = [{"file": entry["file"], "error": f"timeout {timeout}s"}]
         for r in got:
-            print(_line(r, got), flush=True)
+            print(table_line(r, got), flush=True)
         rows += got
-    summary = _summary(rows)
+    summary = summarize(rows)
     for line in summary["lines"]:
         print(line, file=sys.stderr)
     result = {
-        "device": _device_name(),
+        "device": device_name(),
         "arch": manifest["arch"],
         "rows": rows,
         "best": summary["best"],
     }
-    (out / "gemv_kernel.json").write_text(json.dumps(result, indent=1))
+    # decode's results keep their file; decode_wide's (or both) get their own
+    small = manifest.get("rows", "small") == "small"
+    name = "gemv_kernel.json" if small else "gemv_kernel_wide.json"
+    (out / name).write_text(json.dumps(result, indent=1))
     if results is not None:
         results.mkdir(parents=True, exist_ok=True)
-        (results / "gemv_kernel.json").write_text(json.dumps(result, indent=1))
-
-
-def _device_name() -> str:
-    try:
-        query = ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]
-        return subprocess.run(query, capture_output=True, text=True).stdout.strip()
-    except OSError:
-        return "unknown"
-
-
-def _line(r: dict, rows: list[dict]) -> str:
-    if "error" in r or "us" not in r:
-        return (
-            f"| {r.get('model')} | {r.get('file', r.get('names'))} | | {r.get('batch')} | "
-            f"{r.get('kernel')} | ERROR {str(r.get('error'))[-200:]} |"
-        )
-    torch_row = next(
-        (
-            t
-            for t in rows
-            if t.get("kernel") == "torch"
-            and t["n"] == r["n"]
-            and t["k"] == r["k"]
-            and t["batch"] == r["batch"]
-            and "us" in t
-        ),
-        None,
-    )
-    cub = torch_row["us"] if torch_row else float("nan")
-    return (
-        f"| {r['model']} | {'/'.join(r['names'])} | {r['n']}x{r['k']} | {r['batch']} | "
-        f"{r['kernel']} | {r['us']:.1f} | {r['wall_us']:.1f} | {r['bytes'] / 1e6:.1f} | "
-        f"{r['pct_copy_bw']:.1f}% | {r['max_rel_err']:.1e} | {cub:.1f} | "
-        f"x{cub / r['us']:.2f} |"
-    )
-
-
-def _summary(rows: list[dict]) -> dict:
-    """Per shape and batch: the default kernel's share of copy bandwidth, and the best
-    config's."""
-    best, lines = [], ["shape, batch: ours (default) / best config, % of copy bandwidth"]
-    keys = sorted({(r["model"], r["n"], r["k"], r["batch"]) for r in rows if "us" in r})
-    for model, n, k, batch in keys:
-        mine = [
-            r
-            for r in rows
-            if (r.get("model"), r.get("n"), r.get("k"), r.get("batch")) == (model, n, k, batch)
-            and "us" in r
-            and r["kernel"] not in ("torch", "dlight")
-            and r["max_rel_err"] < 2**-6
-        ]
-        if not mine:
-            continue
-        top = max(mine, key=lambda r: r["pct_copy_bw"])
-        ours = next((r for r in mine if r["kernel"] == "ours"), None)
-        best.append(
-            {
-                "model": model,
-                "n": n,
-                "k": k,
-                "batch": batch,
-                "kernel": top["kernel"],
-                "config": top["config"],
-                "pct_copy_bw": top["pct_copy_bw"],
-                "ours_pct_copy_bw": ours and ours["pct_copy_bw"],
-            }
-        )
-        mark = "ok" if top["pct_copy_bw"] >= 90 else "MISS"
-        ours_pct = f"{ours['pct_copy_bw']:.1f}%" if ours else "n/a"
-        lines.append(
-            f"{model} {n}x{k} B={batch}: {ours_pct} / {top['kernel']} "
-            f"{top['pct_copy_bw']:.1f}% {mark}"
-        )
-    return {"best": best, "lines": lines}
+        (results / name).write_text(json.dumps(result, indent=1))
 
 
 def main() -> None:
@@ -376,11 +387,17 @@ def main() -> None:
     p.add_argument("dir", type=Path)
     p.add_argument("file", nargs="?", help="measure only: library file")
     p.add_argument("--arch", default="sm_90")
+    p.add_argument(
+        "--rows",
+        choices=["small", "wide", "both"],
+        default="small",
+        help="build: decode's GEMMs (1-7 rows), decode_wide's (8-64) or both",
+    )
     p.add_argument("--out", type=Path, default=None, help="run: also write the JSON here")
     p.add_argument("--timeout", type=int, default=300, help="seconds per shape (run)")
     args = p.parse_args()
     if args.step == "build":
-        build(args.dir, args.arch)
+        build(args.dir, args.arch, args.rows)
     elif args.step == "run":
         run(args.dir, args.out, args.timeout)
     else:

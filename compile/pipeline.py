@@ -3,9 +3,9 @@
 - `x · Wᵀ` fused into one NT matmul reading W as stored (`FuseTransposeMatmul`), so no weight is
   transposed per call;
 - each GEMM split by the rows its callers see (FuseTIR hands every graph the same PrimFuncs) and
-  marked: bf16 GEMMs of prefill and of wide decode (8-64 sequences) get our tensor-core kernel
-  (schedules/matmul.py) with a tile for each, narrow decode's dlight's GEMV rules
-  (`gpu.Matmul` skips them);
+  marked: bf16 GEMMs of prefill get our tensor-core kernel (schedules/matmul.py), decode's and
+  wide decode's (8-64 sequences) our GEMV (schedules/gemv.py: one pass over the weight for up
+  to 64 rows), the rest dlight's GEMV rules (`gpu.Matmul` skips decode's);
 - dlight kept off the tensor-core path of `gpu.Matmul`, which segfaults in TVM 0.27 with
   apache-tvm-ffi 0.1.15 (`Schedule.tensorize` -> JSON serializer; see schedules/matmul.py).
   (`gpu.RMSNorm`, which fails on a plain norm, is not in the list.)"""
@@ -20,7 +20,7 @@ from tvm.s_tir.dlight import ScheduleRule
 from tvm.s_tir.dlight.gpu.base import GPUScheduleRule
 
 from ..schedules.gemm_match import match_gemm
-from ..schedules.gemv import DecodeGemv
+from ..schedules.gemv_rule import DecodeGemv
 from ..schedules.matmul import ROWS_ATTR, WIDE_DECODE_CONFIG, MatmulMMA
 
 # Exported Relax functions by how many rows their projections see: prefill a whole prompt
@@ -140,11 +140,13 @@ def fusion_passes(target: tvm.target.Target) -> list[tvm.transform.Pass]:
 
 
 def schedule_rules() -> list[ScheduleRule]:
-    """dlight rules, first match wins: prefill's and wide decode's bf16 GEMMs to tensor cores,
-    other prefill GEMMs to SIMT tiles, decode's bf16 GEMMs to our GEMV (schedules/gemv.py),
-    the rest of decode's to dlight's GEMV."""
+    """dlight rules, first match wins: prefill's bf16 GEMMs to tensor cores, wide decode's and
+    decode's to our GEMV (schedules/gemv.py; the tiled tensor-core GEMM stays behind for wide
+    decode's GEMMs it cannot take), other prefill GEMMs to SIMT tiles, the rest of decode's to
+    dlight's GEMV."""
     return [
         MatmulMMA(),
+        DecodeGemv(rows="wide"),
         MatmulMMA(WIDE_DECODE_CONFIG, rows="wide"),
         _LargeMOnly(dl.gpu.Matmul()),
         DecodeGemv(),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tvm
 from tvm.script import tirx as T
 
 
@@ -33,3 +34,14 @@ def ldmatrix_x4(frag, frag_offset, shared, offset, trans: bool = False):
     return T.ptx_legacy.ldmatrix(
         trans, 4, ".b16", frag.data, frag_offset, shared.access_ptr("r"), offset, dtype="bfloat16"
     )
+
+
+def cp_async_16(dst, dst_offset, src, src_offset, live=None):
+    """cp.async.cg of 16 bytes (8 bf16, offsets in elements) from global `src` to shared `dst`,
+    cached in L2 only; where `live` is false, nothing is read and the 16 bytes are zeroed."""
+    call = T.s_tir.cp_async_raw.legacy(dst, dst_offset, src, src_offset, 16, dtype="bfloat16")
+    if live is None:
+        return call
+    # a Select, not a Cast: TVM's codegen reads a Cast's `.value` as a constant predicate
+    pred = T.Select(live, T.int32(1), T.int32(0))
+    return tvm.ir.Call(call.op, [*call.args, pred], ret_ty=call.ty)

@@ -9,17 +9,20 @@ from qwen35_tvm.compile.cuda_toolchain import fatbin_arches
 
 
 def test_tiny_random_cuda_library_carries_sass_for_each_arch(model_root, monkeypatch):
-    # every decode ("small") GEMM the build schedules must become our GEMV (schedules/gemv.py)
-    from qwen35_tvm.schedules.gemv import DecodeGemv
+    # every decode ("small") and decode_wide ("wide") GEMM the build schedules must become our
+    # GEMV (schedules/gemv.py)
+    from qwen35_tvm.schedules.gemv_rule import DecodeGemv
     from qwen35_tvm.schedules.matmul import ROWS_ATTR
 
-    seen: dict[str, bool] = {}
+    seen: dict[str, dict[str, bool]] = {"small": {}, "wide": {}}
     apply = DecodeGemv.apply
 
     def recording_apply(self, func, target, tunable):
         sch = apply(self, func, target, tunable)
-        if func.attrs is not None and func.attrs.get(ROWS_ATTR) == "small":
-            seen[str(func.attrs.get("global_symbol", len(seen)))] = sch is not None
+        rows = func.attrs.get(ROWS_ATTR) if func.attrs is not None else None
+        if rows == self.rows:
+            got = seen[rows]
+            got[str(func.attrs.get("global_symbol", len(got)))] = sch is not None
         return sch
 
     monkeypatch.setattr(DecodeGemv, "apply", recording_apply)
@@ -31,7 +34,8 @@ def test_tiny_random_cuda_library_carries_sass_for_each_arch(model_root, monkeyp
         dtype="bfloat16",
         convert=False,
     )
-    assert len(seen) >= 5 and all(seen.values()), seen
+    for rows, got in seen.items():
+        assert len(got) >= 5 and all(got.values()), (rows, got)
     meta = json.loads((out / "artifact.json").read_text())
     assert meta["target"] == "cuda" and meta["arch"] == ["sm_80", "sm_90"]
     assert meta["weights"] is None

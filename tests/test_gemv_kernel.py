@@ -1,16 +1,22 @@
 """The decode GEMV (schedules/gemv.py), checked without a GPU.
 
-- The CPU variant (the kernel's loop nest: row tiles, k-splitting warps, lanes, partial sums,
-  their reduction and the epilogue) against numpy at odd shapes (n off the tile, k below one
-  step or with a tail, batch 1, 7 and 9), with each epilogue kind: plain, residual, silu(.) * y,
-  a [n] bias and a [batch] scale, a fp32 output.
-- The GPU variant's data movement (register ring, 128-bit load addresses, mma fragments) in a
-  numpy emulation whose mma follows the PTX ISA's m16n8k16 layouts.
-- Mutations: a wrong split of k between warps, a dropped epilogue and a wrong fragment map
-  each make the same checks fail.
+- The CPU variant (the kernel's loop nest: row tiles, k-splitting warps, lanes, n-tiles,
+  partial sums, their reduction n-tile by n-tile and the epilogue; decode_wide's dispatch over
+  batch buckets) against numpy at odd shapes (n off the tile, k below one step or with a tail,
+  batch 1, 7, 8, 9, 16, 33 and 64), with each epilogue kind: plain, residual, silu(.) * y, a
+  [n] bias and a [batch] scale, a fp32 output.
+- Mutations: a wrong split of k between warps, a dropped epilogue, X rows that disagree with
+  the output rows and a dropped n-tile each make the same checks fail.
+- The rules and the configs the pipeline picks; with nvcc, that decode_wide's kernels at the 4B
+  shapes neither spill nor pass 255 registers.
+The GPU variant's data movement is emulated in tests/test_gemv_emulated.py.
 """
 
 from __future__ import annotations
+
+import re
+import shutil
+import subprocess
 
 import ml_dtypes
 import numpy as np
@@ -22,9 +28,11 @@ from tvm.relax.frontend.nn import op
 from qwen35_tvm.compile.model import Linear
 from qwen35_tvm.compile.pipeline import fusion_passes
 from qwen35_tvm.compile.targets import make_target
-from qwen35_tvm.schedules import gemv
-from qwen35_tvm.schedules.gemv import DecodeGemv, GemvConfig, gemv_for, gemv_kernel
-from qwen35_tvm.schedules.matmul import ROWS_ATTR, acc_coords
+from qwen35_tvm.schedules import gemv, gemv_config
+from qwen35_tvm.schedules.gemm_match import match_gemm
+from qwen35_tvm.schedules.gemv import GemvConfig, gemv_kernel
+from qwen35_tvm.schedules.gemv_rule import DecodeGemv, gemv_for, plan
+from qwen35_tvm.schedules.matmul import ROWS_ATTR
 
 LLVM = tvm.target.Target("llvm")
 CUDA, _ = make_target("cuda", "sm_80,sm_90")
@@ -61,7 +69,9 @@ CASES = [
 ]
 
 
-def _plain(n: int, k: int, batch: int, cfg: GemvConfig | None) -> tuple[np.ndarray, np.ndarray]:
+def _plain(n: int, k: int, batch: int, cfg) -> tuple[np.ndarray, np.ndarray]:
+    """(kernel's, numpy's) x · wᵀ; `cfg` a config, buckets, None or "wide" (the pipeline's)."""
+    cfg = plan(n, k, "wide") if cfg == "wide" else cfg
     rng = np.random.default_rng(n * k + batch)
     x, w = _exact(rng, (batch, k)), _exact(rng, (n, k))
     got = _call(gemv_kernel(n, k, LLVM, cfg), x, w, np.zeros((batch, n), np.float32))
@@ -79,6 +89,45 @@ def test_wrong_split_k_is_caught(monkeypatch) -> None:
     monkeypatch.setattr(gemv, "warp_step", lambda j, warp, warps_k: j * warps_k)
     got, ref = _plain(72, 200, 7, GemvConfig(warps_k=3))
     assert _off(got, ref)
+
+
+# decode_wide: n-tiles (8 batch rows each) a pass, both weight rings (the CPU variant has one
+# loop nest for both), buckets chosen by the batch at run time
+SMEM = dict(w_smem=True, unroll=1)
+WIDE = [
+    (72, 200, 8, "wide"),  # the 8-row bucket: decode's config
+    (72, 200, 9, "wide"),
+    (40, 136, 16, "wide"),
+    (130, 512, 33, "wide"),
+    (40, 200, 64, "wide"),
+    (40, 24, 16, GemvConfig(m_tiles=1, warps_k=2, n_tiles=2)),  # k below one step
+    (72, 200, 33, GemvConfig(m_tiles=2, warps_k=3, stages=3, n_tiles=2, x_stages=1, **SMEM)),
+    (72, 200, 64, GemvConfig(m_tiles=4, warps_k=3, stages=4, n_tiles=4, x_stages=2, **SMEM)),
+    (24, 64, 9, ((8, GemvConfig(warps_k=2)), (16, GemvConfig(warps_k=2, n_tiles=2)))),
+]
+
+
+@pytest.mark.parametrize("n, k, batch, cfg", WIDE)
+def test_cpu_wide_kernel_matches_numpy(n, k, batch, cfg) -> None:
+    got, ref = _plain(n, k, batch, cfg)
+    assert not _off(got, ref)
+
+
+def test_wrong_column_mapping_is_caught(monkeypatch) -> None:
+    # n-tile j reads X rows col + 8 g + j while its sums go to rows col + 8 j + c
+    monkeypatch.setattr(gemv, "x_row", lambda col, j, g: col + g * 8 + j)
+    for n, k, batch, cfg in [WIDE[1], WIDE[4], WIDE[7]]:
+        got, ref = _plain(n, k, batch, cfg)
+        assert _off(got, ref), (n, k, batch)
+
+
+def test_dropped_n_tile_is_caught(monkeypatch) -> None:
+    # the last n-tile's products land in the first's accumulators (and are read from there)
+    right = gemv.acc_index
+    monkeypatch.setattr(gemv, "acc_index", lambda m, j, e, nt: right(m, j % max(nt - 1, 1), e, nt))
+    for n, k, batch, cfg in [WIDE[1], WIDE[4], WIDE[7]]:
+        got, ref = _plain(n, k, batch, cfg)
+        assert _off(got, ref), (n, k, batch)
 
 
 # ---- epilogues, as FuseOps builds them behind `Linear` --------------------------------------
@@ -130,8 +179,9 @@ def _reference(x: np.ndarray, w: np.ndarray, y: np.ndarray, kind: str) -> np.nda
 
 def _fused(kind: str, n: int, k: int, batch: int, drop_epilogue: bool = False):
     func = _small_gemm(k, n, kind)
-    match = gemv.match_gemm(func)
-    cfg = GemvConfig(warps_k=3)
+    match = match_gemm(func)
+    # decode's batches with a config of 3 warps, decode_wide's with the pipeline's buckets
+    cfg = GemvConfig(warps_k=3) if batch < 8 else plan(n, k, "wide")
     kernel = gemv_for(func, LLVM, cfg)
     if drop_epilogue:  # the same kernel with only the cast to the output dtype behind the sum
         kernel = gemv_kernel(n, k, LLVM, cfg, match.extra_shapes, match.extra_dtypes,
@@ -152,7 +202,7 @@ def _fused(kind: str, n: int, k: int, batch: int, drop_epilogue: bool = False):
 
 
 @pytest.mark.parametrize("kind", ["plain", "residual", "residual_f32", "silu_mul"])
-@pytest.mark.parametrize("batch", [1, 7])
+@pytest.mark.parametrize("batch", [1, 7, 9, 16, 33, 64])
 def test_fused_epilogues_match_numpy(kind, batch) -> None:
     got, fused, ref = _fused(kind, 40, 200, batch)
     assert got.dtype == fused.dtype == ref.dtype
@@ -163,8 +213,9 @@ def test_fused_epilogues_match_numpy(kind, batch) -> None:
 
 
 @pytest.mark.parametrize("kind", ["residual", "silu_mul"])
-def test_dropped_epilogue_is_caught(kind) -> None:
-    got, fused, ref = _fused(kind, 40, 200, 7, drop_epilogue=True)
+@pytest.mark.parametrize("batch", [7, 33])
+def test_dropped_epilogue_is_caught(kind, batch) -> None:
+    got, fused, ref = _fused(kind, 40, 200, batch, drop_epilogue=True)
     assert _off(got, fused) and _off(got, ref, rtol=2**-7)
 
 
@@ -182,127 +233,78 @@ def test_bias_and_row_scale_epilogue() -> None:
     assert not _off(got, ref)
 
 
-# ---- the GPU variant's data movement, emulated ----------------------------------------------
-
-_LANES = np.arange(32)
-_G, _Q = _LANES // 4, _LANES % 4
-_E8, _E4 = np.arange(8), np.arange(4)
-# PTX ISA, mma.m16n8k16 .bf16: (row, k) of A's a0..a7, (k, n) of B's b0..b3, (row, n) of C's
-_A_ROW, _A_K = _G[:, None] + 8 * (_E8 // 2 % 2), 2 * _Q[:, None] + _E8 % 2 + 8 * (_E8 // 4)
-_B_K, _B_N = 2 * _Q[:, None] + _E4 % 2 + 8 * (_E4 // 2), np.broadcast_to(_G[:, None], (32, 4))
-_C_ROW, _C_N = _G[:, None] + 8 * (_E4 // 2), 2 * _Q[:, None] + _E4 % 2
-
-
-def _mma(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """The [32, 4] accumulator fragments of A [32, 8] (16 x 16) times B [32, 4] (16 x 8)."""
-    am, bm = np.full((16, 16), np.nan), np.full((16, 8), np.nan)
-    am[_A_ROW, _A_K] = a
-    bm[_B_K, _B_N] = b
-    return (am @ bm)[_C_ROW, _C_N]
-
-
-def _emulate_gpu(x: np.ndarray, w: np.ndarray, cfg: GemvConfig) -> np.ndarray:
-    """accumulate_gpu and the store phase, lane by lane, with gemv's own index maps."""
-    (batch, k), n = x.shape, w.shape[0]
-    mt, wks, unroll, stages, rb, step = (cfg.m_tiles, cfg.warps_k, cfg.unroll, cfg.stages,
-                                         cfg.rows, cfg.step)  # fmt: skip
-    n_steps = gemv.cdiv(k, step)
-    iters = gemv.cdiv(gemv.cdiv(n_steps, wks), stages)
-    out = np.full((batch, n), np.nan)
-    for p in range(gemv.cdiv(batch, gemv.COLS)):
-        for tile in range(gemv.cdiv(n, rb)):
-            part = np.zeros((wks, gemv.COLS, rb))
-            for wk in range(wks):
-                w_reg = np.full((stages, 32, unroll, 2 * mt, 8), np.nan)
-                x_reg = np.full((stages, 32, unroll, 8), np.nan)
-                acc = np.zeros((32, mt, 4))
-
-                def load(d: int, ks: int, w_reg=w_reg, x_reg=x_reg, tile=tile, p=p) -> None:
-                    for lane in range(32) if ks < n_steps else ():
-                        g, q = gemv.lane_coords(lane)
-                        for u in range(unroll):
-                            k0 = gemv.load_k(ks, u, q, step)
-                            live = k0 < k
-                            xr = min(p * gemv.COLS + g, batch - 1)
-                            x_reg[d, lane, u] = x[xr, k0 : k0 + 8] if live else 0
-                            for h in range(2 * mt):
-                                row = min(gemv.load_row(tile, h, g, mt), n - 1)
-                                w_reg[d, lane, u, h] = w[row, k0 : k0 + 8] if live else 0
-
-                def product(d: int, ks: int, w_reg=w_reg, x_reg=x_reg, acc=acc) -> None:
-                    for u in range(unroll) if ks < n_steps else ():
-                        for m in range(mt):
-                            for s in range(2):
-                                src = [gemv.frag_source(m, s, e) for e in range(8)]
-                                a = np.stack([[w_reg[d, ln, u, h, v] for h, v in src]
-                                              for ln in range(32)])  # fmt: skip
-                                acc[:, m] += _mma(a, x_reg[d, :, u, s * 4 : s * 4 + 4])
-
-                for d in range(stages):
-                    load(d, gemv.warp_step(d, wk, wks))
-                for it in range(iters):
-                    for d in range(stages):
-                        product(d, gemv.warp_step(it * stages + d, wk, wks))
-                        load(d, gemv.warp_step((it + 1) * stages + d, wk, wks))
-                for lane in range(32):
-                    for m in range(mt):
-                        for e in range(4):
-                            er, ec = acc_coords(lane, e)
-                            part[wk, ec, m * 16 + er] = acc[lane, m, e]
-            total = part.sum(axis=0)  # [column, row]
-            for b in range(gemv.COLS):
-                rows = np.arange(tile * rb, min(tile * rb + rb, n))
-                if p * gemv.COLS + b < batch:
-                    out[p * gemv.COLS + b, rows] = total[b, rows - tile * rb]
-    return out
-
-
-EMULATED = [
-    (40, 200, 7, GemvConfig(m_tiles=1, warps_k=3, stages=3)),
-    (72, 64, 3, GemvConfig(m_tiles=2, warps_k=2, unroll=1)),
-    (24, 136, 1, GemvConfig(m_tiles=1, warps_k=1, unroll=4, stages=1)),
-]
-
-
-@pytest.mark.parametrize("n, k, batch, cfg", EMULATED)
-def test_emulated_gpu_kernel_computes_x_times_w_transposed(n, k, batch, cfg) -> None:
-    rng = np.random.default_rng(n + k)
-    x, w = _exact(rng, (batch, k)).astype(np.float64), _exact(rng, (n, k)).astype(np.float64)
-    np.testing.assert_array_equal(_emulate_gpu(x, w, cfg), x @ w.T)
-
-
-def test_wrong_fragment_map_is_caught(monkeypatch) -> None:
-    # swap the two k halves of A only: A and B no longer agree on the physical k
-    right = gemv.frag_source
-    monkeypatch.setattr(gemv, "frag_source", lambda m, s, e: right(m, 1 - s, e))
-    n, k, batch, cfg = EMULATED[0]
-    rng = np.random.default_rng(n + k)
-    x, w = _exact(rng, (batch, k)).astype(np.float64), _exact(rng, (n, k)).astype(np.float64)
-    assert _off(_emulate_gpu(x, w, cfg), x @ w.T)
-
-
 # ---- the rule --------------------------------------------------------------------------------
 
 
-def test_rule_takes_small_bf16_gemms_only() -> None:
+def test_rules_take_their_bf16_gemms_only() -> None:
     bf16 = _small_gemm(64, 40, "residual")
+    wide = bf16.with_attr(ROWS_ATTR, "wide")
     sch = DecodeGemv().apply(bf16, CUDA, False)
     assert sch is not None and sch.mod["main"].attrs[gemv.KERNEL_ATTR] == "gemv"
     assert "mma" in sch.mod["main"].script()
-    # fp32 keeps dlight's GEMV; prefill's and wide decode's GEMMs are not this rule's
+    # decode_wide's: its buckets, the 16-64 row ones with the weight ring in shared memory
+    sch = DecodeGemv(rows="wide").apply(wide, CUDA, False)
+    assert sch is not None and sch.mod["main"].attrs[gemv.KERNEL_ATTR] == "gemv"
+    assert "cp_async" in sch.mod["main"].script()
+    # fp32 keeps dlight's GEMV; prefill's GEMMs and the other class's are not these rules'
     assert DecodeGemv().apply(_small_gemm(64, 40, "plain", "float32"), CUDA, False) is None
-    assert DecodeGemv().apply(bf16.with_attr(ROWS_ATTR, "wide"), CUDA, False) is None
+    assert DecodeGemv().apply(wide, CUDA, False) is None
+    assert DecodeGemv(rows="wide").apply(bf16, CUDA, False) is None
+    assert DecodeGemv(rows="wide").apply(bf16.with_attr(ROWS_ATTR, "large"), CUDA, False) is None
     assert DecodeGemv().apply(bf16, LLVM, False) is None
     # k not a multiple of 8 (no 128-bit loads): dlight keeps it
     assert DecodeGemv().apply(_small_gemm(36, 40, "plain"), CUDA, False) is None
 
 
+SHAPES = [(12352, 2560), (2560, 4096), (10240, 2560), (18432, 2560), (2560, 9216),
+          (12352, 4096), (4096, 4096), (10240, 4096), (24576, 4096), (4096, 12288)]  # fmt: skip
+
+
 def test_default_configs_fill_one_wave() -> None:
     """Every 4B and 9B decode shape: all row tiles in one wave on 132 SMs, >= 1k warps."""
-    shapes = [(12352, 2560), (2560, 4096), (10240, 2560), (18432, 2560), (2560, 9216),
-              (12352, 4096), (4096, 4096), (10240, 4096), (24576, 4096), (4096, 12288)]  # fmt: skip
-    for n, k in shapes:
-        cfg = gemv.default_config(n, k)
-        tiles = gemv.cdiv(n, cfg.rows)
-        assert tiles <= gemv.SMS * gemv.min_blocks_per_sm(n, cfg), (n, k, cfg)
+    for n, k in SHAPES:
+        cfg = gemv_config.default_config(n, k)
+        tiles = gemv_config.cdiv(n, cfg.rows)
+        assert tiles <= gemv_config.SMS * gemv_config.min_blocks_per_sm(n, cfg), (n, k, cfg)
         assert tiles * cfg.warps_k >= 1024, (n, k, cfg)
+
+
+def test_wide_buckets_read_the_weight_once_up_to_64_rows() -> None:
+    """Every 4B and 9B shape: 8 rows as decode, then buckets up to 64 rows each one pass, in one
+    wave within the registers and the shared memory left to L1; every SM has a row tile."""
+    for n, k in SHAPES:
+        buckets = gemv_config.wide_buckets(n, k)
+        assert buckets[0] == (8, gemv_config.default_config(n, k))
+        assert [limit for limit, _ in buckets] == [8, 16, 32, 64]
+        for limit, cfg in buckets[1:]:
+            assert cfg.cols >= limit and cfg.w_smem, (n, k, cfg)  # one pass
+            assert gemv_config.one_wave(n, k, cfg, gemv_config.WIDE_SHARED_PER_SM), (n, k, cfg)
+            assert gemv_config.cdiv(n, cfg.rows) >= gemv_config.SMS, (n, k, cfg)
+
+
+def test_k_tail_zero_fills_the_shared_ring() -> None:
+    """k not a multiple of the step: the last copies are predicated cp.async, zero-filling
+    their slots (CUDA source; the CPU tests check the sums)."""
+    cfg = GemvConfig(m_tiles=2, warps_k=2, stages=3, n_tiles=4, x_stages=1, **SMEM)
+    lib = tvm.compile(tvm.IRModule({"main": gemv_kernel(72, 200, CUDA, cfg)}), target=CUDA)
+    (cuda,) = [m for m in lib.mod.imports if m.kind == "cuda"]
+    assert "@!p st.shared.v4.u32" in cuda.inspect_source()
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_wide_kernels_do_not_spill(tmp_path) -> None:
+    """ptxas -v on decode_wide's kernels (every bucket) at the 4B shapes: no spills, and the
+    launch bounds met (ptxas fits the registers to them, spilling if it must)."""
+    for n, k in [(12352, 2560), (2560, 4096), (18432, 2560), (2560, 9216)]:
+        func = gemv_kernel(n, k, CUDA, plan(n, k, "wide"), out_dtype="bfloat16")
+        mod = tvm.IRModule({"main": func.with_attr("global_symbol", "g")})
+        lib = tvm.compile(mod, target=CUDA)  # no nvcc here: TVM keeps the source
+        (cuda,) = [m for m in lib.mod.imports if m.kind == "cuda"]
+        (tmp_path / "g.cu").write_text(cuda.inspect_source())
+        cmd = ["nvcc", "-arch=sm_90", "-cubin", "-Xptxas", "-v", "-o", str(tmp_path / "g.cubin"),
+               str(tmp_path / "g.cu")]  # fmt: skip
+        info = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
+        spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", info)
+        regs = [int(r) for r in re.findall(r"Used (\d+) registers", info)]
+        assert len(regs) == 4 and max(regs) <= 255, (n, k, info)
+        assert all(a == b == "0" for a, b in spills) and len(spills) == 4, (n, k, info)

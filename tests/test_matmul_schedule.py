@@ -4,7 +4,7 @@
   positions, the stage ring, clamped edge rows) is run in a numpy emulation of the kernel whose
   ldmatrix and mma.sync follow the PTX ISA's fragment layouts, and must reproduce A · Bᵀ.
 - The CUDA pipeline must give prefill's GEMMs this kernel (mma in the source, SASS for sm_80
-  and sm_90) and decode's GEMMs our GEMV (schedules/gemv.py).
+  and sm_90) and decode's and decode_wide's GEMMs our GEMV (schedules/gemv.py).
 """
 
 from __future__ import annotations
@@ -192,29 +192,33 @@ def lowered_tiny() -> tvm.IRModule:
     return relax_pipeline(TARGET)(mod)
 
 
-@pytest.mark.parametrize("fn, rows", [("prefill", "large"), ("decode_wide", "wide")])
-def test_prefill_and_wide_decode_gemms_run_on_tensor_cores(lowered_tiny, fn, rows) -> None:
-    gemms = [f for f in _callees(lowered_tiny, fn) if "matmul" in f]
-    # in_proj, out_proj, qkv_proj, gate_up_proj, down_proj (o_proj shares down_proj's shapes);
-    # decode fuses its last down_proj with the residual's cast, a sixth
-    assert len(gemms) == {"prefill": 5, "decode_wide": 6}[fn], gemms
+def test_prefill_gemms_run_on_tensor_cores(lowered_tiny) -> None:
+    gemms = [f for f in _callees(lowered_tiny, "prefill") if "matmul" in f]
+    # in_proj, out_proj, qkv_proj, gate_up_proj, down_proj (o_proj shares down_proj's shapes)
+    assert len(gemms) == 5, gemms
     for name in gemms:
         func = lowered_tiny[name]
-        assert func.attrs.get(mm.ROWS_ATTR) == rows, name
+        assert func.attrs.get(mm.ROWS_ATTR) == "large", name
         assert "ptx_legacy.mma" in func.script(), f"{name} is not on tensor cores"
+        assert func.attrs.get(KERNEL_ATTR) is None, name
 
 
-def test_decode_gemms_are_our_gemv(lowered_tiny) -> None:
-    gemms = [f for f in _callees(lowered_tiny, "decode") if "matmul" in f]
+@pytest.mark.parametrize("fn, rows", [("decode", "small"), ("decode_wide", "wide")])
+def test_decode_gemms_are_our_gemv(lowered_tiny, fn, rows) -> None:
+    gemms = [f for f in _callees(lowered_tiny, fn) if "matmul" in f]
+    # the five projections (a sixth where the last down_proj fuses the residual's cast)
     assert len(gemms) >= 5, gemms
     prefill = set(_callees(lowered_tiny, "prefill"))
     for name in gemms:
         func = lowered_tiny[name]
         script = func.script()
-        assert name not in prefill and func.attrs.get(mm.ROWS_ATTR) == "small", name
-        # schedules/gemv.py, not dlight's GEMV (an rfactor schedule)
+        assert name not in prefill and func.attrs.get(mm.ROWS_ATTR) == rows, name
+        # schedules/gemv.py, not dlight's GEMV (an rfactor schedule) nor the tiled GEMM
         assert func.attrs.get(KERNEL_ATTR) == "gemv", name
         assert "ptx_legacy.mma" in script and "_rf_local" not in script, name
+        assert "ldmatrix" not in script, name
+        # decode_wide: buckets of 16-64 rows a pass stream the weight through shared memory
+        assert ("cp_async" in script) == (rows == "wide"), name
 
 
 def test_weights_are_not_transposed_per_call(lowered_tiny) -> None:
@@ -224,8 +228,8 @@ def test_weights_are_not_transposed_per_call(lowered_tiny) -> None:
 
 
 class _Proj(nn.Module):
-    """One `Linear` (optionally + a residual input), exported as prefill (n_tok rows) and
-    decode (batch rows) like the model's projections."""
+    """One `Linear` (optionally + a residual input), exported as prefill (n_tok rows), decode
+    and decode_wide (batch rows) like the model's projections."""
 
     def __init__(self, k: int, n: int, residual: bool = False):
         self.proj = Linear(k, n, "bfloat16")
@@ -234,7 +238,7 @@ class _Proj(nn.Module):
     def prefill(self, x: nn.Tensor, res: nn.Tensor) -> nn.Tensor:
         return res + self.proj(x) if self.residual else self.proj(x)
 
-    decode = prefill
+    decode = decode_wide = prefill
 
     def export(self) -> tvm.IRModule:
         k, n = self.proj.in_features, self.proj.out_features
@@ -244,7 +248,7 @@ class _Proj(nn.Module):
                 "res": nn.spec.Tensor([rows, n], "bfloat16"),
                 "$": {"param_mode": "plain"},
             }
-            for name, rows in (("prefill", "n_tok"), ("decode", "batch"))
+            for name, rows in (("prefill", "n_tok"), ("decode", "batch"), ("decode_wide", "batch"))
         }
         with TARGET:
             return self.export_tvm(spec=spec)[0]
@@ -299,10 +303,18 @@ def test_4b_gemm_builds_mma_sass_for_sm80_and_sm90(tmp_path, n, k, residual) -> 
     source = "".join(m.inspect_source() for m in modules(executable.mod) if m.kind == "cuda")
     kernels = source.split('extern "C" __global__')
     # A GEMM of several row classes keeps its name for the first ("large") and is copied as
-    # NAME_small for the others.
-    decode = [s for s in kernels if "_small_kernel(" in s.split("\n", 1)[0]]
-    prefill = [s for s in kernels if "matmul" in s.split("\n", 1)[0] and s not in decode]
-    assert len(prefill) == 2 and len(decode) == 2  # declaration + definition each
+    # NAME_small and NAME_wide for the others; each kernel is declared, then defined.
+    heads = [s.split("\n", 1)[0] for s in kernels]
+    decode = [s for s, h in zip(kernels, heads, strict=True) if "_small_kernel(" in h]
+    wide = [s for s, h in zip(kernels, heads, strict=True) if "_wide_kernel" in h]
+    prefill = [s for s in kernels if "matmul" in s.split("\n", 1)[0]]
+    prefill = [s for s in prefill if s not in decode and s not in wide]
+    assert len(prefill) == 2 and len(decode) == 2 and len(wide) == 8
     assert all(MMA in s and "ldmatrix" in s and "cp_async" in s for s in prefill[1:])
-    # decode: our GEMV (schedules/gemv.py), mma from registers, no shared-memory tiles
+    # decode: our GEMV (schedules/gemv.py), mma from registers, no shared-memory tiles;
+    # decode_wide: a kernel a batch bucket (8, 16, 32, 64 rows a pass), the 8-row one decode's,
+    # the others with the weight streamed through shared memory by cp.async
     assert all(MMA in s and "ldmatrix" not in s and "cp_async" not in s for s in decode[1:])
+    wide = [s for s in wide if s.split("\n", 1)[0].rstrip().endswith("{")]  # definitions
+    assert len(wide) == 4 and all(MMA in s and "ldmatrix" not in s for s in wide)
+    assert sum("cp_async" in s for s in wide) == 3

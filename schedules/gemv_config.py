@@ -1,0 +1,164 @@
+"""Configurations of the decode GEMV (schedules/gemv.py) and how the pipeline picks them: one
+config for decode's 1-7 rows ("small"), one per batch bucket for decode_wide's 8-64 ("wide")."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+VEC = 8  # bf16 elements of one 128-bit load
+TILE_COLS = 8  # batch rows of one n-tile: mma's n8
+MAX_N_TILES = 8  # 64 batch rows a pass: decode_wide's largest batch reads the weight once
+# The GPU the grid is sized for: H100/H200 SXM (an A100 has 108 SMs); a library is built
+# without one, so this cannot be read from the device.
+SMS = 132
+MAX_THREADS_PER_SM = 2048
+REGISTERS_PER_SM = 65536
+SHARED_PER_SM = 228 * 1024  # H100/H200; each resident block also takes 1 KB of it
+# what decode_wide's weight rings may take of it: the rest of the 256 KB stays L1, where the
+# blocks of an SM meet the same X
+WIDE_SHARED_PER_SM = 160 * 1024
+MAX_REGISTERS = 232  # per thread: 255, less a margin for est_registers' error
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)  # ceil(a / b)
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    m_tiles: int = 1  # m16 weight tiles a warp owns
+    warps_k: int = 8  # warps of a block, splitting its k steps between them
+    unroll: int = 2  # 128-bit loads per lane per weight row and k step
+    stages: int = 2  # k steps of weight loads in flight per warp
+    n_tiles: int = 1  # n8 batch tiles a pass applies each weight fragment to
+    # k steps of X loads in flight (0: as many as the weight's): X comes from L2, the weight
+    # from HBM, so a shallower X ring frees registers for a deeper weight ring
+    x_stages: int = 0
+    # the weight ring in shared memory, filled by cp.async, instead of registers: bytes in
+    # flight no longer cost registers (which 64 batch columns' X and accumulators need)
+    w_smem: bool = False
+
+    @property
+    def rows(self) -> int:
+        return 16 * self.m_tiles
+
+    @property
+    def cols(self) -> int:
+        return TILE_COLS * self.n_tiles  # batch rows one pass takes
+
+    @property
+    def step(self) -> int:
+        return 4 * VEC * self.unroll  # k per step: 4 lanes of a row, `unroll` loads each
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps_k
+
+    @property
+    def x_ring(self) -> int:
+        return self.x_stages or self.stages
+
+    @property
+    def shared_bytes(self) -> int:
+        """The partial sums of one n-tile, and the weight ring if it is in shared memory."""
+        ring = self.stages * self.unroll * 2 * self.m_tiles * 32 * 16 if self.w_smem else 0
+        return self.warps_k * (ring + TILE_COLS * self.rows * 4)
+
+    def check(self) -> None:
+        """Raise ValueError if the kernel cannot be built with these numbers."""
+        if not (1 <= self.m_tiles <= 4 and 1 <= self.warps_k <= 32):
+            raise ValueError(f"{self}: m_tiles 1-4, warps_k 1-32")
+        if not (1 <= self.unroll <= 8 and 1 <= self.stages <= (16 if self.w_smem else 8)):
+            raise ValueError(f"{self}: unroll 1-8, stages 1-8 (1-16 in shared memory)")
+        if not 1 <= self.n_tiles <= MAX_N_TILES:
+            raise ValueError(f"{self}: n_tiles 1-{MAX_N_TILES}")
+        # the X slot of a step must be known at compile time inside the unrolled ring
+        if not 0 <= self.x_stages <= self.stages:
+            raise ValueError(f"{self}: x_stages 0-stages")
+        if not self.w_smem and self.stages % self.x_ring:
+            raise ValueError(f"{self}: x_stages must divide stages (weight ring in registers)")
+
+
+# (largest batch, config) pairs, ascending; the last also takes every larger batch
+Buckets = tuple[tuple[int, GemvConfig], ...]
+
+
+def est_registers(cfg: GemvConfig) -> int:
+    """Registers a lane needs (fitted to ptxas 13.0 on sm_90): the load rings and the
+    accumulators plus ~24."""
+    w_ring = 1 if cfg.w_smem else cfg.stages  # in shared memory: one step in registers
+    ring = (w_ring * 2 * cfg.m_tiles + cfg.x_ring * cfg.n_tiles) * cfg.unroll * 4
+    extra = 8 if cfg.w_smem else 0  # addresses of the shared ring
+    return 24 + extra + cdiv(ring * 115, 100) + 4 * cfg.m_tiles * (cfg.n_tiles - 1)
+
+
+def register_cap(threads: int, blocks: int) -> int:
+    """Registers a thread gets with `blocks` blocks of `threads` on an SM, as ptxas budgets
+    under __launch_bounds__: each of the 4 schedulers holds a quarter of the register file
+    for its share of the warps, in steps of 8 registers a thread."""
+    warps = cdiv(cdiv(threads, 32) * blocks, 4)  # a scheduler's
+    return min(255, REGISTERS_PER_SM // 4 // (warps * 32) // 8 * 8)
+
+
+def min_blocks_per_sm(n: int, cfg: GemvConfig) -> int:
+    """Blocks an SM must hold for every row tile to run in one wave on SMS multiprocessors
+    (every block streams its rows' whole k, so a second wave would nearly double the time);
+    passed to ptxas as __launch_bounds__' second argument, so registers cannot prevent it.
+    Lowered where the register budget would fall below `est_registers` (spills cost more)."""
+    need = cdiv(cdiv(n, cfg.rows), SMS)
+    most = min(MAX_THREADS_PER_SM // cfg.threads, 32, SHARED_PER_SM // (cfg.shared_bytes + 1024))
+    while most > 1 and register_cap(cfg.threads, most) < est_registers(cfg):
+        most -= 1
+    return max(1, min(need, most))
+
+
+def one_wave(n: int, k: int, cfg: GemvConfig, shared: int = SHARED_PER_SM) -> bool:
+    """Whether every row tile runs in one wave, each warp with at least one k step, within
+    the register file and `shared` bytes of shared memory an SM."""
+    blocks = min_blocks_per_sm(n, cfg)
+    fits = cdiv(n, cfg.rows) <= SMS * blocks and blocks * (cfg.shared_bytes + 1024) <= shared
+    return fits and cfg.warps_k <= cdiv(k, cfg.step) and est_registers(cfg) <= MAX_REGISTERS
+
+
+def default_config(n: int, k: int) -> GemvConfig:
+    """Two m-tiles a block for wide weights (half the X loads per weight byte), one for narrow
+    ones (more blocks); then the most k-splitting warps (8, 4, 2, 1), and the deepest ring (3
+    or 2 steps), that keep every row tile in one wave, with at least one k step a warp."""
+    m_tiles = 2 if n >= 8192 else 1
+    for warps_k in (8, 4, 2, 1):
+        for stages in (3, 2):
+            cfg = GemvConfig(m_tiles=m_tiles, warps_k=warps_k, stages=stages)
+            if one_wave(n, k, cfg):
+                return cfg
+    return GemvConfig(m_tiles=m_tiles, warps_k=1)
+
+
+def wide_config(
+    n: int, k: int, n_tiles: int, w_smem: bool = True, m_tiles: int | None = None
+) -> GemvConfig:
+    """One bucket of decode_wide: `n_tiles` batch tiles a pass, the weight ring in shared
+    memory (or registers). X bytes read from L2 per weight byte are cols / rows per warp, so
+    the most m-tiles a warp (4, 2, 1) that still give every SM a row tile, unless `m_tiles`
+    is given; then the most weight bytes in flight (k-splitting warps x ring depth) in one
+    wave, with a two-step X ring where it fits."""
+    if n_tiles == 1:
+        return default_config(n, k)
+    rings = (8, 6, 4, 3) if w_smem else (4, 3, 2)
+    tries = sorted(
+        ((wk, s) for wk in (8, 4, 2, 1) for s in rings), key=lambda p: (-p[0] * p[1], -p[0])
+    )
+    for mt in (m_tiles,) if m_tiles else (4, 2, 1):
+        if not m_tiles and mt > 1 and (cdiv(n, 16 * mt) < SMS or 4 * mt * n_tiles > 128):
+            continue  # SMs left idle, or the accumulators alone past half the registers
+        for warps_k, stages in tries:
+            for x_stages in (2, 1) if w_smem else (0,):
+                cfg = GemvConfig(mt, warps_k, 1, stages, n_tiles, x_stages, w_smem)
+                if one_wave(n, k, cfg, WIDE_SHARED_PER_SM):
+                    return cfg
+    return GemvConfig(m_tiles or 1, 1, 1, 2, n_tiles, int(w_smem), w_smem)
+
+
+def wide_buckets(n: int, k: int, **options) -> Buckets:
+    """decode_wide's buckets: 8 rows as decode's GEMV, then 16, 32 and 64 columns a pass (a
+    batch past 64 takes a second pass, re-reading the weight). `options` go to wide_config."""
+    return tuple((8 * t, wide_config(n, k, t, **options)) for t in (1, 2, 4, MAX_N_TILES))
