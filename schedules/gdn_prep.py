@@ -1,0 +1,333 @@
+"""Gated DeltaNet's kernels around the delta rule, each reading the in_proj output directly.
+
+in_proj writes one row a token: [q | k | v | z | b | a], the first three (conv_dim channels)
+going through the causal conv1d. Relax made ~14 kernels of what is left of a layer (splits,
+casts, conv and its state move, two l2 norms, the gates, the gated norm); here it is two:
+
+- `gdn_input`: conv1d with the per-slot conv state (read and updated in place), SiLU, rounding
+  to the model dtype, then q and k l2-normalised and v in fp32, and the gates
+  g = -exp(A_log) * softplus(a + dt_bias) and beta = sigmoid(b): what the delta rule takes.
+- `gated_norm`: the delta rule's output rounded to the model dtype, RMSNorm over each head,
+  rounded again, times silu(z): out_proj's input.
+
+Both are written once as a grid of blocks, each a set of lanes (a channel a lane), with phases
+that meet in shared memory; the CPU runs the blocks in parallel and the lanes one after another.
+"""
+
+from __future__ import annotations
+
+from tvm.script import tirx as T
+from tvm.target import Target
+from tvm.tirx import PrimFunc
+
+TILE = 16  # gdn_input: tokens of one sequence a block (>= the conv history)
+HEADS = 8  # gated_norm: (token, head) rows a block, at most
+
+
+def _lanes(width: int) -> int:
+    return -(-width // 32) * 32  # whole warps
+
+
+def _rounded(v, dtype: str):
+    """fp32 v rounded (to nearest even) to `dtype` and back. By hand for bf16: TVM's CPU bf16
+    legalisation drops a cast to bf16 and back, and a bf16 local buffer is kept in fp32."""
+    if dtype == "float32":
+        return v
+    assert dtype == "bfloat16", dtype
+    bits = T.reinterpret("uint32", v)
+    odd = T.shift_right(bits, T.uint32(16)) & T.uint32(1)
+    return T.reinterpret("float32", (bits + T.uint32(0x7FFF) + odd) & T.uint32(0xFFFF0000))
+
+
+def gdn_input(
+    k_heads: int,
+    v_heads: int,
+    k_dim: int,
+    v_dim: int,
+    kernel: int,
+    dtype: str,
+    target: Target,
+) -> PrimFunc:
+    """(proj [n_tok, conv_dim + value_dim + 2 hv], conv weight [conv_dim, kernel], A_log [hv],
+    dt_bias [hv], indptr, slots, conv pool, layer) -> conv pool (in place), q and k [n_tok, hk,
+    dk], v [n_tok, hv, dv], g and beta [n_tok, hv], all fp32.
+
+    A block owns up to TILE consecutive tokens of one sequence and one head of q, k or v; a
+    lane owns a channel and slides the conv window over the tile's tokens in registers. The
+    tiles of sequence b are numbered from indptr[b] // TILE + b on, which leaves room for every
+    sequence's ceil(length / TILE) tiles (and one for an empty sequence) in n_tok // TILE +
+    batch blocks a head. Only a sequence's first tile reads its conv state (TILE >= history),
+    so the lane that read a channel's old state is the one that writes its new state: no
+    second pass. The l2 norm of a tile's tokens is one two-level sum through shared memory."""
+    hist = kernel - 1
+    assert hist <= TILE, "a sequence's first tile must hold every token that reads the state"
+    key_dim, value_dim = k_heads * k_dim, v_heads * v_dim
+    conv_dim = 2 * key_dim + value_dim
+    width = conv_dim + value_dim + 2 * v_heads
+    heads = 2 * k_heads + v_heads  # q heads, k heads, v heads
+    gpu = target.kind.name == "cuda"
+    nt = _lanes(max(k_dim, v_dim, TILE))
+    parts = nt // TILE  # partial sums a token, TILE squares each
+    shared = "shared" if gpu else "global"
+
+    def grid(n):
+        return T.thread_binding(n, thread="blockIdx.x") if gpu else T.parallel(n)
+
+    def lanes():
+        return T.thread_binding(nt, thread="threadIdx.x") if gpu else T.serial(nt)
+
+    @T.prim_func(s_tir=True)
+    def gdn_input_fn(
+        x_h: T.handle,
+        w_h: T.handle,
+        a_log_h: T.handle,
+        dt_bias_h: T.handle,
+        indptr_h: T.handle,
+        slots_h: T.handle,
+        pool_h: T.handle,
+        layer: T.int32,
+        q_h: T.handle,
+        k_h: T.handle,
+        v_h: T.handle,
+        g_h: T.handle,
+        beta_h: T.handle,
+    ):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        n_tok, n_ptr, batch = T.int32(), T.int32(), T.int32()
+        n_slots, n_layers = T.int32(), T.int32()
+        x = T.match_buffer(x_h, (n_tok, width), dtype)
+        w = T.match_buffer(w_h, (conv_dim, kernel), dtype)
+        a_log = T.match_buffer(a_log_h, (v_heads,), "float32")
+        dt_bias = T.match_buffer(dt_bias_h, (v_heads,), "float32")
+        indptr = T.match_buffer(indptr_h, (n_ptr,), "int32")
+        slots = T.match_buffer(slots_h, (batch,), "int32")
+        pool = T.match_buffer(pool_h, (n_slots, n_layers, conv_dim, hist), dtype)
+        q = T.match_buffer(q_h, (n_tok, k_heads, k_dim), "float32")
+        k = T.match_buffer(k_h, (n_tok, k_heads, k_dim), "float32")
+        v = T.match_buffer(v_h, (n_tok, v_heads, v_dim), "float32")
+        g = T.match_buffer(g_h, (n_tok, v_heads), "float32")
+        beta = T.match_buffer(beta_h, (n_tok, v_heads), "float32")
+        for blk in grid((n_tok // TILE + batch) * heads):
+            with T.sblock("tile"):
+                T.reads()
+                T.writes()
+                vals = T.sblock_alloc_buffer((TILE * nt,), "float32", scope=shared)
+                part = T.sblock_alloc_buffer((TILE * parts,), "float32", scope=shared)
+                inv = T.sblock_alloc_buffer((TILE,), "float32", scope=shared)
+                lo = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                hi = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                tile: T.let[T.int32] = blk // heads
+                hd: T.let[T.int32] = blk % heads
+                # the sequence b whose tiles start at or before this one: b + indptr[b] // TILE
+                # grows by at least one a sequence
+                lo[0] = 0
+                hi[0] = batch
+                while hi[0] - lo[0] > 1:
+                    if (lo[0] + hi[0]) // 2 + indptr[(lo[0] + hi[0]) // 2] // TILE <= tile:
+                        lo[0] = (lo[0] + hi[0]) // 2
+                    else:
+                        hi[0] = (lo[0] + hi[0]) // 2
+                start: T.let[T.int32] = indptr[lo[0]]
+                length: T.let[T.int32] = indptr[lo[0] + 1] - start
+                nth: T.let[T.int32] = (
+                    tile - lo[0] - start // TILE
+                )  # the tile's place in its sequence
+                t0: T.let[T.int32] = nth * TILE
+                count: T.let[T.int32] = T.max(T.min(length - t0, TILE), 0)
+                slot: T.let[T.int32] = slots[lo[0]]
+                is_v: T.let[T.bool] = hd >= 2 * k_heads
+                c0: T.let[T.int32] = T.if_then_else(
+                    is_v, 2 * key_dim + (hd - 2 * k_heads) * v_dim, hd * k_dim
+                )
+                live: T.let[T.int32] = T.if_then_else(is_v, v_dim, k_dim)
+                for tx in lanes():
+                    with T.sblock("conv"):
+                        T.reads()
+                        T.writes()
+                        win = T.sblock_alloc_buffer((kernel,), "float32", scope="local")
+                        wt = T.sblock_alloc_buffer((kernel,), "float32", scope="local")
+                        acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                        for tt in T.unroll(TILE):
+                            vals[tt * nt + tx] = T.float32(0)
+                        if tx < live:
+                            c: T.let[T.int32] = c0 + tx
+                            for i in T.unroll(kernel):
+                                wt[i] = T.Cast("float32", w[c, i])
+                            # the window before the tile: earlier tokens, else the old state
+                            for i in T.unroll(hist):
+                                j: T.let[T.int32] = t0 - hist + i
+                                win[i] = T.if_then_else(
+                                    j >= 0,
+                                    T.Cast("float32", x[T.min(start + T.max(j, 0), n_tok - 1), c]),
+                                    T.Cast(
+                                        "float32", pool[slot, layer, c, T.min(hist + j, hist - 1)]
+                                    ),
+                                )
+                            for tt in T.unroll(TILE):
+                                if tt < count:
+                                    win[hist] = T.Cast("float32", x[start + t0 + tt, c])
+                                    acc[0] = T.float32(0)
+                                    for i in T.unroll(kernel):
+                                        acc[0] = acc[0] + wt[i] * win[i]
+                                    # rounded to the model dtype, as the conv's output was
+                                    vals[tt * nt + tx] = _rounded(
+                                        acc[0] / (T.float32(1) + T.exp(-acc[0])), dtype
+                                    )
+                                    for i in T.unroll(hist):
+                                        win[i] = win[i + 1]
+                            if nth == 0:
+                                # ascending i reads old state at length + i >= i before it goes
+                                for i in T.serial(hist):
+                                    j: T.let[T.int32] = length - hist + i
+                                    pool[slot, layer, c, i] = T.if_then_else(
+                                        j >= 0,
+                                        x[T.min(start + T.max(j, 0), n_tok - 1), c],
+                                        pool[slot, layer, c, T.min(hist + j, hist - 1)],
+                                    )
+                for tx in lanes():
+                    with T.sblock("squares"):
+                        T.reads()
+                        T.writes()
+                        acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                        # lane (token, share): every parts-th channel, so lanes hit distinct banks
+                        acc[0] = T.float32(0)
+                        for e in T.unroll(TILE):
+                            sv: T.let[T.float32] = vals[tx // parts * nt + e * parts + tx % parts]
+                            acc[0] = acc[0] + sv * sv
+                        part[tx] = acc[0]
+                for tx in lanes():
+                    with T.sblock("norms"):
+                        T.reads()
+                        T.writes()
+                        acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                        if tx < TILE:
+                            acc[0] = T.float32(0)
+                            for p in T.unroll(parts):
+                                acc[0] = acc[0] + part[tx * parts + p]
+                            inv[tx] = T.float32(1) / T.sqrt(acc[0] + T.float32(1e-6))
+                for tx in lanes():
+                    with T.sblock("emit"):
+                        T.reads()
+                        T.writes()
+                        ab = T.sblock_alloc_buffer((2,), "float32", scope="local")
+                        if tx < live:
+                            for tt in T.unroll(TILE):
+                                if tt < count:
+                                    if hd < k_heads:
+                                        q[start + t0 + tt, hd, tx] = vals[tt * nt + tx] * inv[tt]
+                                    elif hd < 2 * k_heads:
+                                        k[start + t0 + tt, hd - k_heads, tx] = (
+                                            vals[tt * nt + tx] * inv[tt]
+                                        )
+                                    else:
+                                        v[start + t0 + tt, hd - 2 * k_heads, tx] = vals[
+                                            tt * nt + tx
+                                        ]
+                        # a v head's block also makes its gates, a token a lane
+                        if is_v and tx < count:
+                            h: T.let[T.int32] = hd - 2 * k_heads
+                            ab[0] = T.Cast("float32", x[start + t0 + tx, conv_dim + value_dim + h])
+                            ab[1] = (
+                                T.Cast(
+                                    "float32",
+                                    x[start + t0 + tx, conv_dim + value_dim + v_heads + h],
+                                )
+                                + dt_bias[h]
+                            )
+                            beta[start + t0 + tx, h] = T.float32(1) / (T.float32(1) + T.exp(-ab[0]))
+                            g[start + t0 + tx, h] = -T.exp(a_log[h]) * T.if_then_else(
+                                ab[1] > T.float32(20),
+                                ab[1],
+                                T.log(T.float32(1) + T.exp(ab[1])),
+                            )
+
+    return gdn_input_fn.with_attr("global_symbol", "gdn_input")
+
+
+def gated_norm(
+    v_heads: int, v_dim: int, z_offset: int, eps: float, dtype: str, target: Target
+) -> PrimFunc:
+    """(o [n_tok, hv, dv] fp32, proj [n_tok, width] (z at z_offset + h * dv), weight [dv]) ->
+    [n_tok, hv * dv]: round(round(rmsnorm(round(o)) * weight) * silu(z)), rounding to `dtype`
+    where the Relax graph did.
+
+    A block owns `rows` heads of one token (a lane a channel, each lane a channel of every
+    head, so a lane has that many loads in flight); each head's sum of squares is two-level
+    through shared memory like gdn_input's."""
+    rows = next(r for r in (HEADS, 4, 2, 1) if v_heads % r == 0)
+    gpu = target.kind.name == "cuda"
+    nt = _lanes(max(v_dim, rows))
+    parts = nt // rows if nt // rows <= 16 else 16  # partial sums a head
+    per_part = nt // parts  # squares a partial sum, strided by `parts`
+    groups = v_heads // rows
+    shared = "shared" if gpu else "global"
+
+    def grid(n):
+        return T.thread_binding(n, thread="blockIdx.x") if gpu else T.parallel(n)
+
+    def lanes():
+        return T.thread_binding(nt, thread="threadIdx.x") if gpu else T.serial(nt)
+
+    @T.prim_func(s_tir=True)
+    def gated_norm_fn(o_h: T.handle, x_h: T.handle, w_h: T.handle, out_h: T.handle):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        n_tok, width = T.int32(), T.int32()
+        o = T.match_buffer(o_h, (n_tok, v_heads, v_dim), "float32")
+        x = T.match_buffer(x_h, (n_tok, width), dtype)
+        w = T.match_buffer(w_h, (v_dim,), "float32")
+        out = T.match_buffer(out_h, (n_tok, v_heads * v_dim), dtype)
+        for blk in grid(n_tok * groups):
+            with T.sblock("row"):
+                T.reads()
+                T.writes()
+                vals = T.sblock_alloc_buffer((rows * nt,), "float32", scope=shared)
+                part = T.sblock_alloc_buffer((rows * parts,), "float32", scope=shared)
+                inv = T.sblock_alloc_buffer((rows,), "float32", scope=shared)
+                tok: T.let[T.int32] = blk // groups
+                h0: T.let[T.int32] = blk % groups * rows
+                for tx in lanes():
+                    with T.sblock("load"):
+                        T.reads()
+                        T.writes()
+                        for r in T.unroll(rows):
+                            vals[r * nt + tx] = T.float32(0)
+                            if tx < v_dim:
+                                vals[r * nt + tx] = _rounded(o[tok, h0 + r, tx], dtype)
+                for tx in lanes():
+                    with T.sblock("squares"):
+                        T.reads()
+                        T.writes()
+                        acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                        if tx < rows * parts:
+                            acc[0] = T.float32(0)
+                            for e in T.unroll(per_part):
+                                sv: T.let[T.float32] = vals[
+                                    tx // parts * nt + e * parts + tx % parts
+                                ]
+                                acc[0] = acc[0] + sv * sv
+                            part[tx] = acc[0]
+                for tx in lanes():
+                    with T.sblock("norms"):
+                        T.reads()
+                        T.writes()
+                        acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                        if tx < rows:
+                            acc[0] = T.float32(0)
+                            for p in T.unroll(parts):
+                                acc[0] = acc[0] + part[tx * parts + p]
+                            inv[tx] = T.rsqrt(acc[0] / T.float32(v_dim) + T.float32(eps))
+                for tx in lanes():
+                    with T.sblock("gate"):
+                        T.reads()
+                        T.writes()
+                        zf = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                        if tx < v_dim:
+                            for r in T.unroll(rows):
+                                zf[0] = T.Cast("float32", x[tok, z_offset + (h0 + r) * v_dim + tx])
+                                out[tok, (h0 + r) * v_dim + tx] = T.Cast(
+                                    dtype,
+                                    _rounded(vals[r * nt + tx] * inv[r] * w[tx], dtype)
+                                    * (zf[0] * (T.float32(1) / (T.float32(1) + T.exp(-zf[0])))),
+                                )
+
+    return gated_norm_fn.with_attr("global_symbol", "gdn_gated_norm")
