@@ -5,13 +5,17 @@ Two steps, because the GPU server has no compiler:
   on the GPU server:    python benchmarks/gdn_kernel.py run DIR [--out docs/results]
 
 At the 4B shapes (16 key heads, 32 value heads, head dims 128), `run` times every kernel on
-one sequence of 1,024 tokens, 16 sequences of 1,024 tokens, and 16 and 1 sequences of 1 token
-(decode), each sequence starting from a non-zero state in a scattered slot. Every kernel is
-checked against a float64 torch recurrence (max |Δ| of outputs and final states), and each
-chunked variant against the recurrent kernel too. Decode rows also give the kernels' CUPTI
-time and the state bytes (read and written) over the copy bandwidth of the same run. Every
-variant and case is isolated: a failure is printed and the rest still runs. A table goes to
-stdout and all rows, as JSON, to DIR/gdn_bench_result.json (and --out DIR/gdn_kernel.json).
+one sequence of 1,024 and of 8,192 tokens and on 16 sequences of 1,024 tokens (prefill),
+each sequence starting from a non-zero state in a scattered slot; `--decode` adds 16 and 1
+sequences of 1 token. Kernels: the recurrent one, the fp32 chunked one (the previous
+default) and the tensor-core one (bf16 operands, fp32 state) at chunk 32 / 64 and 64 / 128
+value columns a block. Every kernel is checked against a float64 torch recurrence (max |Δ| of
+outputs and final states, also relative to the largest |value|; `ok` holds the kernel to its
+bound: 1e-4 fp32, 1e-2 bf16 operands (3e-3 in the CPU emulation)), and each chunked variant
+against the recurrent kernel too. Decode rows also give the state bytes over the copy
+bandwidth of the same run. Every variant and case is isolated: a failure is printed and the
+rest still runs. A table goes to stdout and all rows, as JSON, to DIR/gdn_bench_result.json
+(and --out DIR/gdn_kernel.json).
 """
 
 from __future__ import annotations
@@ -25,16 +29,19 @@ from pathlib import Path
 from common import copy_bandwidth, cuda_time
 
 K_HEADS, V_HEADS, K_DIM, V_DIM = 16, 32, 128, 128
-CASES = {"1x1024": [1024], "16x1024": [1024] * 16, "16x1": [1] * 16, "1x1": [1]}
+CASES = {"1x1024": [1024], "1x8192": [8192], "16x1024": [1024] * 16}
+DECODE_CASES = {"16x1": [1] * 16, "1x1": [1]}
 N_SLOTS, N_LAYERS, LAYER = 40, 2, 1
 DEVICE = "cuda"  # a CPU smoke test of `run` swaps this (and the shapes) out
-# name -> (chunk, col_tile); col_tile 128 needs ~207 KB of shared memory (sm_90 only).
+# name -> chunked_gated_delta_rule keywords; "fp32_c32" is the previous default.
 CHUNKED = {
-    "chunked": (64, 64),
-    "chunked_c32": (32, 64),
-    "chunked_c32_t32": (32, 32),
-    "chunked_c64_t128": (64, 128),
+    "fp32_c32": {"kernel": "fp32", "chunk": 32},
+    "mma_c64_t64": {"kernel": "mma", "chunk": 64, "col_tile": 64},
+    "mma_c64_t128": {"kernel": "mma", "chunk": 64, "col_tile": 128},
+    "mma_c32_t64": {"kernel": "mma", "chunk": 32, "col_tile": 64},
+    "mma_c32_t128": {"kernel": "mma", "chunk": 32, "col_tile": 128},
 }
+REL_BOUND = {"fp32": 1e-4, "mma": 1e-2, "recurrent": 1e-5}
 
 
 def build(out: Path, arch: str) -> None:
@@ -49,10 +56,8 @@ def build(out: Path, arch: str) -> None:
     prepare_cuda_codegen(arches)
     out.mkdir(parents=True, exist_ok=True)
     funcs = {"recurrent": gated_delta_rule(K_HEADS, V_HEADS, K_DIM, V_DIM, target)}
-    for name, (chunk, col_tile) in CHUNKED.items():
-        funcs[name] = chunked_gated_delta_rule(
-            K_HEADS, V_HEADS, K_DIM, V_DIM, target, chunk, col_tile=col_tile
-        )
+    for name, kw in CHUNKED.items():
+        funcs[name] = chunked_gated_delta_rule(K_HEADS, V_HEADS, K_DIM, V_DIM, target, **kw)
     built = []
     for name, func in funcs.items():
         try:
@@ -131,7 +136,7 @@ def kernel_time_us(torch, fn, iters: int = 10) -> float:
     return sum(e.device_time_total for e in events) / iters
 
 
-def run(out_dir: Path, results: Path | None = None) -> None:
+def run(out_dir: Path, results: Path | None = None, decode: bool = False) -> None:
     import os
 
     os.environ.setdefault("TVM_USE_RUNTIME_LIB", "1")
@@ -154,9 +159,9 @@ def run(out_dir: Path, results: Path | None = None) -> None:
     bw = copy_bandwidth(torch) if DEVICE == "cuda" else None
     print(f"copy bandwidth: {bw and bw / 1e12} TB/s")
     print("| case | kernel | time (µs) | kernel only (µs) | % of copy bw | vs recurrent |"
-          " max abs Δ out vs torch | max abs Δ state vs torch |")
-    print("|---|---|---|---|---|---|---|---|")
-    for case, lengths in CASES.items():
+          " max abs Δ out vs torch | max abs Δ state vs torch | rel out | rel state | ok |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for case, lengths in {**CASES, **(DECODE_CASES if decode else {})}.items():
         try:
             x = make_inputs(torch, lengths)
         except Exception:
@@ -182,6 +187,11 @@ def run(out_dir: Path, results: Path | None = None) -> None:
                 row["finite"] = bool(torch.isfinite(out).all().item())
                 row["max_abs_diff_out_vs_torch"] = (out - exact[0]).abs().max().item()
                 row["max_abs_diff_state_vs_torch"] = (pool - exact[1]).abs().max().item()
+                row["rel_out"] = row["max_abs_diff_out_vs_torch"] / exact[0].abs().max().item()
+                touched = exact[1][x["slots"].long(), LAYER]  # the states this call updates
+                row["rel_state"] = row["max_abs_diff_state_vs_torch"] / touched.abs().max().item()
+                bound = REL_BOUND[name.split("_")[0]]
+                row["ok"] = row["finite"] and max(row["rel_out"], row["rel_state"]) < bound
                 # timing updates scratch state and outputs again and again; values don't matter
                 scratch = kernel_args(tvm, x, x["pool"].clone(), torch.empty_like(out))
                 seconds = cuda_time(torch, lambda f=fn, a=scratch: f(*a))
@@ -202,7 +212,9 @@ def run(out_dir: Path, results: Path | None = None) -> None:
                 f"{row.get('kernel_us', float('nan')):.1f} | "
                 f"{100 * row.get('copy_bw_fraction', float('nan')):.1f}% | {speed} | "
                 f"{row.get('max_abs_diff_out_vs_torch', '-')} | "
-                f"{row.get('max_abs_diff_state_vs_torch', '-')} |"
+                f"{row.get('max_abs_diff_state_vs_torch', '-')} | "
+                f"{row.get('rel_out', float('nan')):.2e} | {row.get('rel_state', float('nan')):.2e}"
+                f" | {row.get('ok', False)} |"
                 + (f" ERROR {row['error']}" if "error" in row else ""),
                 flush=True,
             )
@@ -220,8 +232,12 @@ def main() -> None:
     p.add_argument("dir", type=Path)
     p.add_argument("--arch", default="sm_90")
     p.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    p.add_argument("--decode", action="store_true", help="also time 16x1 and 1x1 (decode)")
     args = p.parse_args()
-    build(args.dir, args.arch) if args.step == "build" else run(args.dir, args.out)
+    if args.step == "build":
+        build(args.dir, args.arch)
+    else:
+        run(args.dir, args.out, args.decode)
     sys.stdout.flush()
 
 

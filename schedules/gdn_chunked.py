@@ -28,12 +28,17 @@ from tvm.script import tirx as T
 from tvm.target import Target
 from tvm.tirx import PrimFunc
 
+from .gdn_chunked_mma import gdn_chunked_mma, shared_bytes
+
 GPU_THREADS = 256
 GPU_COL_TILE = 64  # value columns per block: 2 blocks per head at v_dim 128
 SOLVE_BLOCK = 16
 PAD = 1  # row padding of shared buffers: a warp reading one column hits distinct banks
 # Dynamic shared memory a block may use (KiB) by SM arch; unlisted archs get the smallest.
 _SMEM_KIB = {80: 163, 87: 163, 90: 227, 100: 227, 103: 227}
+# bf16 activations on CUDA sm_80+ take the tensor-core kernel (gdn_chunked_mma) with this
+# chunk and column tile; fp32 and the CPU take the fp32 kernel below. One constant to switch.
+MMA_CHUNK, MMA_COL_TILE = 64, 64
 
 
 def _micro_tile(rows: int, cols: int, threads: int, cap: int = 8) -> tuple[int, int]:
@@ -61,24 +66,41 @@ def chunked_gated_delta_rule(
     k_dim: int,
     v_dim: int,
     target: Target,
-    chunk: int = 32,  # H200, 4B heads: 589 vs 607 us at 1x1,024, 3.8 vs 4.9 ms at 16x1,024
+    chunk: int | None = None,
     *,
+    act_dtype: str = "float32",
+    kernel: str | None = None,
     threads: int | None = None,
     col_tile: int | None = None,
 ) -> PrimFunc:
     """`gdn.gated_delta_rule` computed chunk by chunk (see the module docstring).
 
-    `threads` and `col_tile` (threads per block, value columns per block) default to the
-    target's layout: 256 and 64 on CUDA, 1 and v_dim on the CPU, which runs (sequence, head)
-    pairs in parallel. Tests pass the GPU layout on the CPU to check its indexing."""
+    `kernel` "mma" (tensor cores, bf16 operands: CUDA sm_80+ only) or "fp32" (this module's
+    kernel); by default "mma" where the model's activations (`act_dtype`) are bf16 on CUDA
+    sm_80+, else "fp32". `chunk` defaults to MMA_CHUNK or 32 (fp32 kernel: 589 vs 607 us at
+    1x1,024, 3.8 vs 4.9 ms at 16x1,024 on the H200). For the fp32 kernel, `threads` and
+    `col_tile` (threads and value columns per block) default to the target's layout: 256 and
+    64 on CUDA, 1 and v_dim on the CPU, which runs (sequence, head) pairs in parallel; tests
+    pass the GPU layout on the CPU to check its indexing. The mma kernel's `col_tile` defaults
+    to MMA_COL_TILE."""
     gpu = target.kind.name == "cuda"
+    arch = int(str(target.attrs.get("arch", "sm_80"))[3:]) if gpu else 0
+    if kernel is None:
+        kernel = "mma" if gpu and arch >= 80 and act_dtype == "bfloat16" else "fp32"
+    if kernel == "mma":
+        if not gpu or arch < 80:
+            raise ValueError("the tensor-core GDN kernel needs CUDA sm_80+")
+        c, ct = chunk or MMA_CHUNK, col_tile or min(MMA_COL_TILE, v_dim)
+        if shared_bytes(c, ct, k_dim) > _SMEM_KIB.get(arch, 99) * 1024:
+            raise ValueError(f"chunk {c} x col_tile {ct}: too much shared memory for sm_{arch}")
+        return gdn_chunked_mma(k_heads, v_heads, k_dim, v_dim, c, ct)
+    chunk = chunk or 32
     nt_ = threads or (GPU_THREADS if gpu else 1)
     ct = col_tile or (min(GPU_COL_TILE, v_dim) if gpu else v_dim)
     sb = SOLVE_BLOCK if chunk % SOLVE_BLOCK == 0 else chunk
     if v_heads % k_heads or v_dim % ct or chunk < 1:
         raise ValueError(f"need k_heads | v_heads ({k_heads}, {v_heads}), col_tile | v_dim")
     if gpu:  # fail here, not at the first launch on the GPU
-        arch = int(str(target.attrs.get("arch", "sm_80"))[3:])
         kst, ast, ust = k_dim + PAD, chunk + PAD, ct + PAD
         need = 4 * (chunk * (2 * kst + 2 * ast + ust + 2) + ct * kst + sb * ust)
         if need > _SMEM_KIB.get(arch, 99) * 1024:

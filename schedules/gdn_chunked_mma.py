@@ -248,10 +248,14 @@ def gdn_chunked_mma(
                             cum[0] = T.float32(0)
                             for j in T.serial(c):  # fixed trip count, clamped loads
                                 cum[0] = cum[0] + T.Select(
-                                    j <= T.min(tx, nv - 1), g[t0 + T.min(j, nv - 1), h], T.float32(0)
+                                    j <= T.min(tx, nv - 1),
+                                    g[t0 + T.min(j, nv - 1), h],
+                                    T.float32(0),
                                 )
                             gs[tx] = cum[0]
-                            bs[tx] = T.Select(tx < nv, beta[t0 + T.min(tx, nv - 1), h], T.float32(0))
+                            bs[tx] = T.Select(
+                                tx < nv, beta[t0 + T.min(tx, nv - 1), h], T.float32(0)
+                            )
                         T.tvm_storage_sync("shared.dyn")
                         # 2. [K; Q] x [K; S]ᵀ and its epilogue
                         for jb in T.unroll(g1_jobs):
@@ -269,7 +273,8 @@ def gdn_chunked_mma(
                                     ))  # fmt: skip
                                     for h2 in T.unroll(2):
                                         T.evaluate(mma_bf16(
-                                            af.data, 0, bf.data, h2 * 4, acc.data, (np_ * 2 + h2) * 4
+                                            af.data, 0, bf.data, h2 * 4,
+                                            acc.data, (np_ * 2 + h2) * 4,
                                         ))  # fmt: skip
                             # reads (G, beta) before any shared write
                             for hr in T.unroll(2):
@@ -299,7 +304,9 @@ def gdn_chunked_mma(
                                             DTYPE, T.Select(col <= ri, dec * acc[i], T.float32(0))
                                         )
                                 elif row < c:  # K Sᵀ -> R = beta (V - e^G K Sᵀ)
-                                    vi: T.let[T.float32] = v[t0 + T.min(ri, nv - 1), h, col0 + col - c]
+                                    vi: T.let[T.float32] = v[
+                                        t0 + T.min(ri, nv - 1), h, col0 + col - c
+                                    ]
                                     rs[ri * ft + col - c] = bi[i % 4 // 2] * (
                                         vi - T.exp(g_i) * acc[i]
                                     )
@@ -350,9 +357,9 @@ def gdn_chunked_mma(
                             for i in T.unroll(o_ng * 4):
                                 er, ec = T.meta_var(acc_rc(lane, i % 4))
                                 if mt * 16 + er < nv:
-                                    out[t0 + mt * 16 + er, h, col0 + (n0 + i // 4) * 8 + ec] = (
-                                        acc[i] * T.float32(scale)
-                                    )
+                                    out[t0 + mt * 16 + er, h, col0 + (n0 + i // 4) * 8 + ec] = acc[
+                                        i
+                                    ] * T.float32(scale)
                         # S's bf16 copy (its rows of kqs are not read in this phase)
                         for i in T.unroll(s_ng * 4):
                             sr, sc = T.meta_var(acc_rc(lane, i % 4))

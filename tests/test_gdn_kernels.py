@@ -228,3 +228,45 @@ def test_conv1d_matches_reference(target: str) -> None:
     # mutation: the reference notices a sequence reading another's state
     bad_out, _ = conv_reference(x, w, indptr, [1, 5, 7, 0, 2, 8], pool)
     assert np.abs(bad_out - out.numpy()).max() > 1e-2
+
+
+@pytest.mark.parametrize("chunk", [32, 64])
+@pytest.mark.parametrize("layout", [{}, {"threads": 256, "col_tile": 32}])
+def test_fp32_chunked_edges_match_float64(chunk: int, layout: dict[str, int]) -> None:
+    # The fp32 kernel (CPU, and CUDA for fp32 models) at lengths 1, C-1, C, C+1, an empty
+    # sequence and a long ragged one, from non-zero states, against the float64 recurrence.
+    hk, hv, dk, dv = 1, 2, 128, 64
+    lengths = [1, chunk - 1, chunk, chunk + 1, 0, 2 * chunk + 5]
+    x = make_inputs(lengths, [7, 2, 5, 0, 3, 8], hk, hv, dk, dv, seed=4)
+    out, pool = run(chunked(hk, hv, dk, dv, chunk, **layout), x)
+    ref_out, ref_pool = reference(x)
+    assert max_rel_err(out, ref_out) < 2e-4 and max_rel_err(pool, ref_pool) < 2e-4
+
+
+def test_kernel_routing() -> None:
+    # bf16 models on CUDA sm_80+ get the tensor-core kernel; fp32 models and the CPU the fp32 one
+    prepare_cuda_codegen(["sm_90"])
+    sm90 = Target({"kind": "cuda", "arch": "sm_90"}, host="llvm")
+    name = lambda f: f.attrs["global_symbol"]  # noqa: E731
+    assert name(chunked_gated_delta_rule(16, 32, 128, 128, sm90, act_dtype="bfloat16")) == (
+        "gdn_chunked_mma_kernel"
+    )
+    assert name(chunked_gated_delta_rule(16, 32, 128, 128, sm90)) == "gdn_chunked_delta_rule"
+    assert name(chunked_gated_delta_rule(2, 4, 16, 16, LLVM, act_dtype="bfloat16")) == (
+        "gdn_chunked_delta_rule"
+    )
+    with pytest.raises(ValueError, match="CUDA"):
+        chunked_gated_delta_rule(2, 4, 16, 16, LLVM, kernel="mma")
+
+
+@pytest.mark.parametrize("chunk, col_tile", [(64, 64), (32, 128)])
+def test_mma_chunked_compiles_for_sm90(chunk: int, col_tile: int) -> None:
+    # No GPU here: the tensor-core kernel must at least lower and assemble (4B shapes).
+    prepare_cuda_codegen(["sm_90"])
+    target = Target({"kind": "cuda", "arch": "sm_90"}, host="llvm")
+    func = chunked_gated_delta_rule(
+        16, 32, 128, 128, target, chunk, kernel="mma", col_tile=col_tile
+    )
+    lib = tvm.compile(tvm.IRModule({"main": func}), target=target)
+    cuda = [m for m in lib.mod.imports if m.kind == "cuda"]
+    assert len(cuda) == 1 and cuda[0].is_runnable()

@@ -1,0 +1,172 @@
+"""The tensor-core chunked GDN kernel (schedules/gdn_chunked_mma.py) without a GPU.
+
+1. Fragments: every operand the kernel feeds mma (stored [m][k], [k][m], [n][k], [k][n] in
+   swizzled bf16 tiles) is loaded lane by lane with the kernel's own index maps, through an
+   emulated ldmatrix.x4 (plain and .trans), multiplied with the PTX ISA's m16n8k16 layouts,
+   and must equal the matrix product; a wrong map must not.
+2. Jobs: each matmul's (m tile, n tiles) jobs cover its output exactly once, on every warp.
+3. Algorithm: the kernel's chunk math in numpy with bf16 rounding exactly where the kernel
+   rounds (operands) and fp32 elsewhere, at sequence lengths 1, C-1, C, C+1, ragged batches
+   and non-zero states, against the float64 recurrence: within the bf16 bound the benchmark
+   uses (1e-2 of the largest value); breaking the blocked solve must exceed it.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from qwen35_tvm.schedules import gdn_chunked_mma as mma
+
+_LANES = np.arange(32)
+_G, _Q = _LANES // 4, _LANES % 4
+_E8, _E4 = np.arange(8), np.arange(4)
+# PTX ISA, mma.m16n8k16 .bf16: (row, k) of A's a0..a7, (k, n) of B's b0..b3, (row, n) of C's
+_A_ROW, _A_K = _G[:, None] + 8 * (_E8 // 2 % 2), 2 * _Q[:, None] + _E8 % 2 + 8 * (_E8 // 4)
+_B_K, _B_N = 2 * _Q[:, None] + _E4 % 2 + 8 * (_E4 // 2), np.broadcast_to(_G[:, None], (32, 4))
+
+
+def bf16(x: np.ndarray) -> np.ndarray:
+    return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+
+
+def store(tile: np.ndarray) -> np.ndarray:
+    """A [rows, width] tile in the kernel's swizzled flat layout."""
+    rows, width = tile.shape
+    flat = np.full(rows * width, np.nan, np.float32)
+    r, c = np.meshgrid(np.arange(rows), np.arange(width), indexing="ij")
+    flat[mma.swz(r, c, width)] = tile
+    return flat
+
+
+def ldmatrix_x4(flat: np.ndarray, addr: np.ndarray, trans: bool) -> np.ndarray:
+    """[32, 8] registers: matrix q's 8 rows come from lanes 8q..8q+7's addresses; a lane gets
+    (row lane // 4, cols 2 (lane % 4) + 0, 1) of each, or with .trans (rows 2 (lane % 4) + 0,
+    1, col lane // 4)."""
+    out = np.zeros((32, 8), np.float32)
+    for q in range(4):
+        m = np.stack([flat[addr[8 * q + r] : addr[8 * q + r] + 8] for r in range(8)])
+        for t in range(32):
+            r = 2 * (t % 4)
+            out[t, 2 * q : 2 * q + 2] = m[r : r + 2, t // 4] if trans else m[t // 4, r : r + 2]
+    return out
+
+
+def mma_frags(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """The 16 x 8 product of an A fragment [32, 8] and a B fragment [32, 4]."""
+    am, bm = np.full((16, 16), np.nan), np.full((16, 8), np.nan)
+    am[_A_ROW, _A_K] = a
+    bm[_B_K, _B_N] = b
+    return am @ bm
+
+
+def warp_product(a_flat, a_w, a_trans, b_flat, b_w, b_trans, m0, n0, k_steps, a_map=None):
+    """A [16, 16 k_steps] x B -> [16, 16] (two n8 tiles) at m0 / n0, as the kernel loads it."""
+    a_map = a_map or mma.a_lane
+    out = np.zeros((16, 16))
+    for kk in range(k_steps):
+        ar, ac = a_map(_LANES, kk, a_trans)
+        ar, ac = (ar, ac + m0) if a_trans else (ar + m0, ac)
+        af = ldmatrix_x4(a_flat, mma.swz(ar, ac, a_w), a_trans)
+        br, bc = mma.b_lane(_LANES, kk, b_trans)
+        br, bc = (br, bc + n0) if b_trans else (br + n0, bc)
+        bfr = ldmatrix_x4(b_flat, mma.swz(br, bc, b_w), b_trans)
+        for h2 in range(2):
+            out[:, 8 * h2 : 8 * h2 + 8] += mma_frags(af, bfr[:, 4 * h2 : 4 * h2 + 4])
+    return out
+
+
+@pytest.mark.parametrize("a_trans", [False, True])
+@pytest.mark.parametrize("b_trans", [False, True])
+@pytest.mark.parametrize("width", [32, 64, 128])
+def test_fragments_give_the_product(a_trans: bool, b_trans: bool, width: int) -> None:
+    rng = np.random.default_rng(0)
+    a = bf16(rng.normal(size=(width, width)))  # logical [m, k]
+    b = bf16(rng.normal(size=(width, width)))  # logical [k, n]
+    a_flat, b_flat = store(a.T if a_trans else a), store(b if b_trans else b.T)
+    m0, n0 = width - 16, 16 % width
+    got = warp_product(a_flat, width, a_trans, b_flat, width, b_trans, m0, n0, width // 16)
+    np.testing.assert_allclose(got, a[m0 : m0 + 16] @ b[:, n0 : n0 + 16], rtol=1e-5, atol=1e-4)
+    # mutation: lanes 8-15 and 0-7 swap addresses (two 8x8 matrices trade places)
+    bad = warp_product(
+        a_flat, width, a_trans, b_flat, width, b_trans, m0, n0, width // 16,
+        a_map=lambda lane, kk, t: mma.a_lane(lane ^ 8, kk, t),
+    )  # fmt: skip
+    assert not np.allclose(bad, got, atol=1e-2)
+
+
+@pytest.mark.parametrize("c, ct", [(32, 64), (32, 128), (64, 64), (64, 128)])
+def test_jobs_cover_each_output_once(c: int, ct: int) -> None:
+    for mt, n8 in [(2 * c // 16, (c + ct) // 8), (c // 16, ct // 8)]:
+        ng = mma.n_group(n8, mt)
+        jobs = mt * n8 // ng
+        seen = np.zeros((mt, n8), int)
+        for job in range(jobs):
+            m, n0 = mma.job_tile(job, ng, n8)
+            seen[m, n0 : n0 + ng] += 1
+        assert jobs % mma.WARPS == 0 and (seen == 1).all()
+    assert mma.shared_bytes(c, ct, 128) <= 227 * 1024
+
+
+def chunk_model(x: dict, c: int, break_solve: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """The kernel's arithmetic per (sequence, value head): bf16 where it rounds, else fp32."""
+    f32 = np.float32
+    pool = x["pool"].copy()
+    n, hv, dv = x["v"].shape
+    hk, dk = x["k"].shape[1:]
+    out = np.full((n, hv, dv), np.nan, f32)
+    for b, slot in enumerate(x["slots"]):
+        start, length = x["indptr"][b], x["indptr"][b + 1] - x["indptr"][b]
+        for h in range(hv):
+            kh = h // (hv // hk)
+            st = pool[slot, LAYER, h].astype(f32)  # [dv, dk]
+            for t0 in range(start, start + length, c):
+                nv = min(c, start + length - t0)
+                rows = t0 + np.minimum(np.arange(c), nv - 1)
+                live = np.arange(c) < nv
+                kb = bf16(np.where(live[:, None], x["k"][rows, kh], 0))
+                qb = bf16(np.where(live[:, None], x["q"][rows, kh], 0))
+                gs = np.cumsum(np.where(live, x["g"][rows, h], 0)).astype(f32)
+                bs = np.where(live, x["beta"][rows, h], 0).astype(f32)
+                sb = bf16(st)
+                dec = np.exp(np.minimum(gs[:, None] - gs[None, :], 0)).astype(f32)
+                low = np.tril(np.ones((c, c), bool), -1)
+                am = np.where(low, bs[:, None] * dec * (kb @ kb.T), 0).astype(f32)
+                qkb = bf16(np.where(low | np.eye(c, dtype=bool), dec * (qb @ kb.T), 0))
+                v = x["v"][rows, h].astype(f32)
+                rs = (bs[:, None] * (v - np.exp(gs)[:, None] * (kb @ sb.T))).astype(f32)
+                os_ = (np.exp(gs)[:, None] * (qb @ sb.T)).astype(f32)
+                ub = np.zeros((c, dv), f32)
+                w = np.exp(gs[-1] - gs).astype(f32)
+                for r0 in range(0, c, 16):
+                    if r0 and not break_solve:
+                        rs[r0 : r0 + 16] -= bf16(am[r0 : r0 + 16, :r0]) @ ub[:r0]
+                    uu = rs[r0 : r0 + 16].copy()
+                    for j in range(16):
+                        uu[j + 1 :] -= am[r0 + j + 1 : r0 + 16, r0 + j, None] * uu[j]
+                    ub[r0 : r0 + 16] = bf16(uu)
+                wub = bf16(w[:, None] * ub)
+                o = (os_ + qkb @ ub) * f32(dk**-0.5)
+                out[t0 : t0 + nv, h] = o[:nv]
+                st = st * np.exp(gs[-1]) + wub.T @ kb
+            pool[slot, LAYER, h] = st
+    return out, pool
+
+
+LAYER = 1
+
+
+@pytest.mark.parametrize("c", [32, 64])
+def test_algorithm_matches_reference(c: int) -> None:
+    from test_gdn_kernels import make_inputs, max_rel_err, reference
+
+    lengths = [1, c - 1, c, c + 1, 0, 2 * c + 5]
+    x = make_inputs(lengths, [7, 2, 5, 0, 3, 8], 1, 2, 128, 32, seed=4)
+    ref_out, ref_pool = reference(x)
+    out, pool = chunk_model(x, c)
+    err_out, err_pool = max_rel_err(out, ref_out), max_rel_err(pool, ref_pool)
+    print(f"C={c}: bf16 operands, max rel error: outputs {err_out:.2e}, states {err_pool:.2e}")
+    assert err_out < 1e-2 and err_pool < 1e-2, (err_out, err_pool)
+    bad_out, _ = chunk_model(x, c, break_solve=True)  # mutation: no off-diagonal solve
+    assert max_rel_err(bad_out, ref_out) > 1e-2
