@@ -6,8 +6,8 @@ Two steps, because the GPU server has no compiler:
 
 4B heads (16 query heads, 4 kv heads, head_dim 256), bf16. Decode: one query token a sequence at
 the end of B sequences of L tokens whose pages are scattered over the pool; reported as K/V bytes
-read per second over the copy bandwidth of the same run, from the call's time and from its
-kernels' CUPTI times alone (the decode step's CUDA graph runs them without launch gaps).
+read per second over the copy bandwidth of the same run, from the call's time, from a CUDA graph
+of calls (how the decode step runs it: no host launch gaps) and from its kernels' CUPTI times.
 Prefill: a fresh causal prompt (or 16 ragged ones) attending to itself through the pages. torch
 runs SDPA on contiguous K/V in the same run (GQA expanded): its default backend, whose kernels
 are recorded, and its FlashAttention-2 backend forced. Every case is also checked against
@@ -27,10 +27,18 @@ from common import copy_bandwidth, cuda_time
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 16, 4, 256, 16
 DECODE = {"B1xL32768": (1, 32768), "B16xL4096": (16, 4096), "B64xL1024": (64, 1024)}
 PREFILL = {"1x1024": [1024], "1x8192": [8192], "16x1024": [1024] * 16}
-TILE_PAGES = (1, 2, 4)  # pages of keys a step of the kernel loads together
+# split kernel variants: name -> (pages of keys a tile, K/V stages in flight, split budget);
+# "tp2" is also run on the prefill cases
+DECODE_VARIANTS = {
+    "tp1": (1, 2, 128),
+    "tp2": (2, 2, 128),
+    "tp1_st3": (1, 3, 128),
+    "tp1_st4": (1, 4, 128),
+    "tp2_st3": (2, 3, 128),
+    "tp1_b256": (1, 2, 256),
+}
 # tensor-core prefill: (pages of keys a tile, query tokens a block)
 MMA_TILES = ((1, 16), (2, 16), (4, 16), (2, 32))
-SPLIT_BUDGETS = (64, 256)  # decode: split pieces of all tokens together (the kernel's is 128)
 
 
 def build(out: Path, arch: str) -> None:
@@ -45,13 +53,9 @@ def build(out: Path, arch: str) -> None:
     prepare_cuda_codegen(arches)
     out.mkdir(parents=True, exist_ok=True)
     funcs = {"append": kv_cache.append_kv(KV_HEADS, HEAD_DIM, "bfloat16", target)}
-    for tp in TILE_PAGES:
-        funcs[f"attend_tp{tp}"] = attention.paged_attention(
-            HEADS, KV_HEADS, HEAD_DIM, "bfloat16", target, tile_pages=tp
-        )
-    for budget in SPLIT_BUDGETS:
-        funcs[f"attend_tp2_s{budget}"] = attention.paged_attention(
-            HEADS, KV_HEADS, HEAD_DIM, "bfloat16", target, tile_pages=2, split_budget=budget
+    for name, (tp, stages, budget) in DECODE_VARIANTS.items():
+        funcs[f"attend_{name}"] = attention.paged_attention(
+            HEADS, KV_HEADS, HEAD_DIM, "bfloat16", target, tp, budget, stages
         )
     for tp, qt in MMA_TILES:
         funcs[f"attend_mma{tp}q{qt}"] = paged_prefill_mma(
@@ -155,6 +159,22 @@ def kernel_times(torch, fn, iters: int = 10) -> dict[str, float]:
     }
 
 
+def graph_time(torch, fn, calls: int = 10) -> float | None:
+    """Seconds per call of `fn` replayed from a CUDA graph of `calls` calls, as the decode
+    step's graph runs it (no host launch gaps); None if the capture fails."""
+    import tvm_ffi
+
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with tvm_ffi.use_torch_stream(torch.cuda.graph(graph)):
+            for _ in range(calls):
+                fn()
+    except Exception:  # noqa: BLE001
+        traceback.print_exc()
+        return None
+    return cuda_time(torch, graph.replay, iters=10) / calls
+
+
 def time_case(torch, tvm, attend, x: dict, ref, bw: float, ws_rows: int) -> dict:
     """One kernel on one case: time, error against SDPA, share of the copy bandwidth."""
     o = torch.empty_like(x["q"])
@@ -168,7 +188,12 @@ def time_case(torch, tvm, attend, x: dict, ref, bw: float, ws_rows: int) -> dict
     us = cuda_time(torch, lambda: attend(*args)) * 1e6
     kv_bytes = sum(x["lengths"]) * KV_HEADS * HEAD_DIM * 2 * 2
     kernels = kernel_times(torch, lambda: attend(*args))
+    graph_s = graph_time(torch, lambda: attend(*args))
+    graph = {} if graph_s is None else {
+        "graph_us": graph_s * 1e6, "copy_bw_fraction_graph": kv_bytes / graph_s / bw
+    }
     return {
+        **graph,
         "us": us,
         "kernels_us": kernels,
         # inside the decode step's CUDA graph the kernels run back to back: no launch gaps
@@ -191,20 +216,19 @@ def run(out_dir: Path, results: Path | None) -> None:
     from qwen35_tvm.runtime.artifact import device_of
 
     device_of("cuda")
+    # every kernel built into DIR (a kernel of another commit may be dropped in beside them)
     kernels = {
-        tp: tvm.runtime.load_module(str(out_dir / f"attn_attend_{tp}.so"))["main"]
-        for tp in [f"tp{n}" for n in TILE_PAGES]
-        + [f"mma{tp}q{qt}" for tp, qt in MMA_TILES]
-        + [f"tp2_s{n}" for n in SPLIT_BUDGETS]
+        f.name[len("attn_attend_") : -3]: tvm.runtime.load_module(str(f))["main"]
+        for f in sorted(out_dir.glob("attn_attend_*.so"))
     }
     bw = copy_bandwidth(torch)
     print(f"device: {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s")
     rows = []
     cases = [("decode", name, [L] * B, [1] * B) for name, (B, L) in DECODE.items()]
     cases += [("prefill", name, lens, lens) for name, lens in PREFILL.items()]
-    print("| kind | case | kernel | ours (µs) | ours, kernels only (µs) | SDPA (µs) |"
-          " ours / SDPA speed | ours / flash SDPA | % of copy bw (kernels only) | max abs Δ |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| kind | case | kernel | ours (µs) | in a graph (µs) | kernels only (µs) | SDPA (µs) |"
+          " ours / SDPA speed | ours / flash SDPA | % of copy bw (graph; kernels) | max abs Δ |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for kind, name, lengths, queries in cases:
         try:
             x = make_case(torch, lengths, queries)
@@ -220,7 +244,7 @@ def run(out_dir: Path, results: Path | None) -> None:
                 continue  # each kernel on its own kind of case; the split kernel on both
             row = {"kind": kind, "case": name, "kernel": tp}
             try:
-                budget = int(tp.split("_s")[1]) if "_s" in tp else 128
+                budget = DECODE_VARIANTS.get(tp, (0, 0, 128))[2]
                 row.update(time_case(torch, tvm, attend, x, ref, bw, budget))
                 if sdpa_us is not None:
                     row["sdpa_us"] = sdpa_us
@@ -239,11 +263,13 @@ def run(out_dir: Path, results: Path | None) -> None:
             err = f" ERROR {row['error']}" if "error" in row else ""
             print(
                 f"| {kind} | {name} | {tp} | {row.get('us', nan):.1f} | "
+                f"{row.get('graph_us', nan):.1f} | "
                 f"{row.get('gpu_us', nan):.1f} | {row.get('sdpa_us', nan):.1f} | "
                 f"{row.get('speed_vs_sdpa', nan):.2f}x | "
                 f"{row.get('speed_vs_sdpa_flash', nan):.2f}x | "
                 f"{100 * row.get('copy_bw_fraction', nan):.1f}% "
-                f"({100 * row.get('copy_bw_fraction_gpu', nan):.1f}%) | "
+                f"({100 * row.get('copy_bw_fraction_graph', nan):.1f}%; "
+                f"{100 * row.get('copy_bw_fraction_gpu', nan):.1f}%) | "
                 f"{row.get('max_abs_diff', '-')} |{err}",
                 flush=True,
             )

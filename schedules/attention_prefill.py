@@ -98,16 +98,22 @@ def paged_prefill_mma(
         return indptr[s] // q_tokens + s
 
     @T.macro
-    def tile_of(indptr, n_seq, g, lo):
-        # lo[0] <- the last sequence whose first tile is <= g (binary search, lo[1] the bound)
-        lo[0] = 0
-        lo[1] = n_seq
-        for _ in T.serial(31):
-            if lo[1] - lo[0] > 1:
-                if first_tile(indptr, (lo[0] + lo[1]) // 2) <= g:
-                    lo[0] = (lo[0] + lo[1]) // 2
-                else:
-                    lo[1] = (lo[0] + lo[1]) // 2
+    def tile_of(indptr, n_seq, g, info, cnt_sh, tx, warp, lane):
+        # info[0] <- the last sequence whose first tile is <= g: every thread counts its share
+        # of the sequences, so the search costs one round of loads, not a chain of them
+        info[0] = 0
+        for i in T.serial((n_seq + nt - 1) // nt):
+            if i * nt + tx < n_seq:
+                if first_tile(indptr, i * nt + tx) <= g:
+                    info[0] = info[0] + 1
+        for sh_ in T.unroll(5):
+            info[0] = info[0] + _lane_xor(info[0], 1 << sh_)
+        if lane == 0:
+            cnt_sh[warp] = info[0]
+        T.tvm_storage_sync("shared.dyn")
+        info[0] = -1
+        for w in T.unroll(nt // 32):
+            info[0] = info[0] + cnt_sh[w]
 
     @T.macro
     def load_kv(kp, vp, k_sh, v_sh, stage, kt, tx, slot, table, seq_pages, kvh, layer64):
@@ -173,12 +179,15 @@ def paged_prefill_mma(
                     m_run = T.sblock_alloc_buffer((2,), "float32", scope="local")
                     l_run = T.sblock_alloc_buffer((2,), "float32", scope="local")
                     m_new = T.sblock_alloc_buffer((2,), "float32", scope="local")
+                    cnt_sh = T.sblock_alloc_buffer((nt // 32,), "int32", scope=sh)
                     kvh: T.let[T.int32] = blk % kv_heads
+                    warp: T.let[T.int32] = tx // 32
+                    lane: T.let[T.int32] = tx % 32
                     # the last query tiles see the most keys: run them first
                     g: T.let[T.int32] = n_tiles_all - 1 - blk // kv_heads
                     # what depends on the search is stored, never let-bound: TVM's shared
                     # memory planner refuses a local buffer read by a let at the kernel's top
-                    tile_of(indptr, n_seq, g, info)
+                    tile_of(indptr, n_seq, g, info, cnt_sh, tx, warp, lane)
                     seq = T.meta_var(info[0])
                     info[1] = indptr[seq] + (g - first_tile(indptr, seq)) * q_tokens
                     info[2] = T.Select(info[1] < indptr[seq + 1], 1, 0)
@@ -191,8 +200,6 @@ def paged_prefill_mma(
                     slot = T.meta_var(slots[seq])
                     seq_pages = T.meta_var(info[4] // PAGE_SIZE + 1)
                     n_tiles = T.meta_var(T.Select(found, (info[4] + keys) // keys, 0))
-                    warp: T.let[T.int32] = tx // 32
-                    lane: T.let[T.int32] = tx % 32
                     layer64: T.let[T.int64] = T.Cast("int64", layer)
                     # the block's queries (rows past the chunk repeat its last token), in the
                     # same copy group as the first K/V tile
