@@ -27,16 +27,9 @@ from common import copy_bandwidth, cuda_time
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 16, 4, 256, 16
 DECODE = {"B1xL32768": (1, 32768), "B16xL4096": (16, 4096), "B64xL1024": (64, 1024)}
 PREFILL = {"1x1024": [1024], "1x8192": [8192], "16x1024": [1024] * 16}
-# split kernel variants: name -> (pages of keys a tile, K/V stages in flight, split budget);
-# "tp2" is also run on the prefill cases
-DECODE_VARIANTS = {
-    "tp1": (1, 2, 128),
-    "tp2": (2, 2, 128),
-    "tp1_st3": (1, 3, 128),
-    "tp1_st4": (1, 4, 128),
-    "tp2_st3": (2, 3, 128),
-    "tp1_b256": (1, 2, 256),
-}
+# split kernel variants: name -> (pages of keys a tile, split budget); "tp2" (the shipped one)
+# also runs on the prefill cases
+DECODE_VARIANTS = {"tp1": (1, 128), "tp2": (2, 128), "tp2_b256": (2, 256)}
 # tensor-core prefill: (pages of keys a tile, query tokens a block)
 MMA_TILES = ((1, 16), (2, 16), (4, 16), (2, 32))
 
@@ -53,9 +46,9 @@ def build(out: Path, arch: str) -> None:
     prepare_cuda_codegen(arches)
     out.mkdir(parents=True, exist_ok=True)
     funcs = {"append": kv_cache.append_kv(KV_HEADS, HEAD_DIM, "bfloat16", target)}
-    for name, (tp, stages, budget) in DECODE_VARIANTS.items():
+    for name, (tp, budget) in DECODE_VARIANTS.items():
         funcs[f"attend_{name}"] = attention.paged_attention(
-            HEADS, KV_HEADS, HEAD_DIM, "bfloat16", target, tp, budget, stages
+            HEADS, KV_HEADS, HEAD_DIM, "bfloat16", target, tp, budget
         )
     for tp, qt in MMA_TILES:
         funcs[f"attend_mma{tp}q{qt}"] = paged_prefill_mma(
@@ -244,7 +237,7 @@ def run(out_dir: Path, results: Path | None) -> None:
                 continue  # each kernel on its own kind of case; the split kernel on both
             row = {"kind": kind, "case": name, "kernel": tp}
             try:
-                budget = DECODE_VARIANTS.get(tp, (0, 0, 128))[2]
+                budget = DECODE_VARIANTS.get(tp, (0, 128))[1]
                 row.update(time_case(torch, tvm, attend, x, ref, bw, budget))
                 if sdpa_us is not None:
                     row["sdpa_us"] = sdpa_us

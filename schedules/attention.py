@@ -8,12 +8,11 @@ first (`kv_cache.append_kv`).
 `heads / kv_heads` query heads of that kv head, so each K/V element is loaded once for the
 whole GQA group. The kv range of a token is cut into `splits` pieces (flash-decoding) when there
 are few tokens, so one long sequence fills the GPU; a second kernel in the same function merges
-the pieces. K and V stream by tiles of `tile_pages` pages through `stages` shared-memory stages
-(cp.async on the GPU), so the next tiles are in flight while the block works on this one in
-four phases: partial scores (a thread per key x dim slice), whole scores (a thread per head x
-key), the online softmax (a thread per query head), and P.V (a thread per key group x 8-dim
-chunk, accumulating in registers). On the CPU the same loop nest runs its lanes serially (the
-copies plain), so the CPU tests check the GPU kernel's indexing.
+the pieces. Per tile of keys (`tile_pages` pages, whose K and V are loaded together) the block
+runs four phases: partial scores (a thread per key x dim slice), whole scores (a thread per
+head x key), the online softmax (a thread per query head), and P.V (a thread per key group x
+8-dim chunk, accumulating in registers). On the CPU the same loop nest runs its lanes serially,
+so the CPU tests check the GPU kernel's indexing.
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ from tvm.script import tirx as T
 from tvm.target import Target
 from tvm.tirx import PrimFunc
 
-from .kv_cache import PAGE_SIZE, seq_of_token_bounded
+from .kv_cache import PAGE_SIZE, seq_of_token
 
 # Split pieces of all tokens together: with few tokens each one's kv range is cut so that
 # tokens x splits stays at this many (x kv heads blocks), enough to fill an H200's 132 SMs.
@@ -33,17 +32,6 @@ MERGE_UNROLL = 8
 def num_splits(n_tok, budget: int = SPLIT_BUDGET):
     """Pieces each token's kv range is cut into; a TIR expression of the token count."""
     return T.max(1, budget // n_tok)
-
-
-def merge_groups(splits, threads: int, max_groups: int = 16):
-    """Thread groups sharing a merge block's columns: the smallest power of two giving each
-    group at most MERGE_UNROLL pieces (capped, then groups take more rounds); a TIR
-    expression of the split count."""
-    groups, n = 1, T.int32(1)
-    while groups * 2 <= min(max_groups, threads):
-        n = T.Select(splits > groups * MERGE_UNROLL, groups * 2, n)
-        groups *= 2
-    return n
 
 
 def _vector(head_dim: int) -> int:
@@ -58,7 +46,6 @@ def paged_attention(
     target: Target,
     tile_pages: int = 2,
     split_budget: int = SPLIT_BUDGET,
-    stages: int = 2,
 ) -> PrimFunc:
     """o[t, h] = softmax(q[t, h] . K[0..pos_t] * head_dim^-0.5) V[0..pos_t] over the pages of
     t's sequence: (q, indptr, slots, positions, page_table, k_pool, v_pool, layer) ->
@@ -75,14 +62,11 @@ def paged_attention(
     if not fits:
         raise ValueError(f"head_dim {d}: no thread layout for the P.V phase")
     key_groups = max(1, nt // chunks)  # P.V: keys split over this many thread groups
-    fold_levels = key_groups.bit_length() - 1  # key_groups is a power of two
-    red_rows = max(1, key_groups // 2)
     keys_per_group = tj // key_groups
     chunk_passes = max(1, chunks // nt)
     per_part = d // parts // vec  # vec-wide loads per thread in the score phase
     scale = float(d) ** -0.5
     shared = "shared" if gpu else "global"
-    stage_scope = "shared.dyn" if gpu else "global"  # past the 48 KB of static shared memory
     ws_rows = split_budget
 
     def grid(n):
@@ -98,15 +82,14 @@ def paged_attention(
 
     n_acc = chunk_passes * group * vec  # a thread's P.V accumulators
     kt = tp * tj  # keys a tile: `tp` pages a step, loaded together
-    # K/V tiles stream into `stages` shared-memory stages (cp.async on the GPU), so the
-    # next tiles are in flight while this one is computed on
-    unit = 16 // (2 if dtype == "bfloat16" else 4)  # elements a 16-byte copy
-    if d % unit or stages < 2:
-        raise ValueError(f"head_dim {d} in {dtype}: K/V rows must split into 16-byte copies")
-    upr = d // unit  # copies a key row
-    copies = -(-kt * upr // nt)  # copies a thread, for each of K and V
+    n_v = tp * chunk_passes * keys_per_group * vec  # a thread's share of a tile's V
 
+    dm = 16  # merge of many pieces: columns a block
+    if nt % dm:
+        raise ValueError(f"{nt} threads a block do not split into groups of {dm} columns")
 
+    def v_at(u, cp, jj, i):
+        return ((u * chunk_passes + cp) * keys_per_group + jj) * vec + i
     reg = "local" if gpu else "global"
     # the CPU keeps V in fp32: TVM's bf16 legalization loses a bf16 buffer shared by phases
     v_dtype = dtype if gpu else "float32"
@@ -115,56 +98,6 @@ def paged_attention(
     def dim(p, e, i):
         """Score phase: dims of slice p, interleaved so a warp's loads cover whole rows."""
         return (e * parts + p) * vec + i
-
-    @T.macro
-    def red_acc(red, acc, tx, row, into_acc):
-        # this thread's accumulators <-> row `row` of the fold buffer
-        for cp in T.serial(chunk_passes):
-            c: T.let[T.int32] = (cp * nt + tx) % chunks
-            for g in T.serial(group):
-                for i in T.serial(vec):
-                    at: T.let[T.int32] = (row * group + g) * d + c * vec + i
-                    a_i: T.let[T.int32] = own(tx, (cp * group + g) * vec + i, n_acc)
-                    if into_acc:
-                        acc[a_i] += red[at]
-                    else:
-                        red[at] = acc[a_i]
-
-    @T.macro
-    def load_tile(kp, vp, k_st, v_st, tl, n_tiles, table, slot, p0, p1, kvh, layer64):
-        # K and V of tile tl (if any) into stage tl % stages, 16 bytes a copy; pages past the
-        # split repeat its last one (their keys are masked). One cp.async group a call.
-        for tx in lanes():
-            with T.sblock("load"):
-                T.reads()
-                T.writes()
-                for it in T.unroll(copies):
-                    x: T.let[T.int32] = it * nt + tx
-                    key: T.let[T.int32] = x // upr
-                    # inlined, not let-bound: it reads the search's local buffer, which TVM's
-                    # shared memory planner refuses in a let at the kernel's top level
-                    page = T.meta_var(T.Cast(
-                        "int64", table[slot, T.min(p0 + tl * tp + key // tj, p1 - 1)]
-                    ))  # fmt: skip
-                    src = T.meta_var((
-                        ((layer64 * kp.shape[1] + page) * kv_heads + kvh) * tj + key % tj
-                    ) * d + x % upr * unit)  # fmt: skip
-                    dst: T.let[T.int32] = tl % stages * kt * d + key * d + x % upr * unit
-                    if tl < n_tiles and x < kt * upr:
-                        if gpu:
-                            T.evaluate(T.s_tir.cp_async_raw.legacy(
-                                k_st.data, dst, kp.data, src, 16, dtype=dtype
-                            ))  # fmt: skip
-                            T.evaluate(T.s_tir.cp_async_raw.legacy(
-                                v_st.data, dst, vp.data, src, 16, dtype=dtype
-                            ))  # fmt: skip
-                        else:
-                            for i in T.serial(unit):
-                                at = T.meta_var((layer64, page, kvh, key % tj, x % upr * unit + i))
-                                k_st[dst + i] = kp[at]
-                                v_st[dst + i] = vp[at]
-                if gpu:
-                    T.evaluate(T.ptx["cp.async.commit_group"]())
 
     @T.macro
     def merge_pieces(ws_acc, ws_ml, t, h, col, first, stride, splits, run, ms, ls, xs):
@@ -229,20 +162,19 @@ def paged_attention(
                 p_sh = T.sblock_alloc_buffer((group * kt,), "float32", scope=shared)
                 alpha = T.sblock_alloc_buffer((group,), "float32", scope=shared)
                 ml_sh = T.sblock_alloc_buffer((group * 2,), "float32", scope=shared)
-                red = T.sblock_alloc_buffer((red_rows * group * d,), "float32", scope=shared)
+                red = T.sblock_alloc_buffer((key_groups * group * d,), "float32", scope=shared)
                 acc = T.sblock_alloc_buffer(
                     (reg_rows * n_acc,), "float32", scope=reg
                 )
                 ml = T.sblock_alloc_buffer((reg_rows * 2,), "float32", scope=reg)
-                k_st = T.sblock_alloc_buffer((stages * kt * d,), dtype, scope=stage_scope)
-                v_st = T.sblock_alloc_buffer((stages * kt * d,), dtype, scope=stage_scope)
+                vreg = T.sblock_alloc_buffer((reg_rows * n_v,), v_dtype, scope=reg)
                 lo = T.sblock_alloc_buffer((1,), "int32", scope="local")
                 hi = T.sblock_alloc_buffer((1,), "int32", scope="local")
                 t: T.let[T.int32] = blk // (kv_heads * splits)
                 kvh: T.let[T.int32] = blk // splits % kv_heads
                 s: T.let[T.int32] = blk % splits
-                seq_of_token_bounded(indptr, n_ptr - 1, t, lo, hi)
-                slot = T.meta_var(slots[lo[0]])  # inlined: see load_tile
+                seq_of_token(indptr, n_ptr - 1, t, lo, hi)
+                slot: T.let[T.int32] = slots[lo[0]]
                 kv_len: T.let[T.int32] = positions[t] + 1
                 n_kv_pages: T.let[T.int32] = (kv_len + tj - 1) // tj
                 per_split: T.let[T.int32] = (n_kv_pages + splits - 1) // splits
@@ -262,49 +194,52 @@ def paged_attention(
                         ml[own(tx, 0, 2)] = T.float32("-inf")
                         ml[own(tx, 1, 2)] = T.float32(0)
                 lim: T.let[T.int32] = T.min(kv_len, p1 * tj)  # this split's keys end here
-                n_tiles: T.let[T.int32] = (p1 - p0 + tp - 1) // tp
-                # the first stages - 1 tiles start streaming before anything else
-                for ahead in T.unroll(stages - 1):
-                    load_tile(kp, vp, k_st, v_st, ahead, n_tiles, table, slot, p0, p1, kvh, layer64)
-                for tl in T.serial(n_tiles):
-                    if gpu:  # tile tl has landed, and every thread is done with tile tl - 1
-                        T.evaluate(T.ptx["cp.async.wait_group"](stages - 2))
-                        T.tvm_storage_sync("shared.dyn")
-                    load_tile(
-                        kp, vp, k_st, v_st, tl + stages - 1, n_tiles, table, slot, p0, p1, kvh,
-                        layer64,
-                    )
+                for tl in T.serial((p1 - p0 + tp - 1) // tp):
                     key0: T.let[T.int32] = (p0 + tl * tp) * tj
-                    base: T.let[T.int32] = tl % stages * kt * d
-                    # Phase 1: partial scores of key j over dim slice p, for every query head
-                    # at once (independent sums, so their FMA chains interleave).
+                    # Phase 1: partial scores of key j over dim slice p, for every query head;
+                    # the tile's V is loaded now too (phase 3's layout), so K and V are in
+                    # flight together.
                     for tx in lanes():
                         with T.sblock("scores"):
                             T.reads()
                             T.writes()
                             kr = T.sblock_alloc_buffer((tp * per_part * vec,), dtype, scope="local")
-                            sc = T.sblock_alloc_buffer((tp * group,), "float32", scope="local")
+                            sc = T.sblock_alloc_buffer((group,), "float32", scope="local")
                             j: T.let[T.int32] = tx // parts
                             p: T.let[T.int32] = tx % parts
+                            kg: T.let[T.int32] = tx // chunks if nt >= chunks else 0
                             for u in T.unroll(tp):
-                                row: T.let[T.int32] = base + (u * tj + j) * d
+                                page: T.let[T.int64] = T.Cast(
+                                    "int64", table[slot, T.min(p0 + tl * tp + u, p1 - 1)]
+                                )
                                 for e in T.unroll(per_part):
                                     for i in T.vectorized(vec):
-                                        kr[(u * per_part + e) * vec + i] = k_st[row + dim(p, e, i)]
-                            for x in T.unroll(tp * group):
-                                sc[x] = T.float32(0)
-                            # each query value is read once and meets every page's key
-                            for e in T.unroll(per_part):
-                                for i in T.unroll(vec):
-                                    for g in T.unroll(group):
-                                        qv: T.let[T.float32] = q_sh[g * d + dim(p, e, i)]
-                                        for u in T.unroll(tp):
-                                            sc[u * group + g] += qv * T.Cast(
-                                                "float32", kr[(u * per_part + e) * vec + i]
+                                        kr[(u * per_part + e) * vec + i] = kp[
+                                            layer64, page, kvh, j, dim(p, e, i)
+                                        ]
+                                for cp in T.unroll(chunk_passes):
+                                    for jj in T.unroll(keys_per_group):
+                                        for i in T.vectorized(vec):
+                                            vreg[own(tx, v_at(u, cp, jj, i), n_v)] = T.Cast(
+                                                v_dtype,
+                                                vp[
+                                                    layer64,
+                                                    page,
+                                                    kvh,
+                                                    kg * keys_per_group + jj,
+                                                    (cp * nt + tx) % chunks * vec + i,
+                                                ],
                                             )
                             for u in T.unroll(tp):
-                                for g in T.unroll(group):
-                                    part[(g * kt + u * tj + j) * parts + p] = sc[u * group + g]
+                                for g in T.serial(group):
+                                    sc[g] = T.float32(0)
+                                    for e in T.unroll(per_part):
+                                        for i in T.unroll(vec):
+                                            sc[g] += q_sh[g * d + dim(p, e, i)] * T.Cast(
+                                                "float32", kr[(u * per_part + e) * vec + i]
+                                            )
+                                for g in T.serial(group):
+                                    part[(g * kt + u * tj + j) * parts + p] = sc[g]
                     # Phase 2: whole scores, scaled and masked, one thread per (head, key).
                     for tx in lanes():
                         with T.sblock("score_sums"):
@@ -331,10 +266,10 @@ def paged_attention(
                             sm = T.sblock_alloc_buffer((1,), "float32", scope="local")
                             if tx < group:
                                 mx[0] = ml[own(tx, 0, 2)]
-                                for jt in T.unroll(kt):
+                                for jt in T.serial(kt):
                                     mx[0] = T.max(mx[0], s_sh[tx * kt + jt])
                                 sm[0] = T.float32(0)
-                                for jt in T.unroll(kt):
+                                for jt in T.serial(kt):
                                     pv: T.let[T.float32] = T.exp(s_sh[tx * kt + jt] - mx[0])
                                     p_sh[tx * kt + jt] = pv
                                     sm[0] += pv
@@ -347,51 +282,38 @@ def paged_attention(
                         with T.sblock("pv"):
                             T.reads()
                             T.writes()
-                            vr = T.sblock_alloc_buffer((vec,), v_dtype, scope="local")
                             kg: T.let[T.int32] = tx // chunks if nt >= chunks else 0
                             for cp in T.serial(chunk_passes):
-                                c: T.let[T.int32] = (cp * nt + tx) % chunks
                                 for g in T.serial(group):
                                     for i in T.unroll(vec):
                                         acc[own(tx, (cp * group + g) * vec + i, n_acc)] *= alpha[g]
                                 for u in T.unroll(tp):
                                     for jj in T.unroll(keys_per_group):
                                         jt: T.let[T.int32] = u * tj + kg * keys_per_group + jj
-                                        row: T.let[T.int32] = base + jt * d + c * vec
-                                        for i in T.vectorized(vec):
-                                            vr[i] = T.Cast(v_dtype, v_st[row + i])
-                                        for g in T.unroll(group):
+                                        for g in T.serial(group):
                                             pj: T.let[T.float32] = p_sh[g * kt + jt]
                                             for i in T.unroll(vec):
                                                 a_i: T.let[T.int32] = own(
                                                     tx, (cp * group + g) * vec + i, n_acc
                                                 )
-                                                acc[a_i] += pj * T.Cast("float32", vr[i])
-                # Fold the key groups' accumulators in halves (each phase only writes or only
-                # reads `red`: half the groups' worth of shared memory keeps more blocks on an
-                # SM); then group 0 publishes the sums. Write o, or this split's piece.
-                for lv in T.serial(fold_levels):
-                    half: T.let[T.int32] = T.shift_right(key_groups, lv + 1)
-                    for tx in lanes():
-                        with T.sblock("fold_write"):
-                            T.reads()
-                            T.writes()
-                            kg: T.let[T.int32] = tx // chunks if nt >= chunks else 0
-                            if half <= kg and kg < 2 * half:
-                                red_acc(red, acc, tx, kg - half, False)
-                    for tx in lanes():
-                        with T.sblock("fold_read"):
-                            T.reads()
-                            T.writes()
-                            kg: T.let[T.int32] = tx // chunks if nt >= chunks else 0
-                            if kg < half:
-                                red_acc(red, acc, tx, kg, True)
+                                                vv: T.let[T.float32] = T.Cast(
+                                                    "float32",
+                                                    vreg[own(tx, v_at(u, cp, jj, i), n_v)],
+                                                )
+                                                acc[a_i] += pj * vv
+                # Combine the key groups' accumulators; write o, or this split's piece.
                 for tx in lanes():
                     with T.sblock("publish"):
                         T.reads()
                         T.writes()
-                        if tx < chunks:
-                            red_acc(red, acc, tx, 0, False)
+                        kg: T.let[T.int32] = tx // chunks if nt >= chunks else 0
+                        for cp in T.serial(chunk_passes):
+                            c: T.let[T.int32] = (cp * nt + tx) % chunks
+                            for g in T.serial(group):
+                                for i in T.serial(vec):
+                                    red[(kg * group + g) * d + c * vec + i] = acc[
+                                        own(tx, (cp * group + g) * vec + i, n_acc)
+                                    ]
                         if tx < group:
                             ml_sh[tx * 2] = ml[own(tx, 0, 2)]
                             ml_sh[tx * 2 + 1] = ml[own(tx, 1, 2)]
@@ -404,7 +326,9 @@ def paged_attention(
                             x: T.let[T.int32] = e * nt + tx
                             if x < group * d:
                                 g: T.let[T.int32] = x // d
-                                sum_[0] = red[g * d + x % d]
+                                sum_[0] = T.float32(0)
+                                for kg in T.serial(key_groups):
+                                    sum_[0] += red[(kg * group + g) * d + x % d]
                                 if splits == 1:
                                     o[t, kvh * group + g, x % d] = T.Cast(
                                         dtype, sum_[0] / ml_sh[g * 2 + 1]
@@ -418,12 +342,11 @@ def paged_attention(
                                         ]
         # Merge the split pieces, a block per `cols` output columns (of the flattened [token,
         # head, dim] output) split over `groups` thread groups that take the pieces
-        # round-robin, then combined in shared memory. Enough groups that each thread's
-        # pieces load in one round (MERGE_UNROLL at once): the merge is one memory round trip.
-        # Nothing to do with one split (tested inside each phase: a barrier may not fall
-        # inside a condition).
-        groups: T.let[T.int32] = merge_groups(splits, nt)
-        cols: T.let[T.int32] = nt // groups
+        # round-robin, then combined in shared memory. Many pieces (few tokens): 16 columns,
+        # many groups; a few pieces: a column a thread, all pieces at once. Nothing to do with
+        # one split (tested inside each phase: a barrier may not fall inside a condition).
+        cols: T.let[T.int32] = T.Select(splits > MERGE_UNROLL, dm, nt)
+        groups: T.let[T.int32] = nt // cols
         n_cols: T.let[T.int32] = T.min(n_tok, ws_rows) * heads * d
         for mb in grid((n_cols + cols - 1) // cols):
             with T.sblock("merge"):

@@ -18,32 +18,16 @@ PAGE_SIZE = 16
 
 
 @T.macro
-def _bisect(indptr, t, lo, hi):
-    if indptr[(lo[0] + hi[0]) // 2] <= t:
-        lo[0] = (lo[0] + hi[0]) // 2
-    else:
-        hi[0] = (lo[0] + hi[0]) // 2
-
-
-@T.macro
 def seq_of_token(indptr, n_seq, t, lo, hi):
     # lo[0] <- the sequence b with indptr[b] <= t < indptr[b + 1]; a while loop, so one
     # sequence costs no step (a kernel with a thread per token and channel runs this a lot)
     lo[0] = 0
     hi[0] = n_seq
     while hi[0] - lo[0] > 1:
-        _bisect(indptr, t, lo, hi)
-
-
-@T.macro
-def seq_of_token_bounded(indptr, n_seq, t, lo, hi):
-    # seq_of_token as a for loop of guarded steps, for kernels whose dynamic shared memory
-    # TVM merges: its planner refuses a while condition that reads a local buffer
-    lo[0] = 0
-    hi[0] = n_seq
-    for _ in T.serial(31):
-        if hi[0] - lo[0] > 1:
-            _bisect(indptr, t, lo, hi)
+        if indptr[(lo[0] + hi[0]) // 2] <= t:
+            lo[0] = (lo[0] + hi[0]) // 2
+        else:
+            hi[0] = (lo[0] + hi[0]) // 2
 
 
 def append_kv(kv_heads: int, head_dim: int, dtype: str, target: Target) -> PrimFunc:
