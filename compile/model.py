@@ -25,6 +25,7 @@ from ..schedules import (
     attention_prefill,
     gdn,
     gdn_chunked,
+    gdn_prep,
     greedy,
     kv_cache,
     logits,
@@ -210,52 +211,44 @@ class GatedDeltaNet(nn.Module):
         hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         layer = tirx.IntImm("int32", self.gdn_layer)
-        mixed, z, b, a = op.split(
-            self.in_proj(x),
-            [cfg.conv_dim, cfg.conv_dim + cfg.value_dim, cfg.conv_dim + cfg.value_dim + hv],
-            axis=-1,
+        target = Target.current()
+        proj = self.in_proj(x)  # [q k v | z | b | a], read in place by both kernels below
+        conv_pool, q, k, v, g, beta = op.tensor_ir_inplace_op(
+            gdn_prep.gdn_input(hk, hv, dk, dv, cfg.linear_conv_kernel_dim, self.dtype, target),
+            "gdn_input",
+            [proj, self.conv_weight, self.A_log, self.dt_bias, indptr, slots, conv_pool, layer],
+            inplace_indices=[6, -1, -1, -1, -1, -1],
+            out=[
+                conv_pool,
+                Tensor.placeholder((n_tok, hk, dk), F32),
+                Tensor.placeholder((n_tok, hk, dk), F32),
+                Tensor.placeholder((n_tok, hv, dv), F32),
+                Tensor.placeholder((n_tok, hv), F32),
+                Tensor.placeholder((n_tok, hv), F32),
+            ],
         )
-        conv_pool, mixed = op.tensor_ir_inplace_op(
-            gdn.conv1d_with_state(
-                cfg.conv_dim, cfg.linear_conv_kernel_dim, self.dtype, Target.current()
-            ),
-            "gdn_conv1d",
-            [mixed, self.conv_weight, indptr, slots, conv_pool, layer],
-            inplace_indices=[4, -1],
-            out=[conv_pool, Tensor.placeholder((n_tok, cfg.conv_dim), self.dtype)],
-        )
-        q, k, v = op.split(mixed.astype(F32), [cfg.key_dim, 2 * cfg.key_dim], axis=-1)
-        q = l2_normalize(op.reshape(q, (n_tok, hk, dk)))
-        k = l2_normalize(op.reshape(k, (n_tok, hk, dk)))
-        v = op.reshape(v, (n_tok, hv, dv))
-        beta = op.sigmoid(b.astype(F32))
-        g = op.negative(op.exp(self.A_log)) * op.softplus(a.astype(F32) + self.dt_bias)
         delta_rule = gdn_chunked.chunked_gated_delta_rule if chunked else gdn.gated_delta_rule
         rec_pool, o = op.tensor_ir_inplace_op(
-            delta_rule(hk, hv, dk, dv, Target.current()),
+            delta_rule(hk, hv, dk, dv, target),
             "gdn_delta_rule",
             [q, k, v, g, beta, indptr, slots, rec_pool, layer],
             inplace_indices=[7, -1],
             out=[rec_pool, Tensor.placeholder((n_tok, hv, dv), F32)],
         )
         # Gated RMSNorm: HF rounds the core output to the activation dtype before the norm.
-        o = op.rms_norm(o.astype(self.dtype).astype(F32), self.norm_weight, [-1], cfg.rms_norm_eps)
-        o = o.astype(self.dtype).astype(F32) * op.silu(op.reshape(z, (n_tok, hv, dv)).astype(F32))
-        out = self.out_proj(op.reshape(o.astype(self.dtype), (n_tok, cfg.value_dim)))
+        o = op.tensor_ir_op(
+            gdn_prep.gated_norm(hv, dv, cfg.conv_dim, cfg.rms_norm_eps, self.dtype, target),
+            "gdn_gated_norm",
+            [o, proj, self.norm_weight],
+            out=Tensor.placeholder((n_tok, cfg.value_dim), self.dtype),
+        )
+        out = self.out_proj(o)
         return out, conv_pool, rec_pool
 
 
 def _pick_workspaces(n) -> list[Tensor]:
     val, idx = greedy.workspace_shapes(n)
     return [Tensor.placeholder(val, F32), Tensor.placeholder(idx, "int32")]
-
-
-def l2_normalize(x: Tensor, eps: float = 1e-6) -> Tensor:
-    """x / sqrt(sum(x^2) + eps) over the last axis, as the one-kernel RMSNorm: the same value
-    is (x / sqrt(mean(x^2) + eps / dim)) / sqrt(dim)."""
-    dim = int(x.shape[-1])
-    scale = nn.Tensor.from_const(np.full((dim,), dim**-0.5, np.float32))
-    return rms_norm(x, scale, eps / dim)
 
 
 class DecoderLayer(nn.Module):

@@ -43,6 +43,7 @@ def _for_target(func: PrimFunc, blocks: list[str], target: Target) -> PrimFunc:
 def conv1d_with_state(conv_dim: int, kernel: int, dtype: str, target: Target) -> PrimFunc:
     """out[t] = silu(sum_k w[k] * x[t - kernel + 1 + k]), reading the window before a
     sequence's first token from its conv state and leaving its last kernel - 1 inputs there.
+    The model now runs gdn_prep.gdn_input, whose conv must equal this kernel's output.
 
     Every (token, channel) is independent, so a prefill chunk's tokens run in parallel (a
     thread each, its sequence found by binary search); a second kernel then moves each
