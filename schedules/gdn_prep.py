@@ -147,8 +147,6 @@ def gdn_input(
                         win = T.sblock_alloc_buffer((kernel,), "float32", scope="local")
                         wt = T.sblock_alloc_buffer((kernel,), "float32", scope="local")
                         acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                        for tt in T.unroll(TILE):
-                            vals[tt * nt + tx] = T.float32(0)
                         if tx < live:
                             c: T.let[T.int32] = c0 + tx
                             for i in T.unroll(kernel):
@@ -163,18 +161,22 @@ def gdn_input(
                                         "float32", pool[slot, layer, c, T.min(hist + j, hist - 1)]
                                     ),
                                 )
+                            # Tokens past the tile's last repeat it: no guard, so the loads of
+                            # a full tile can all be in flight at once; those rows go unread.
                             for tt in T.unroll(TILE):
-                                if tt < count:
-                                    win[hist] = T.Cast("float32", x[start + t0 + tt, c])
-                                    acc[0] = T.float32(0)
-                                    for i in T.unroll(kernel):
-                                        acc[0] = acc[0] + wt[i] * win[i]
-                                    # rounded to the model dtype, as the conv's output was
-                                    vals[tt * nt + tx] = _rounded(
-                                        acc[0] / (T.float32(1) + T.exp(-acc[0])), dtype
-                                    )
-                                    for i in T.unroll(hist):
-                                        win[i] = win[i + 1]
+                                win[hist] = T.Cast(
+                                    "float32",
+                                    x[T.max(start + T.min(t0 + tt, length - 1), 0), c],
+                                )
+                                acc[0] = T.float32(0)
+                                for i in T.unroll(kernel):
+                                    acc[0] = acc[0] + wt[i] * win[i]
+                                # rounded to the model dtype, as the conv's output was
+                                vals[tt * nt + tx] = _rounded(
+                                    acc[0] / (T.float32(1) + T.exp(-acc[0])), dtype
+                                )
+                                for i in T.unroll(hist):
+                                    win[i] = win[i + 1]
                             if nth == 0:
                                 # ascending i reads old state at length + i >= i before it goes
                                 for i in T.serial(hist):
@@ -184,6 +186,9 @@ def gdn_input(
                                         x[T.min(start + T.max(j, 0), n_tok - 1), c],
                                         pool[slot, layer, c, T.min(hist + j, hist - 1)],
                                     )
+                        else:
+                            for tt in T.unroll(TILE):
+                                vals[tt * nt + tx] = T.float32(0)
                 for tx in lanes():
                     with T.sblock("squares"):
                         T.reads()
@@ -293,6 +298,9 @@ def gated_norm(
                             vals[r * nt + tx] = T.float32(0)
                             if tx < v_dim:
                                 vals[r * nt + tx] = _rounded(o[tok, h0 + r, tx], dtype)
+                        else:
+                            for tt in T.unroll(TILE):
+                                vals[tt * nt + tx] = T.float32(0)
                 for tx in lanes():
                     with T.sblock("squares"):
                         T.reads()
