@@ -286,6 +286,8 @@ def gated_norm(
                 T.reads()
                 T.writes()
                 vals = T.sblock_alloc_buffer((rows * nt,), "float32", scope=shared)
+                # z is staged with o: its loads overlap o's instead of following the norm
+                zs = T.sblock_alloc_buffer((rows * nt,), "float32", scope=shared)
                 part = T.sblock_alloc_buffer((rows * parts,), "float32", scope=shared)
                 inv = T.sblock_alloc_buffer((rows,), "float32", scope=shared)
                 tok: T.let[T.int32] = blk // groups
@@ -298,9 +300,9 @@ def gated_norm(
                             vals[r * nt + tx] = T.float32(0)
                             if tx < v_dim:
                                 vals[r * nt + tx] = _rounded(o[tok, h0 + r, tx], dtype)
-                        else:
-                            for tt in T.unroll(TILE):
-                                vals[tt * nt + tx] = T.float32(0)
+                                zs[r * nt + tx] = T.Cast(
+                                    "float32", x[tok, z_offset + (h0 + r) * v_dim + tx]
+                                )
                 for tx in lanes():
                     with T.sblock("squares"):
                         T.reads()
@@ -328,14 +330,13 @@ def gated_norm(
                     with T.sblock("gate"):
                         T.reads()
                         T.writes()
-                        zf = T.sblock_alloc_buffer((1,), "float32", scope="local")
                         if tx < v_dim:
                             for r in T.unroll(rows):
-                                zf[0] = T.Cast("float32", x[tok, z_offset + (h0 + r) * v_dim + tx])
+                                zf: T.let[T.float32] = zs[r * nt + tx]
                                 out[tok, (h0 + r) * v_dim + tx] = T.Cast(
                                     dtype,
                                     _rounded(vals[r * nt + tx] * inv[r] * w[tx], dtype)
-                                    * (zf[0] * (T.float32(1) / (T.float32(1) + T.exp(-zf[0])))),
+                                    * (zf * (T.float32(1) / (T.float32(1) + T.exp(-zf)))),
                                 )
 
     return gated_norm_fn.with_attr("global_symbol", "gdn_gated_norm")
