@@ -120,6 +120,7 @@ def _serve(args: argparse.Namespace) -> None:
         max_total_tokens=args.max_total_tokens,
         cfg=cfg,
         memory_fraction=args.memory_fraction,
+        mixed_step_share=args.mixed_step_share or None,
     )
 
 
@@ -229,6 +230,13 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         default=0.5,
         help="on a GPU without --max-total-tokens: share of free memory for KV pages and GDN slots",
+    )
+    s.add_argument(
+        "--mixed-step-share",
+        type=float,
+        default=1.0,
+        help="prompt tokens beside running decodes: what takes this times a decode step "
+        "(0: always the whole prefill chunk)",
     )
     s.add_argument("--model-name", default=None, help="served model id (default: folder name)")
     s.set_defaults(func=_serve)

@@ -9,6 +9,7 @@ parameters and generator, and frees finished sequences at once.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +30,7 @@ from .model_runner import ModelRunner, StepLogits
 from .sampler import Sampler, SamplingParams, is_effectively_greedy, make_rng
 from .scheduler import Scheduler
 from .sequence import Completion, Output, Request, Sequence, Status
+from .step_costs import StepCosts
 
 if TYPE_CHECKING:  # xgrammar loads only with the first constrained request
     from .grammar import GrammarState
@@ -48,10 +50,13 @@ class Engine:
         num_slots: int | None = None,
         prefill_chunk: int = 2048,
         memory_fraction: float | None = None,
+        mixed_step_share: float | None = 1.0,
     ):
         """Pools: `max_total_tokens` of KV pages (default: one context window) and `num_slots`
         GDN slots (default: `max_batch_size`), or, with `memory_fraction` on a GPU, whatever
-        that fraction of the device's free memory holds (`plan_capacity`)."""
+        that fraction of the device's free memory holds (`plan_capacity`). Beside running
+        decodes a step prefills what takes about `mixed_step_share` times a decode step (None:
+        always `prefill_chunk` tokens)."""
         self.artifact = artifact
         self.decodable = artifact.widths.decodable
         self.page_size = page_size = artifact.page_size
@@ -61,6 +66,7 @@ class Engine:
         self.max_total_tokens = max_total_tokens or artifact.context_window
         self.pool = CapacityPool(self.max_total_tokens // page_size, num_slots or max_batch_size)
         self.scheduler = Scheduler(self.pool, max_batch_size, prefill_chunk)
+        self.costs = StepCosts(mixed_step_share) if mixed_step_share else None
         self.runner = ModelRunner(
             artifact,
             max_batch_size=max_batch_size,
@@ -189,18 +195,27 @@ class Engine:
         outputs, self._pending = self._pending, []
         for seq in self.scheduler.admit():
             self.runner.add_sequence(seq.slot, seq.page_ids)  # also zeroes the slot
-        plan = self.scheduler.plan()
+        timed = self.costs is not None
+        plan = self.scheduler.plan(self.costs.prefill_tokens if timed else None)
         ready: list[Ready] = []  # sequences to sample, with their logits
+        started = time.perf_counter()
         if plan.decode:
             seqs = plan.decode
             step = self.runner.decode([s.slot for s in seqs], [s.output[-1] for s in seqs])
             for i, seq in enumerate(seqs):
                 seq.num_computed += 1
                 ready.append((seq, step, i))
+        decoded = time.perf_counter()  # the decode step syncs: its picks are on the host
         if plan.prefill:
             ready += self._prefill(plan.prefill)
         if ready:
             outputs += self._sample(ready)
+        if timed:
+            if plan.decode:
+                self.costs.record_decode(len(plan.decode), decoded - started)
+            if plan.prefill:
+                tokens = sum(n for _, n in plan.prefill)
+                self.costs.record_prefill(tokens, time.perf_counter() - decoded)
         return outputs
 
     def _prefill(self, chunks: list[tuple[Sequence, int]]) -> list[Ready]:

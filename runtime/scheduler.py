@@ -1,9 +1,11 @@
 """Which sequences run in the next step: FIFO admission against the capacity pool, then every
-running decode plus up to `prefill_chunk` prompt tokens, oldest admission first."""
+running decode plus up to `prefill_chunk` prompt tokens (fewer beside decodes, when the caller
+sizes the chunk by time: runtime/step_costs.py), oldest admission first."""
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .kv_pool import CapacityPool
@@ -51,9 +53,13 @@ class Scheduler:
             admitted.append(seq)
         return admitted
 
-    def plan(self) -> StepPlan:
+    def plan(self, prefill_budget: Callable[[int, int], int] | None = None) -> StepPlan:
+        """`prefill_budget(decode rows, prefill_chunk)`: the prompt tokens this step may take."""
         decode = [s for s in self.running if not s.prefilling]
-        prefill, budget = [], self.prefill_chunk
+        budget = self.prefill_chunk
+        if prefill_budget is not None:
+            budget = max(1, min(prefill_budget(len(decode), budget), budget))
+        prefill = []
         for seq in self.running:
             if budget == 0:
                 break

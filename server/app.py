@@ -166,6 +166,7 @@ def build_server(
     max_total_tokens: int | None = None,
     cfg: ServerConfig | None = None,
     memory_fraction: float | None = None,
+    mixed_step_share: float | None = 1.0,
 ) -> Server:
     artifact = Artifact(artifact_dir, device=device)
     if artifact.device_name == "cpu":
@@ -175,6 +176,7 @@ def build_server(
         max_batch_size=max_batch,
         max_total_tokens=max_total_tokens,
         memory_fraction=memory_fraction,
+        mixed_step_share=mixed_step_share,
     )
     return Server(engine, TextTokenizer.from_dir(artifact_dir), cfg or ServerConfig())
 
@@ -306,9 +308,12 @@ def serve(
     max_total_tokens: int | None = None,
     cfg: ServerConfig | None = None,
     memory_fraction: float | None = None,
+    mixed_step_share: float | None = 1.0,
 ) -> None:
     """Load the artifact and serve until interrupted."""
     import uvicorn
 
-    server = build_server(artifact_dir, device, max_batch, max_total_tokens, cfg, memory_fraction)
+    server = build_server(
+        artifact_dir, device, max_batch, max_total_tokens, cfg, memory_fraction, mixed_step_share
+    )
     uvicorn.run(create_app(server), host=host, port=port, log_level="info")

@@ -1,0 +1,65 @@
+"""How many prompt tokens a step may prefill beside running decodes, from measured costs.
+
+A decode step's time is what every running sequence waits for its next token, so a prefill
+chunk that shares the step stretches every running stream's inter-token latency. Instead of a
+fixed token count, the chunk is sized by time: the prefill part may take about `share` times a
+pure decode step of the same batch. Prefill cost is fitted as `fixed + per_token * n` over recent
+chunks (the fixed part, a few ms of kernel launches, is why small chunks are not free), and a
+floor of `min_tokens` keeps long prompts moving when even the fixed part exceeds the share.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+
+# Decode times are kept per batch size; a size never measured borrows the nearest one.
+DECODE_EMA = 0.2
+
+
+class StepCosts:
+    def __init__(self, share: float = 1.0, min_tokens: int = 128, window: int = 32) -> None:
+        if share <= 0 or min_tokens < 1:
+            raise ValueError(f"share {share} must be > 0 and min_tokens {min_tokens} >= 1")
+        self.share = share
+        self.min_tokens = min_tokens
+        self._decode: dict[int, float] = {}  # batch rows -> EMA of the step's seconds
+        self._prefill: deque[tuple[int, float]] = deque(maxlen=window)  # (tokens, seconds)
+
+    def record_decode(self, rows: int, seconds: float) -> None:
+        old = self._decode.get(rows)
+        self._decode[rows] = seconds if old is None else old + DECODE_EMA * (seconds - old)
+
+    def record_prefill(self, tokens: int, seconds: float) -> None:
+        self._prefill.append((tokens, seconds))
+
+    def decode_seconds(self, rows: int) -> float | None:
+        if not self._decode:
+            return None
+        return self._decode[min(self._decode, key=lambda r: abs(r - rows))]
+
+    def prefill_fit(self) -> tuple[float, float] | None:
+        """(fixed seconds, seconds a token) of a prefill chunk, or None before two different
+        chunk sizes were seen. A single size gives a line through the origin."""
+        if not self._prefill:
+            return None
+        n = np.array([t for t, _ in self._prefill], dtype=np.float64)
+        s = np.array([x for _, x in self._prefill], dtype=np.float64)
+        if np.ptp(n) == 0:
+            return 0.0, float(s.mean() / n[0])
+        per_token, fixed = np.polyfit(n, s, 1)
+        if per_token <= 0:  # noise over a narrow range of sizes
+            return 0.0, float(s.sum() / n.sum())
+        return max(float(fixed), 0.0), float(per_token)
+
+    def prefill_tokens(self, decode_rows: int, most: int) -> int:
+        """Prompt tokens for a step that also decodes `decode_rows` sequences (at most `most`,
+        the fixed chunk, which is also the answer while nothing decodes or nothing is known)."""
+        step = self.decode_seconds(decode_rows) if decode_rows else None
+        fit = self.prefill_fit()
+        if step is None or fit is None:
+            return most
+        fixed, per_token = fit
+        fits = int((self.share * step - fixed) / per_token + 1e-6)  # not 79.999 -> 79
+        return max(min(fits, most), min(self.min_tokens, most))
