@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import sys
 import threading
 import time
 from collections import deque
@@ -21,6 +22,11 @@ from qwen35_tvm.runtime.engine import Engine
 from qwen35_tvm.runtime.sequence import Output, Request, TopLogprobs
 
 log = logging.getLogger(__name__)
+
+# The engine thread drops the GIL while the GPU works (TVM's calls release it) and needs it back
+# the moment the step's results land; with CPython's default 5 ms switch interval it can wait
+# that long behind the event loop formatting SSE chunks. A shorter interval bounds the wait.
+GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 @dataclass(frozen=True)
@@ -59,6 +65,7 @@ class EngineLoop:
     # ---- asyncio side ---------------------------------------------------------------------
 
     def start(self) -> None:
+        sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
         self._thread.start()
 
     def stop(self) -> None:
