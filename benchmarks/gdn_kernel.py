@@ -8,8 +8,11 @@ At the 4B shapes (16 key heads, 32 value heads, head dims 128), `run` times ever
 one sequence of 1,024 and of 8,192 tokens and on 16 sequences of 1,024 tokens (prefill),
 each sequence starting from a non-zero state in a scattered slot; `--decode` adds 16 and 1
 sequences of 1 token. Kernels: the recurrent one, the fp32 chunked one (the previous
-default) and the tensor-core one (bf16 operands, fp32 state) at chunk 32 / 64 and 64 / 128
-value columns a block. Every kernel is checked against a float64 torch recurrence (max |Δ| of
+default), the tensor-core one (bf16 operands, fp32 state) as first written at chunk 32 / 64
+and 64 / 128 value columns a block (mma_*), and its current version (mma2_*: decays by a
+shuffle scan, fewer barriers, 32-column tiles) with the default function that picks the
+column tile by the batch at run time (mma2_dispatch); 4x1024 is in between. Every kernel
+is checked against a float64 torch recurrence (max |Δ| of
 outputs and final states, also relative to the largest |value|; `ok` holds the kernel to its
 bound: 1e-4 fp32, 1e-2 bf16 operands (3e-3 in the CPU emulation)), and each chunked variant
 against the recurrent kernel too. Decode rows also give the state bytes over the copy
@@ -29,7 +32,7 @@ from pathlib import Path
 from common import copy_bandwidth, cuda_time
 
 K_HEADS, V_HEADS, K_DIM, V_DIM = 16, 32, 128, 128
-CASES = {"1x1024": [1024], "1x8192": [8192], "16x1024": [1024] * 16}
+CASES = {"1x1024": [1024], "1x8192": [8192], "4x1024": [1024] * 4, "16x1024": [1024] * 16}
 DECODE_CASES = {"16x1": [1] * 16, "1x1": [1]}
 N_SLOTS, N_LAYERS, LAYER = 40, 2, 1
 DEVICE = "cuda"  # a CPU smoke test of `run` swaps this (and the shapes) out
@@ -40,7 +43,14 @@ CHUNKED = {
     "mma_c64_t128": {"kernel": "mma", "chunk": 64, "col_tile": 128},
     "mma_c32_t64": {"kernel": "mma", "chunk": 32, "col_tile": 64},
     "mma_c32_t128": {"kernel": "mma", "chunk": 32, "col_tile": 128},
+    # the current version (shuffle-scanned decays, fewer and explicit barriers, 32-column tiles)
+    # against the baselines above (scan=False: the first version)
+    "mma2_c64_t32": {"kernel": "mma", "chunk": 64, "col_tile": 32},
+    "mma2_c64_t64": {"kernel": "mma", "chunk": 64, "col_tile": 64},
+    "mma2_c32_t128": {"kernel": "mma", "chunk": 32, "col_tile": 128},
+    "mma2_dispatch": {"kernel": "mma"},  # the default: wide tiles when they fill the SMs
 }
+BASELINE = {"scan": False}  # the first mma version
 REL_BOUND = {"fp32": 1e-4, "mma": 1e-2, "recurrent": 1e-5}
 
 
@@ -57,7 +67,11 @@ def build(out: Path, arch: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     funcs = {"recurrent": gated_delta_rule(K_HEADS, V_HEADS, K_DIM, V_DIM, target)}
     for name, kw in CHUNKED.items():
-        funcs[name] = chunked_gated_delta_rule(K_HEADS, V_HEADS, K_DIM, V_DIM, target, **kw)
+        kw = {**kw, **(BASELINE if name.startswith("mma_") else {})}
+        try:
+            funcs[name] = chunked_gated_delta_rule(K_HEADS, V_HEADS, K_DIM, V_DIM, target, **kw)
+        except Exception:  # keep the other variants
+            traceback.print_exc()
     built = []
     for name, func in funcs.items():
         try:
@@ -190,7 +204,7 @@ def run(out_dir: Path, results: Path | None = None, decode: bool = False) -> Non
                 row["rel_out"] = row["max_abs_diff_out_vs_torch"] / exact[0].abs().max().item()
                 touched = exact[1][x["slots"].long(), LAYER]  # the states this call updates
                 row["rel_state"] = row["max_abs_diff_state_vs_torch"] / touched.abs().max().item()
-                bound = REL_BOUND[name.split("_")[0]]
+                bound = REL_BOUND[name.split("_")[0].rstrip("2")]
                 row["ok"] = row["finite"] and max(row["rel_out"], row["rel_state"]) < bound
                 # timing updates scratch state and outputs again and again; values don't matter
                 scratch = kernel_args(tvm, x, x["pool"].clone(), torch.empty_like(out))

@@ -28,7 +28,8 @@ from tvm.script import tirx as T
 from tvm.target import Target
 from tvm.tirx import PrimFunc
 
-from .gdn_chunked_mma import gdn_chunked_mma, shared_bytes
+from .gdn_chunked_mma import shared_bytes
+from .gdn_chunked_mma_launch import gdn_chunked_mma, gdn_chunked_mma_dispatch
 
 GPU_THREADS = 256
 GPU_COL_TILE = 64  # value columns per block: 2 blocks per head at v_dim 128
@@ -36,9 +37,12 @@ SOLVE_BLOCK = 16
 PAD = 1  # row padding of shared buffers: a warp reading one column hits distinct banks
 # Dynamic shared memory a block may use (KiB) by SM arch; unlisted archs get the smallest.
 _SMEM_KIB = {80: 163, 87: 163, 90: 227, 100: 227, 103: 227}
-# bf16 activations on CUDA sm_80+ take the tensor-core kernel (gdn_chunked_mma) with this
-# chunk and column tile; fp32 and the CPU take the fp32 kernel below. One constant to switch.
-MMA_CHUNK, MMA_COL_TILE = 64, 64
+# bf16 activations on CUDA sm_80+ take the tensor-core kernels (gdn_chunked_mma): by default
+# both of these (chunk, column tile) pairs, the wide one where its blocks fill the SMs and the
+# narrow one for few sequences (gdn_chunked_mma_launch); fp32 and the CPU take the fp32
+# kernel below.
+MMA_NARROW, MMA_WIDE = (64, 32), (32, 128)
+MMA_CHUNK, MMA_COL_TILE = MMA_NARROW
 
 
 def _micro_tile(rows: int, cols: int, threads: int, cap: int = 8) -> tuple[int, int]:
@@ -72,6 +76,7 @@ def chunked_gated_delta_rule(
     kernel: str | None = None,
     threads: int | None = None,
     col_tile: int | None = None,
+    scan: bool = True,
 ) -> PrimFunc:
     """`gdn.gated_delta_rule` computed chunk by chunk (see the module docstring).
 
@@ -81,8 +86,10 @@ def chunked_gated_delta_rule(
     1x1,024, 3.8 vs 4.9 ms at 16x1,024 on the H200). For the fp32 kernel, `threads` and
     `col_tile` (threads and value columns per block) default to the target's layout: 256 and
     64 on CUDA, 1 and v_dim on the CPU, which runs (sequence, head) pairs in parallel; tests
-    pass the GPU layout on the CPU to check its indexing. The mma kernel's `col_tile` defaults
-    to MMA_COL_TILE."""
+    pass the GPU layout on the CPU to check its indexing. The mma kernels: with neither `chunk`
+    nor `col_tile` given, one function holding MMA_NARROW and MMA_WIDE, picked by the batch at
+    run time; else one kernel (chunk MMA_CHUNK, col_tile MMA_COL_TILE by default); `scan`
+    False gives the first version's decay loop (a benchmark baseline)."""
     gpu = target.kind.name == "cuda"
     arch = int(str(target.attrs.get("arch", "sm_80"))[3:]) if gpu else 0
     if kernel is None:
@@ -90,10 +97,17 @@ def chunked_gated_delta_rule(
     if kernel == "mma":
         if not gpu or arch < 80:
             raise ValueError("the tensor-core GDN kernel needs CUDA sm_80+")
-        c, ct = chunk or MMA_CHUNK, col_tile or min(MMA_COL_TILE, v_dim)
-        if shared_bytes(c, ct, k_dim) > _SMEM_KIB.get(arch, 99) * 1024:
-            raise ValueError(f"chunk {c} x col_tile {ct}: too much shared memory for sm_{arch}")
-        return gdn_chunked_mma(k_heads, v_heads, k_dim, v_dim, c, ct)
+
+        def fits(c: int, ct: int) -> tuple[int, int]:
+            if shared_bytes(c, ct, k_dim) > _SMEM_KIB.get(arch, 99) * 1024:
+                raise ValueError(f"chunk {c} x col_tile {ct}: too much shared memory, sm_{arch}")
+            return c, ct
+
+        if chunk is None and col_tile is None and v_dim % MMA_WIDE[1] == 0:
+            narrow, wide = fits(*MMA_NARROW), fits(*MMA_WIDE)
+            return gdn_chunked_mma_dispatch(k_heads, v_heads, k_dim, v_dim, narrow, wide)
+        c, ct = fits(chunk or MMA_CHUNK, col_tile or min(MMA_COL_TILE, v_dim))
+        return gdn_chunked_mma(k_heads, v_heads, k_dim, v_dim, c, ct, scan)
     chunk = chunk or 32
     nt_ = threads or (GPU_THREADS if gpu else 1)
     ct = col_tile or (min(GPU_COL_TILE, v_dim) if gpu else v_dim)

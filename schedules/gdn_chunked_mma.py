@@ -25,12 +25,12 @@ tests/test_gdn_mma_emulated.py runs the very same arithmetic.
 from __future__ import annotations
 
 from tvm.script import tirx as T
-from tvm.tirx import PrimFunc
 
 from .ptx import ldmatrix_x4, mma_bf16
 
 DTYPE = "bfloat16"
 WARPS = 8
+FULL_MASK = 0xFFFFFFFF
 FPAD = 4  # row padding of fp32 shared tiles (keeps 16-byte rows aligned)
 
 
@@ -83,17 +83,28 @@ def shared_bytes(c: int, ct: int, dk: int) -> int:
     return 2 * bf16 + 4 * fp32
 
 
-def gdn_chunked_mma(
-    k_heads: int, v_heads: int, dk: int, dv: int, chunk: int = 64, col_tile: int = 128
-) -> PrimFunc:
-    """The kernel; `col_tile` value columns a block (a divisor of dv, a multiple of 64)."""
+def mma_launch(
+    k_heads: int, v_heads: int, dk: int, dv: int, chunk: int, col_tile: int, scan: bool = True
+):
+    """A macro (q, k, v, g, beta, indptr, slots, pool, layer, out, batch) that launches the
+    kernel: `col_tile` value columns a block (a divisor of dv, a multiple of 32). `scan`: the
+    chunk's cumulative decays by a warp-shuffle scan of one load a lane; False keeps the first
+    version's loop of C dependent loads a thread (the benchmark's baseline). With `scan`,
+    every barrier is also explicit (TVM's planner inserts none, so the kernel may sit under a
+    host-level `if`) and there are fewer: the solve's buffers (rs, ub, wub) live in static
+    shared memory when they fit, which TVM's planner tracks apart from the dynamic one, so a
+    phase that reads one kind and writes the other needs no barrier in between; S's bf16 copy
+    is written with the next chunk's K and Q, after the barrier that frees them."""
     c, ct, group, nt = chunk, col_tile, v_heads // k_heads, WARPS * 32
-    if c % 16 or c > 128 or dv % ct or ct % 64 or dk % 64 or v_heads % k_heads:
-        raise ValueError(f"chunk {c} (16 | C <= 128), col_tile {ct} (64 | ct | dv), dk {dk}")
+    if c % 16 or c > 128 or dv % ct or ct % 32 or dk % 64 or v_heads % k_heads:
+        raise ValueError(f"chunk {c} (16 | C <= 128), col_tile {ct} (32 | ct | dv), dk {dk}")
+    g_warps = -(-c // 32)  # warps that scan G: 32 tokens each
     scale = float(dk) ** -0.5
     tiles = dv // ct
     fc, ft = c + FPAD, ct + FPAD  # fp32 row strides of [., C] and [., ct] tiles
     sh = "shared.dyn"
+    # the solve's buffers: static shared memory (48 KiB at most) in the new version
+    small = "shared" if scan and 4 * c * ct + 4 * (c + 16) * (ct + FPAD) <= 48 * 1024 else sh
     # matmul 1: [K; Q] (2C rows) x [K; S]ᵀ (C + ct columns), over dk
     g1_mt, g1_n8 = 2 * c // 16, (c + ct) // 8
     g1_ng = n_group(g1_n8, g1_mt)
@@ -113,9 +124,12 @@ def gdn_chunked_mma(
     sv_jobs = -(-sv_pairs // WARPS)
     # one copy a thread: K and Q rows (4 floats), the state (acc layout)
     kq_copies = -(-2 * c * dk // nt)
+    # at 128 columns TVM's StorageRewrite packs rc into rs's allocation, and then the planner
+    # wants a barrier between reading rs and writing rc: an explicit one (C32 t128 compiled)
+    off_sync = scan and ct >= 128
 
     @T.macro
-    def solve_off(blk16, ab, ub, rs, acc, af, bf, rg, warp, lane):
+    def solve_off(blk16, ab, ub, rs, rd, rd0, acc, af, bf, rg, warp, lane):
         # rows r0..r0+15 of R -= A[those rows, :r0] U[:r0] (reads all, then writes)
         r0: T.let[T.int32] = blk16 * 16
         for jb in T.unroll(sv_jobs):
@@ -133,19 +147,21 @@ def gdn_chunked_mma(
             for i in T.unroll(8):
                 er, ec = T.meta_var(acc_rc(lane, i % 4))
                 rg[i] = rs[(r0 + er) * ft + p * 16 + i // 4 * 8 + ec]
+            if off_sync:
+                T.tvm_storage_sync(small)
             for i in T.unroll(8):
                 er, ec = T.meta_var(acc_rc(lane, i % 4))
                 if jb * WARPS + warp < sv_pairs:
-                    rs[(r0 + er) * ft + p * 16 + i // 4 * 8 + ec] = rg[i] - acc[i]
+                    rd[(rd0 + er) * ft + p * 16 + i // 4 * 8 + ec] = rg[i] - acc[i]
 
     @T.macro
-    def solve_diag(blk16, am, rs, gs, ub, wub, uu, rg, tx):
+    def solve_diag(blk16, am, rs, rs0, gs, ub, wub, uu, rg, tx):
         # the 16x16 diagonal block, a value column a thread, fp32 in registers (every thread
         # reads, so that only the writes sit under a condition)
         r0: T.let[T.int32] = blk16 * 16
         col: T.let[T.int32] = tx % ct
         for i in T.unroll(16):
-            uu[i] = rs[(r0 + i) * ft + col]
+            uu[i] = rs[(rs0 + i) * ft + col]
         for jj in T.unroll(16):
             for ii in T.unroll(16):
                 if ii > jj:
@@ -157,31 +173,32 @@ def gdn_chunked_mma(
                 ub[swz(r0 + i, col, ct)] = T.Cast(DTYPE, uu[i])
                 wub[swz(r0 + i, col, ct)] = T.Cast(DTYPE, rg[i] * uu[i])
 
-    @T.prim_func(s_tir=True)
-    def gdn_chunked_mma_kernel(
-        q_h: T.handle,
-        k_h: T.handle,
-        v_h: T.handle,
-        g_h: T.handle,
-        beta_h: T.handle,
-        indptr_h: T.handle,
-        slots_h: T.handle,
-        pool_h: T.handle,
-        layer: T.int32,
-        out_h: T.handle,
-    ):
-        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
-        n_tok, n_ptr, batch = T.int32(), T.int32(), T.int32()
-        n_slots, n_layers = T.int32(), T.int32()
-        q = T.match_buffer(q_h, (n_tok, k_heads, dk), "float32")
-        k = T.match_buffer(k_h, (n_tok, k_heads, dk), "float32")
-        v = T.match_buffer(v_h, (n_tok, v_heads, dv), "float32")
-        g = T.match_buffer(g_h, (n_tok, v_heads), "float32")
-        beta = T.match_buffer(beta_h, (n_tok, v_heads), "float32")
-        indptr = T.match_buffer(indptr_h, (n_ptr,), "int32")
-        slots = T.match_buffer(slots_h, (batch,), "int32")
-        pool = T.match_buffer(pool_h, (n_slots, n_layers, v_heads, dv, dk), "float32")
-        out = T.match_buffer(out_h, (n_tok, v_heads, dv), "float32")
+    @T.macro
+    def s_copy(kqs, st, smt, sn0, lane):
+        # the state's bf16 copy: S's rows of kqs, the operand of K Sᵀ and Q Sᵀ
+        for i in T.unroll(s_ng * 4):
+            sr, sc = T.meta_var(acc_rc(lane, i % 4))
+            kqs[swz(2 * c + smt * 16 + sr, (sn0 + i // 4) * 8 + sc, dk)] = T.Cast(DTYPE, st[i])
+
+    @T.macro
+    def scan_g(g, gs, cum, gv, t0, nv, h, warp, lane):
+        # G = cumsum of the chunk's log decays (0 past its end): 32 tokens a piece, each an
+        # inclusive Hillis-Steele scan over the lanes plus the pieces before; warp w stores
+        # piece w. One load a lane instead of a chain of C dependent loads.
+        cum[0] = T.float32(0)
+        for piece in T.unroll(g_warps):
+            j: T.let[T.int32] = piece * 32 + lane
+            gv[0] = T.Select(j < nv, g[t0 + T.min(j, nv - 1), h], T.float32(0))
+            for s in T.unroll(5):
+                gv[1] = T.tvm_warp_shuffle_up(FULL_MASK, gv[0], 1 << s, 32, 32)
+                gv[0] = gv[0] + T.Select(lane >= (1 << s), gv[1], T.float32(0))
+            gv[0] = gv[0] + cum[0]
+            cum[0] = T.tvm_warp_shuffle(FULL_MASK, gv[0], 31, 32, 32)
+            if piece == warp and j < c:
+                gs[j] = gv[0]
+
+    @T.macro
+    def launch(q, k, v, g, beta, indptr, slots, pool, layer, out, batch):
         for blk in T.thread_binding(batch * v_heads * tiles, thread="blockIdx.x"):
             for tx in T.thread_binding(nt, thread="threadIdx.x"):
                 with T.sblock("gdn_mma"):
@@ -190,10 +207,11 @@ def gdn_chunked_mma(
                     kqs = T.sblock_alloc_buffer(((2 * c + ct) * dk,), DTYPE, scope=sh)
                     ab = T.sblock_alloc_buffer((c * c,), DTYPE, scope=sh)
                     qkb = T.sblock_alloc_buffer((c * c,), DTYPE, scope=sh)
-                    ub = T.sblock_alloc_buffer((c * ct,), DTYPE, scope=sh)
-                    wub = T.sblock_alloc_buffer((c * ct,), DTYPE, scope=sh)
+                    ub = T.sblock_alloc_buffer((c * ct,), DTYPE, scope=small)
+                    wub = T.sblock_alloc_buffer((c * ct,), DTYPE, scope=small)
                     am = T.sblock_alloc_buffer((c * fc,), "float32", scope=sh)
-                    rs = T.sblock_alloc_buffer((c * ft,), "float32", scope=sh)
+                    rs = T.sblock_alloc_buffer((c * ft,), "float32", scope=small)
+                    rc = T.sblock_alloc_buffer((16 * ft,), "float32", scope=small)
                     os_ = T.sblock_alloc_buffer((c * ft,), "float32", scope=sh)
                     gs = T.sblock_alloc_buffer((c,), "float32", scope=sh)
                     bs = T.sblock_alloc_buffer((c,), "float32", scope=sh)
@@ -208,6 +226,7 @@ def gdn_chunked_mma(
                     gj = T.sblock_alloc_buffer((g1_ng * 2,), "float32", scope="local")
                     uu = T.sblock_alloc_buffer((16,), "float32", scope="local")
                     cum = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                    gv = T.sblock_alloc_buffer((2,), "float32", scope="local")
                     b: T.let[T.int32] = blk // (v_heads * tiles)
                     h: T.let[T.int32] = blk // tiles % v_heads
                     col0: T.let[T.int32] = blk % tiles * ct
@@ -223,11 +242,8 @@ def gdn_chunked_mma(
                     for i in T.unroll(s_ng * 4):
                         sr, sc = T.meta_var(acc_rc(lane, i % 4))
                         st[i] = pool[slot, layer, h, col0 + smt * 16 + sr, (sn0 + i // 4) * 8 + sc]
-                    for i in T.unroll(s_ng * 4):
-                        sr, sc = T.meta_var(acc_rc(lane, i % 4))
-                        kqs[swz(2 * c + smt * 16 + sr, (sn0 + i // 4) * 8 + sc, dk)] = T.Cast(
-                            DTYPE, st[i]
-                        )
+                    if not scan:
+                        s_copy(kqs, st, smt, sn0, lane)
                     for ch in T.serial((length + c - 1) // c):
                         t0: T.let[T.int32] = start + ch * c
                         nv: T.let[T.int32] = T.min(c, length - ch * c)
@@ -244,15 +260,20 @@ def gdn_chunked_mma(
                                 kqs[swz(x // dk, x % dk, dk)] = T.Cast(
                                     DTYPE, T.Select(r < nv, val, T.float32(0))
                                 )
+                        if scan:
+                            s_copy(kqs, st, smt, sn0, lane)
+                            if warp < g_warps:  # warp-uniform: every lane shuffles
+                                scan_g(g, gs, cum, gv, t0, nv, h, warp, lane)
                         if tx < c:
-                            cum[0] = T.float32(0)
-                            for j in T.serial(c):  # fixed trip count, clamped loads
-                                cum[0] = cum[0] + T.Select(
-                                    j <= T.min(tx, nv - 1),
-                                    g[t0 + T.min(j, nv - 1), h],
-                                    T.float32(0),
-                                )
-                            gs[tx] = cum[0]
+                            if not scan:
+                                cum[0] = T.float32(0)
+                                for j in T.serial(c):  # fixed trip count, clamped loads
+                                    cum[0] = cum[0] + T.Select(
+                                        j <= T.min(tx, nv - 1),
+                                        g[t0 + T.min(j, nv - 1), h],
+                                        T.float32(0),
+                                    )
+                                gs[tx] = cum[0]
                             bs[tx] = T.Select(
                                 tx < nv, beta[t0 + T.min(tx, nv - 1), h], T.float32(0)
                             )
@@ -282,6 +303,8 @@ def gdn_chunked_mma(
                                 bi[hr] = bs[(mt * 16 + lane // 4 + hr * 8) % c]
                             for i in T.unroll(g1_ng * 2):
                                 gj[i] = gs[T.min((n0 + i // 2) * 8 + lane % 4 * 2 + i % 2, c - 1)]
+                            if scan:  # where the planner would put them
+                                T.tvm_storage_sync("shared.dyn")
                             for i in T.unroll(g1_ng * 4):
                                 er, ec = T.meta_var(acc_rc(lane, i % 4))
                                 row: T.let[T.int32] = mt * 16 + er
@@ -312,15 +335,26 @@ def gdn_chunked_mma(
                                     )
                                 else:  # Q Sᵀ -> e^G Q Sᵀ
                                     os_[ri * ft + col - c] = T.exp(g_i) * acc[i]
+                            if scan and jb + 1 < g1_jobs:
+                                T.tvm_storage_sync("shared.dyn")
                         T.tvm_storage_sync("shared.dyn")
+                        if small != sh:
+                            T.tvm_storage_sync(small)
                         # 3. (I + A) U = R, 16 rows at a time
-                        solve_diag(0, am, rs, gs, ub, wub, uu, rg, tx)
-                        T.tvm_storage_sync("shared.dyn")
+                        solve_diag(0, am, rs, 0, gs, ub, wub, uu, rg, tx)
+                        T.tvm_storage_sync(small)
                         for blk16 in T.unroll(1, c // 16):
-                            solve_off(blk16, ab, ub, rs, acc, af, bf, rg, warp, lane)
-                            T.tvm_storage_sync("shared.dyn")
-                            solve_diag(blk16, am, rs, gs, ub, wub, uu, rg, tx)
-                            T.tvm_storage_sync("shared.dyn")
+                            if scan:  # rows to rc: the planner sees no read-then-write of rs
+                                solve_off(blk16, ab, ub, rs, rc, 0, acc, af, bf, rg, warp, lane)
+                                T.tvm_storage_sync(small)
+                                solve_diag(blk16, am, rc, 0, gs, ub, wub, uu, rg, tx)
+                            else:
+                                solve_off(
+                                    blk16, ab, ub, rs, rs, blk16 * 16, acc, af, bf, rg, warp, lane
+                                )
+                                T.tvm_storage_sync(small)
+                                solve_diag(blk16, am, rs, blk16 * 16, gs, ub, wub, uu, rg, tx)
+                            T.tvm_storage_sync(small)
                         # 4. outputs, and the state update
                         for i in T.unroll(s_ng * 4):
                             st[i] = st[i] * T.exp(gs[c - 1])
@@ -360,14 +394,10 @@ def gdn_chunked_mma(
                                     out[t0 + mt * 16 + er, h, col0 + (n0 + i // 4) * 8 + ec] = acc[
                                         i
                                     ] * T.float32(scale)
-                        # S's bf16 copy (its rows of kqs are not read in this phase)
-                        for i in T.unroll(s_ng * 4):
-                            sr, sc = T.meta_var(acc_rc(lane, i % 4))
-                            kqs[swz(2 * c + smt * 16 + sr, (sn0 + i // 4) * 8 + sc, dk)] = T.Cast(
-                                DTYPE, st[i]
-                            )
+                        if not scan:  # S's bf16 copy (its rows of kqs are not read here)
+                            s_copy(kqs, st, smt, sn0, lane)
                     for i in T.unroll(s_ng * 4):
                         sr, sc = T.meta_var(acc_rc(lane, i % 4))
                         pool[slot, layer, h, col0 + smt * 16 + sr, (sn0 + i // 4) * 8 + sc] = st[i]
 
-    return gdn_chunked_mma_kernel
+    return launch

@@ -249,6 +249,9 @@ def test_kernel_routing() -> None:
     sm90 = Target({"kind": "cuda", "arch": "sm_90"}, host="llvm")
     name = lambda f: f.attrs["global_symbol"]  # noqa: E731
     assert name(chunked_gated_delta_rule(16, 32, 128, 128, sm90, act_dtype="bfloat16")) == (
+        "gdn_chunked_mma_dispatch"
+    )
+    assert name(chunked_gated_delta_rule(16, 32, 128, 128, sm90, 64, act_dtype="bfloat16")) == (
         "gdn_chunked_mma_kernel"
     )
     assert name(chunked_gated_delta_rule(16, 32, 128, 128, sm90)) == "gdn_chunked_delta_rule"
@@ -270,3 +273,38 @@ def test_mma_chunked_compiles_for_sm90(chunk: int, col_tile: int) -> None:
     lib = tvm.compile(tvm.IRModule({"main": func}), target=target)
     cuda = [m for m in lib.mod.imports if m.kind == "cuda"]
     assert len(cuda) == 1 and cuda[0].is_runnable()
+
+
+def _cuda_source(func, target: Target) -> str:
+    lib = tvm.compile(tvm.IRModule({"main": func}), target=target)
+    cuda = [m for m in lib.mod.imports if m.kind == "cuda"]
+    assert len(cuda) == 1 and cuda[0].is_runnable()
+    return cuda[0].inspect_source()
+
+
+@pytest.mark.parametrize(
+    "chunk, col_tile, scan, barriers",
+    [(64, 32, True, 12), (64, 64, True, 14), (32, 128, True, 9), (64, 64, False, 21)],
+)
+def test_mma_barriers(chunk: int, col_tile: int, scan: bool, barriers: int) -> None:
+    # The current version's barriers a chunk (all in the chunk loop), against the first
+    # version's 21 at C64 t64: each is explicit, so the kernel can sit under a host `if`.
+    prepare_cuda_codegen(["sm_90"])
+    target = Target({"kind": "cuda", "arch": "sm_90"}, host="llvm")
+    func = chunked_gated_delta_rule(
+        16, 32, 128, 128, target, chunk, kernel="mma", col_tile=col_tile, scan=scan
+    )
+    src = _cuda_source(func, target)
+    assert src.count("__syncthreads()") == barriers
+    assert ("__shfl_up_sync" in src) == scan
+
+
+def test_mma_dispatch_compiles_for_sm90() -> None:
+    # The default bf16 function: both kernels, picked on the host by the batch.
+    prepare_cuda_codegen(["sm_90"])
+    target = Target({"kind": "cuda", "arch": "sm_90"}, host="llvm")
+    func = chunked_gated_delta_rule(16, 32, 128, 128, target, act_dtype="bfloat16")
+    src = _cuda_source(func, target)
+    assert src.count("__syncthreads()") == 12 + 9  # C64 t32 and C32 t128
+    # the wide kernel from 5 sequences on (5 x 32 heads >= 132 SMs)
+    assert "if batch * 32 >= 132:" in str(func)

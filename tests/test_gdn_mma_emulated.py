@@ -96,7 +96,7 @@ def test_fragments_give_the_product(a_trans: bool, b_trans: bool, width: int) ->
     assert not np.allclose(bad, got, atol=1e-2)
 
 
-@pytest.mark.parametrize("c, ct", [(32, 64), (32, 128), (64, 64), (64, 128)])
+@pytest.mark.parametrize("c, ct", [(32, 64), (32, 128), (64, 32), (64, 64), (64, 128)])
 def test_jobs_cover_each_output_once(c: int, ct: int) -> None:
     for mt, n8 in [(2 * c // 16, (c + ct) // 8), (c // 16, ct // 8)]:
         ng = mma.n_group(n8, mt)
@@ -170,3 +170,34 @@ def test_algorithm_matches_reference(c: int) -> None:
     assert err_out < 1e-2 and err_pool < 1e-2, (err_out, err_pool)
     bad_out, _ = chunk_model(x, c, break_solve=True)  # mutation: no off-diagonal solve
     assert max_rel_err(bad_out, ref_out) > 1e-2
+
+
+def scan_model(g: np.ndarray, nv: int, c: int, carry: bool = True) -> np.ndarray:
+    """The kernel's decay scan (mma_launch's scan_g): 32-token pieces, each an inclusive
+    Hillis-Steele scan over the lanes by shuffle-up (a lane below the distance keeps its own
+    value and adds nothing), plus the running total of the pieces before (lane 31's)."""
+    gs = np.zeros(c, np.float32)
+    total = np.float32(0)
+    for piece in range(-(-c // 32)):
+        j = piece * 32 + _LANES
+        x = np.where(j < nv, g[np.minimum(j, nv - 1)], 0).astype(np.float32)
+        for s in range(5):
+            up = np.concatenate([x[: 1 << s], x[: 32 - (1 << s)]])  # shfl_up: own value below
+            x = x + np.where(_LANES >= 1 << s, up, 0).astype(np.float32)
+        x = x + (total if carry else 0)
+        total = x[31]
+        live = j < c
+        gs[j[live]] = x[live]
+    return gs
+
+
+@pytest.mark.parametrize("c", [32, 64])
+def test_decay_scan_is_the_cumsum(c: int) -> None:
+    rng = np.random.default_rng(5)
+    g = -rng.random(c).astype(np.float32) * 5
+    for nv in sorted({1, 31, 32, 33, c - 1, c}):
+        want = np.cumsum(np.where(np.arange(c) < nv, g, 0))
+        np.testing.assert_allclose(scan_model(g, nv, c), want, rtol=1e-5, atol=1e-5)
+    # mutation: without the pieces' carry the second half of a 64-token chunk is wrong
+    if c > 32:
+        assert not np.allclose(scan_model(g, c, c, carry=False), np.cumsum(g), atol=1e-3)
