@@ -227,9 +227,14 @@ class GatedDeltaNet(nn.Module):
                 Tensor.placeholder((n_tok, hv), F32),
             ],
         )
-        delta_rule = gdn_chunked.chunked_gated_delta_rule if chunked else gdn.gated_delta_rule
+        if chunked:  # bf16 on CUDA: the tensor-core kernel (bf16 operands, fp32 state)
+            rule = gdn_chunked.chunked_gated_delta_rule(
+                hk, hv, dk, dv, target, act_dtype=self.dtype
+            )
+        else:
+            rule = gdn.gated_delta_rule(hk, hv, dk, dv, target)
         rec_pool, o = op.tensor_ir_inplace_op(
-            delta_rule(hk, hv, dk, dv, target),
+            rule,
             "gdn_delta_rule",
             [q, k, v, g, beta, indptr, slots, rec_pool, layer],
             inplace_indices=[7, -1],

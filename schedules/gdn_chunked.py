@@ -92,8 +92,9 @@ def chunked_gated_delta_rule(
     False gives the first version's decay loop (a benchmark baseline)."""
     gpu = target.kind.name == "cuda"
     arch = int(str(target.attrs.get("arch", "sm_80"))[3:]) if gpu else 0
-    if kernel is None:
-        kernel = "mma" if gpu and arch >= 80 and act_dtype == "bfloat16" else "fp32"
+    if kernel is None:  # the mma kernel tiles dk by 64 and value columns by 32
+        tiles = k_dim % 64 == 0 and v_dim % 32 == 0
+        kernel = "mma" if gpu and arch >= 80 and act_dtype == "bfloat16" and tiles else "fp32"
     if kernel == "mma":
         if not gpu or arch < 80:
             raise ValueError("the tensor-core GDN kernel needs CUDA sm_80+")

@@ -258,6 +258,10 @@ def test_kernel_routing() -> None:
     assert name(chunked_gated_delta_rule(2, 4, 16, 16, LLVM, act_dtype="bfloat16")) == (
         "gdn_chunked_delta_rule"
     )
+    # head dims the mma kernel cannot tile (tiny configs) fall back to the fp32 kernel
+    assert name(chunked_gated_delta_rule(2, 4, 16, 16, sm90, act_dtype="bfloat16")) == (
+        "gdn_chunked_delta_rule"
+    )
     with pytest.raises(ValueError, match="CUDA"):
         chunked_gated_delta_rule(2, 4, 16, 16, LLVM, kernel="mma")
 
