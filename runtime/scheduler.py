@@ -53,12 +53,14 @@ class Scheduler:
             admitted.append(seq)
         return admitted
 
-    def plan(self, prefill_budget: Callable[[int, int], int] | None = None) -> StepPlan:
-        """`prefill_budget(decode rows, prefill_chunk)`: the prompt tokens this step may take."""
+    def plan(self, prefill_budget: Callable[[int, int, int], int] | None = None) -> StepPlan:
+        """`prefill_budget(decode rows, prefill_chunk, prompts prefilling)`: the prompt tokens
+        this step may take."""
         decode = [s for s in self.running if not s.prefilling]
         budget = self.prefill_chunk
         if prefill_budget is not None:
-            budget = max(1, min(prefill_budget(len(decode), budget), budget))
+            prefilling = len(self.running) - len(decode)
+            budget = max(1, min(prefill_budget(len(decode), budget, prefilling), budget))
         prefill = []
         for seq in self.running:
             if budget == 0:

@@ -53,9 +53,14 @@ class StepCosts:
             return 0.0, float(s.sum() / n.sum())
         return max(float(fixed), 0.0), float(per_token)
 
-    def prefill_tokens(self, decode_rows: int, most: int) -> int:
-        """Prompt tokens for a step that also decodes `decode_rows` sequences (at most `most`,
-        the fixed chunk, which is also the answer while nothing decodes or nothing is known)."""
+    def prefill_tokens(self, decode_rows: int, most: int, prefilling: int = 0) -> int:
+        """Prompt tokens for a step that also decodes `decode_rows` sequences while
+        `prefilling` prompts wait for theirs (at most `most`, the fixed chunk, which is also the
+        answer while nothing decodes or nothing is known). While prompts outnumber the decodes
+        (a burst of arrivals) they get the whole chunk: time to first token is what their
+        users wait for, and the few running streams pay a few long steps."""
+        if prefilling > decode_rows:
+            return most
         step = self.decode_seconds(decode_rows) if decode_rows else None
         fit = self.prefill_fit()
         if step is None or fit is None:

@@ -39,6 +39,12 @@ def test_budget_is_what_fits_in_a_decode_step():
     assert twice.prefill_tokens(16, 2048) == 200
 
 
+def test_a_burst_of_prompts_gets_whole_chunks():
+    costs = costs_with(6e-3, 2e-3, 50e-6, min_tokens=16)
+    assert costs.prefill_tokens(2, 2048, prefilling=14) == 2048  # prompts outnumber decodes
+    assert costs.prefill_tokens(15, 2048, prefilling=1) == 80
+
+
 def test_floor_keeps_long_prompts_moving():
     costs = costs_with(3e-3, 5e-3, 50e-6, min_tokens=128)  # the fixed part alone is too long
     assert costs.prefill_tokens(16, 2048) == 128
@@ -75,14 +81,14 @@ def test_scheduler_plans_the_budget_beside_decodes():
     running.num_computed = len(running.prompt)  # prefilled: it decodes now
     seen = []
 
-    def budget(rows: int, most: int) -> int:
-        seen.append((rows, most))
+    def budget(rows: int, most: int, prefilling: int) -> int:
+        seen.append((rows, most, prefilling))
         return 40
 
     plan = sched.plan(budget)
-    assert seen == [(1, 256)]
+    assert seen == [(1, 256, 1)]
     assert plan.decode == [running] and plan.prefill == [(newcomer, 40)]
-    assert sched.plan(lambda rows, most: 10**6).prefill == [(newcomer, 256)]  # capped
+    assert sched.plan(lambda *_: 10**6).prefill == [(newcomer, 256)]  # capped
 
 
 def test_engine_times_its_steps_and_sizes_chunks_by_them(tiny_compiled):
