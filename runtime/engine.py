@@ -50,13 +50,14 @@ class Engine:
         num_slots: int | None = None,
         prefill_chunk: int = 2048,
         memory_fraction: float | None = None,
-        mixed_step_share: float | None = 1.0,
+        mixed_step_share: float | None = None,
     ):
         """Pools: `max_total_tokens` of KV pages (default: one context window) and `num_slots`
         GDN slots (default: `max_batch_size`), or, with `memory_fraction` on a GPU, whatever
-        that fraction of the device's free memory holds (`plan_capacity`). Beside running
-        decodes a step prefills what takes about `mixed_step_share` times a decode step (None:
-        always `prefill_chunk` tokens)."""
+        that fraction of the device's free memory holds (`plan_capacity`). With
+        `mixed_step_share`, a step beside running decodes prefills what takes about that many
+        times a decode step (runtime/step_costs.py: smoother inter-token latency for serving,
+        slower prompts under load); None: always `prefill_chunk` tokens (offline throughput)."""
         self.artifact = artifact
         self.decodable = artifact.widths.decodable
         self.page_size = page_size = artifact.page_size
