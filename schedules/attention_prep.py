@@ -1,0 +1,226 @@
+"""The gated full-attention layer's kernels around attention, each reading qkv_proj's output
+in place.
+
+qkv_proj writes one row a token: [q_0 | gate_0 | q_1 | gate_1 | ... | k | v] (Qwen3.5's q_proj
+interleaves each head's query and output gate). Relax made ~12 kernels of what sits around the
+attention kernels (splits, two RMSNorms, cos, sin, the two rotations, the K/V append, the gate);
+here it is two:
+
+- `attention_input`: q and k RMSNorm (fp32 inside, rounded to the model dtype as the norm
+  kernel's output was), RoPE on the first `rotary_dim` dims (neox halves, cos/sin in fp32 from
+  positions x inv_freq, rounded once at the store), q written for the attention kernels, k and
+  v written straight into their pages (what kv_cache.append_kv did).
+- `output_gate`: round(o * round(sigmoid(gate))), o_proj's input.
+
+Written once as a grid of blocks, each a set of lanes (a channel a lane) with phases that meet
+in shared memory; the CPU runs the blocks in parallel and the lanes one after another.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from tvm.script import tirx as T
+from tvm.target import Target
+from tvm.tirx import PrimFunc
+
+from .gdn_prep import _lanes, _rounded
+from .kv_cache import PAGE_SIZE, seq_of_token
+
+GATE_LANES = 256  # output_gate: elements a block
+# the input kernel's name keeps "attn_append_kv": it is the layer's K/V append now
+INPUT_NAME = "attn_append_kv_qk_norm_rope"
+GATE_NAME = "attn_output_gate"
+
+
+def inv_freq(rotary_dim: int, theta: float) -> np.ndarray:
+    """RoPE's inverse frequencies [rotary_dim // 2], computed in fp32 as HF does."""
+    exps = np.arange(0, rotary_dim, 2, dtype=np.float32) / rotary_dim
+    return (1.0 / (theta**exps)).astype(np.float32)
+
+
+def attention_input(
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    rotary_dim: int,
+    eps: float,
+    dtype: str,
+    target: Target,
+) -> PrimFunc:
+    """(proj [n_tok, (2 heads + 2 kv_heads) head_dim], q_norm weight [d], k_norm weight [d],
+    inv_freq [rotary_dim // 2], indptr, slots, positions, page_table, k_pool, v_pool, layer)
+    -> k_pool, v_pool (in place; kv_cache's layout) and q [n_tok, heads, d].
+
+    A block owns one head of one token: a q head, or a kv head whose block writes both its k
+    (normed, rotated) and its v (copied) into the token's page. The norm's sum of squares is
+    two-level through shared memory; the rotation reads its partner lane's normed value there.
+    """
+    d, half = head_dim, rotary_dim // 2
+    if rotary_dim % 2 or not 0 < rotary_dim <= d:
+        raise ValueError(f"rotary_dim {rotary_dim} for head_dim {d}")
+    width = (2 * heads + 2 * kv_heads) * d
+    k_off, v_off = 2 * heads * d, (2 * heads + kv_heads) * d
+    blocks_per_tok = heads + kv_heads
+    gpu = target.kind.name == "cuda"
+    nt = _lanes(d)
+    parts = 32  # partial sums of squares, nt // parts lanes' squares each (bank-strided)
+    per_part = nt // parts
+    tj = PAGE_SIZE
+    shared = "shared" if gpu else "global"
+
+    def grid(n):
+        return T.thread_binding(n, thread="blockIdx.x") if gpu else T.parallel(n)
+
+    def lanes():
+        return T.thread_binding(nt, thread="threadIdx.x") if gpu else T.serial(nt)
+
+    @T.prim_func(s_tir=True)
+    def attn_input_fn(
+        x_h: T.handle,
+        qw_h: T.handle,
+        kw_h: T.handle,
+        freq_h: T.handle,
+        indptr_h: T.handle,
+        slots_h: T.handle,
+        pos_h: T.handle,
+        table_h: T.handle,
+        kp_h: T.handle,
+        vp_h: T.handle,
+        layer: T.int32,
+        q_h: T.handle,
+    ):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        n_tok, n_ptr, n_seq = T.int32(), T.int32(), T.int32()
+        n_slots, width_pt = T.int32(), T.int32()
+        n_layers, n_pages = T.int64(), T.int64()
+        x = T.match_buffer(x_h, (n_tok, width), dtype)
+        qw = T.match_buffer(qw_h, (d,), "float32")
+        kw = T.match_buffer(kw_h, (d,), "float32")
+        freq = T.match_buffer(freq_h, (half,), "float32")
+        indptr = T.match_buffer(indptr_h, (n_ptr,), "int32")
+        slots = T.match_buffer(slots_h, (n_seq,), "int32")
+        positions = T.match_buffer(pos_h, (n_tok,), "int32")
+        table = T.match_buffer(table_h, (n_slots, width_pt), "int32")
+        kp = T.match_buffer(kp_h, (n_layers, n_pages, kv_heads, tj, d), dtype)
+        vp = T.match_buffer(vp_h, (n_layers, n_pages, kv_heads, tj, d), dtype)
+        q = T.match_buffer(q_h, (n_tok, heads, d), dtype)
+        for blk in grid(n_tok * blocks_per_tok):
+            with T.sblock("head"):
+                T.reads()
+                T.writes()
+                vals = T.sblock_alloc_buffer((nt,), "float32", scope=shared)
+                part = T.sblock_alloc_buffer((parts,), "float32", scope=shared)
+                lo = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                hi = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                tok: T.let[T.int32] = blk // blocks_per_tok
+                hd: T.let[T.int32] = blk % blocks_per_tok
+                is_k: T.let[T.bool] = hd >= heads
+                kh: T.let[T.int32] = hd - heads
+                c0: T.let[T.int32] = T.if_then_else(is_k, k_off + kh * d, hd * 2 * d)
+                seq_of_token(indptr, n_ptr - 1, tok, lo, hi)
+                pos: T.let[T.int32] = positions[tok]
+                page: T.let[T.int64] = T.Cast("int64", table[slots[lo[0]], pos // tj])
+                lay: T.let[T.int64] = T.Cast("int64", layer)
+                for tx in lanes():
+                    with T.sblock("load"):
+                        T.reads()
+                        T.writes()
+                        vals[tx] = T.float32(0)
+                        if tx < d:
+                            vals[tx] = T.Cast("float32", x[tok, c0 + tx])
+                            if is_k:
+                                vp[lay, page, kh, pos % tj, tx] = x[tok, v_off + kh * d + tx]
+                for tx in lanes():
+                    with T.sblock("squares"):
+                        T.reads()
+                        T.writes()
+                        acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                        if tx < parts:
+                            acc[0] = T.float32(0)
+                            for e in T.unroll(per_part):
+                                acc[0] = acc[0] + vals[e * parts + tx] * vals[e * parts + tx]
+                            part[tx] = acc[0]
+                for tx in lanes():
+                    with T.sblock("norm"):
+                        T.reads()
+                        T.writes()
+                        acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                        acc[0] = T.float32(0)
+                        for p in T.unroll(parts):
+                            acc[0] = acc[0] + part[p]
+                        if tx < d:
+                            # rounded to the model dtype, as the norm kernel's output was
+                            vals[tx] = _rounded(
+                                vals[tx]
+                                * T.rsqrt(acc[0] / T.float32(d) + T.float32(eps))
+                                * T.if_then_else(is_k, kw[tx], qw[tx]),
+                                dtype,
+                            )
+                for tx in lanes():
+                    with T.sblock("rope"):
+                        T.reads()
+                        T.writes()
+                        out = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                        if tx < d:
+                            out[0] = vals[tx]
+                            if tx < rotary_dim:
+                                ang: T.let[T.float32] = T.Cast("float32", pos) * freq[tx % half]
+                                # neox halves: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s)
+                                out[0] = vals[tx] * T.cos(ang) + T.if_then_else(
+                                    tx < half,
+                                    -vals[T.min(tx + half, d - 1)],
+                                    vals[T.max(tx - half, 0)],
+                                ) * T.sin(ang)
+                            if is_k:
+                                kp[lay, page, kh, pos % tj, tx] = T.Cast(dtype, out[0])
+                            else:
+                                q[tok, hd, tx] = T.Cast(dtype, out[0])
+
+    return attn_input_fn.with_attr("global_symbol", INPUT_NAME)
+
+
+def output_gate(heads: int, head_dim: int, dtype: str, target: Target) -> PrimFunc:
+    """(o [n_tok, heads, d], proj [n_tok, width] (head h's gate at h * 2d + d)) ->
+    [n_tok, heads * d]: round(o * round(sigmoid(gate))), rounding where HF's bf16 ops do."""
+    d = head_dim
+    per_tok = heads * d
+    gpu = target.kind.name == "cuda"
+    nt = GATE_LANES
+
+    def grid(n):
+        return T.thread_binding(n, thread="blockIdx.x") if gpu else T.parallel(n)
+
+    def lanes():
+        return T.thread_binding(nt, thread="threadIdx.x") if gpu else T.serial(nt)
+
+    @T.prim_func(s_tir=True)
+    def output_gate_fn(o_h: T.handle, x_h: T.handle, out_h: T.handle):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        n_tok, width = T.int32(), T.int32()
+        o = T.match_buffer(o_h, (n_tok, heads, d), dtype)
+        x = T.match_buffer(x_h, (n_tok, width), dtype)
+        out = T.match_buffer(out_h, (n_tok, per_tok), dtype)
+        for blk in grid((n_tok * per_tok + nt - 1) // nt):
+            for tx in lanes():
+                with T.sblock("gate"):
+                    T.reads()
+                    T.writes()
+                    i: T.let[T.int32] = blk * nt + tx
+                    tok: T.let[T.int32] = i // per_tok
+                    h: T.let[T.int32] = i % per_tok // d
+                    c: T.let[T.int32] = i % d
+                    if i < n_tok * per_tok:
+                        out[tok, h * d + c] = T.Cast(
+                            dtype,
+                            T.Cast("float32", o[tok, h, c])
+                            * _rounded(
+                                T.float32(1)
+                                / (
+                                    T.float32(1)
+                                    + T.exp(-T.Cast("float32", x[tok, h * 2 * d + d + c]))
+                                ),
+                                dtype,
+                            ),
+                        )
+
+    return output_gate_fn.with_attr("global_symbol", GATE_NAME)
