@@ -204,7 +204,7 @@ def paged_attention(
                             T.reads()
                             T.writes()
                             kr = T.sblock_alloc_buffer((tp * per_part * vec,), dtype, scope="local")
-                            sc = T.sblock_alloc_buffer((group,), "float32", scope="local")
+                            sc = T.sblock_alloc_buffer((tp * group,), "float32", scope="local")
                             j: T.let[T.int32] = tx // parts
                             p: T.let[T.int32] = tx % parts
                             kg: T.let[T.int32] = tx // chunks if nt >= chunks else 0
@@ -230,16 +230,21 @@ def paged_attention(
                                                     (cp * nt + tx) % chunks * vec + i,
                                                 ],
                                             )
-                            for u in T.unroll(tp):
-                                for g in T.serial(group):
-                                    sc[g] = T.float32(0)
-                                    for e in T.unroll(per_part):
-                                        for i in T.unroll(vec):
-                                            sc[g] += q_sh[g * d + dim(p, e, i)] * T.Cast(
+                            for x in T.unroll(tp * group):
+                                sc[x] = T.float32(0)
+                            # each query value is read once and meets every page's key; the
+                            # heads' sums are independent, so their FMA chains interleave
+                            for e in T.unroll(per_part):
+                                for i in T.unroll(vec):
+                                    for g in T.unroll(group):
+                                        qv: T.let[T.float32] = q_sh[g * d + dim(p, e, i)]
+                                        for u in T.unroll(tp):
+                                            sc[u * group + g] += qv * T.Cast(
                                                 "float32", kr[(u * per_part + e) * vec + i]
                                             )
-                                for g in T.serial(group):
-                                    part[(g * kt + u * tj + j) * parts + p] = sc[g]
+                            for u in T.unroll(tp):
+                                for g in T.unroll(group):
+                                    part[(g * kt + u * tj + j) * parts + p] = sc[u * group + g]
                     # Phase 2: whole scores, scaled and masked, one thread per (head, key).
                     for tx in lanes():
                         with T.sblock("score_sums"):
@@ -266,10 +271,10 @@ def paged_attention(
                             sm = T.sblock_alloc_buffer((1,), "float32", scope="local")
                             if tx < group:
                                 mx[0] = ml[own(tx, 0, 2)]
-                                for jt in T.serial(kt):
+                                for jt in T.unroll(kt):
                                     mx[0] = T.max(mx[0], s_sh[tx * kt + jt])
                                 sm[0] = T.float32(0)
-                                for jt in T.serial(kt):
+                                for jt in T.unroll(kt):
                                     pv: T.let[T.float32] = T.exp(s_sh[tx * kt + jt] - mx[0])
                                     p_sh[tx * kt + jt] = pv
                                     sm[0] += pv
