@@ -32,37 +32,51 @@ from pathlib import Path
 
 PREFILL_M = (16, 128, 1024, 4096)
 DECODE_M = (1, 4, 16, 64)
-# name -> GemmConfig fields; "mma" is the default the pipeline uses
+# name -> GemmConfig fields; "mma" is the default the pipeline uses. Per variant on sm_90
+# (ptxas -v, down_proj shape): registers, CTAs an SM (by registers and shared memory), warps.
+_PAIR = {"pair_store": True}
 VARIANTS = {
-    "mma": {},
-    "mma_s4": {"stages": 4},
-    "mma_bk64": {"block_k": 64},
-    "mma_128x256": {"block_n": 256, "warps_n": 4, "stages": 4},
-    "mma_64x128_bk64": {"block_m": 64, "block_k": 64, "stages": 4},
+    "mma": {},  # 128x128x32 s3, 4 warps of 64x64: 254 regs, 2 CTAs, 8 warps an SM
+    "mma_pair": _PAIR,  # the same, bf16x2 epilogue stores: 230 regs
+    "mma_s4": {**_PAIR, "stages": 4},  # 64 KB
+    "mma_bk64": {**_PAIR, "block_k": 64},  # 96 KB, 2 CTAs
+    "mma_bk64_s4": {**_PAIR, "block_k": 64, "stages": 4},  # 128 KB, 1 CTA
+    # 8 warps of 64x32: 128 regs, 2 CTAs = 16 warps an SM
+    "mma_8w": {**_PAIR, "warps_n": 4},
+    "mma_8w_s4": {**_PAIR, "warps_n": 4, "stages": 4},
+    "mma_8w_bk64": {**_PAIR, "warps_n": 4, "block_k": 64},
+    # 8 warps of 64x64 on a larger tile: less L2 traffic a flop, 1 CTA an SM
+    "mma_128x256": {**_PAIR, "block_n": 256, "warps_n": 4, "stages": 4},
+    "mma_256x128": {**_PAIR, "block_m": 256, "warps_m": 4, "stages": 4},
+    # small N (2,560 x M 1,024 = 160 tiles of 128x128 on 132 SMs): twice the tiles, 4 CTAs an SM
+    "mma_128x64": {**_PAIR, "block_n": 64, "stages": 4},
+    "mma_128x64_bk64": {**_PAIR, "block_n": 64, "block_k": 64},
+    "mma_64x128": {**_PAIR, "block_m": 64, "stages": 4},
 }
 MANIFEST = "gemm_bench.json"
 
 
-def projections(shape: str = "4b") -> list[dict]:
-    """The model's distinct (N, K, residual) projections, with the names that have them."""
+def projections(shapes: tuple[str, ...] = ("4b",)) -> list[dict]:
+    """The models' distinct (N, K, residual) projections, with the names that have them."""
     from qwen35_tvm.compile.config import ModelConfig
     from qwen35_tvm.compile.random_model import SHAPES
 
-    c = ModelConfig.from_hf(SHAPES[shape])
-    nh, nkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-    hv = c.linear_num_value_heads
-    named = [
-        ("in_proj", c.conv_dim + c.value_dim + 2 * hv, c.hidden_size, False),
-        ("out_proj", c.hidden_size, c.value_dim, True),
-        ("qkv_proj", (2 * nh + 2 * nkv) * d, c.hidden_size, False),
-        ("o_proj", c.hidden_size, nh * d, True),
-        ("gate_up_proj", 2 * c.intermediate_size, c.hidden_size, False),
-        ("down_proj", c.hidden_size, c.intermediate_size, True),
-    ]
     out: dict[tuple, dict] = {}
-    for name, n, k, res in named:
-        out.setdefault((n, k, res), {"n": n, "k": k, "residual": res, "names": []})
-        out[(n, k, res)]["names"].append(name)
+    for shape in shapes:
+        c = ModelConfig.from_hf(SHAPES[shape])
+        nh, nkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        hv = c.linear_num_value_heads
+        named = [
+            ("in_proj", c.conv_dim + c.value_dim + 2 * hv, c.hidden_size, False),
+            ("out_proj", c.hidden_size, c.value_dim, True),
+            ("qkv_proj", (2 * nh + 2 * nkv) * d, c.hidden_size, False),
+            ("o_proj", c.hidden_size, nh * d, True),
+            ("gate_up_proj", 2 * c.intermediate_size, c.hidden_size, False),
+            ("down_proj", c.hidden_size, c.intermediate_size, True),
+        ]
+        for name, n, k, res in named:
+            out.setdefault((n, k, res), {"n": n, "k": k, "residual": res, "names": []})
+            out[(n, k, res)]["names"].append(f"{shape}.{name}")
     return list(out.values())
 
 
@@ -112,7 +126,7 @@ def _roles(func) -> dict[str, int]:
     return roles
 
 
-def _variants(n: int, k: int, residual: bool, target) -> tuple[dict, dict, dict]:
+def _variants(n: int, k: int, residual: bool, target, baselines: bool) -> tuple[dict, dict, dict]:
     """{kernel name: scheduled PrimFunc}, {kernel name: why it failed}, parameter roles."""
     from tvm.s_tir import dlight as dl
 
@@ -128,9 +142,10 @@ def _variants(n: int, k: int, residual: bool, target) -> tuple[dict, dict, dict]
     for name, fields in VARIANTS.items():
         if name != "mma":
             makers[f"prefill_{name}"] = lambda f=fields: gemm_for(large, GemmConfig(**f))
-    makers["prefill_simt"] = lambda: rule(dl.gpu.Matmul(), large)
-    makers["decode_gemv"] = lambda: rule(dl.gpu.LowBatchGEMV(4), small)
-    makers["decode_simt"] = lambda: rule(dl.gpu.Matmul(), small)
+    if baselines:
+        makers["prefill_simt"] = lambda: rule(dl.gpu.Matmul(), large)
+        makers["decode_gemv"] = lambda: rule(dl.gpu.LowBatchGEMV(4), small)
+        makers["decode_simt"] = lambda: rule(dl.gpu.Matmul(), small)
     kernels, errors = {}, {}
     for name, make in makers.items():
         try:
@@ -144,7 +159,7 @@ def _variants(n: int, k: int, residual: bool, target) -> tuple[dict, dict, dict]
     return kernels, errors, _roles(large)
 
 
-def build(out: Path, arch: str) -> None:
+def build(out: Path, arch: str, shapes: tuple[str, ...], baselines: bool) -> None:
     import tvm
 
     from qwen35_tvm.compile.cuda_toolchain import prepare_cuda_codegen
@@ -154,9 +169,9 @@ def build(out: Path, arch: str) -> None:
     prepare_cuda_codegen(arches)
     out.mkdir(parents=True, exist_ok=True)
     entries = []
-    for proj in projections():
+    for proj in projections(shapes):
         n, k, residual = proj["n"], proj["k"], proj["residual"]
-        kernels, errors, roles = _variants(n, k, residual, target)
+        kernels, errors, roles = _variants(n, k, residual, target, baselines)
         file = f"gemm_{n}x{k}{'_res' if residual else ''}.so"
         mod = tvm.IRModule(
             {name: f.with_attr("global_symbol", name) for name, f in kernels.items()}
@@ -178,8 +193,9 @@ def build(out: Path, arch: str) -> None:
 # ---- GPU side ------------------------------------------------------------------------------
 
 
-def _measure(out: Path, file: str, kernel: str) -> list[dict]:
-    """In a child process: one kernel (or "torch") of one shape at every M."""
+def _measure(out: Path, file: str, kernels: list[str]) -> None:
+    """In a child process: kernels (or "torch") of one shape at every M, one JSON row printed
+    as each is done. Inputs and the fp32 reference are made once per M."""
     os.environ.setdefault("TVM_USE_RUNTIME_LIB", "1")
     import torch
     import tvm
@@ -191,74 +207,158 @@ def _measure(out: Path, file: str, kernel: str) -> list[dict]:
     entry = next(e for e in manifest["entries"] if e["file"] == file)
     n, k, roles = entry["n"], entry["k"], entry["roles"]
     device_of("cuda")  # loads TVM's CUDA runtime
-    fn = None if kernel == "torch" else tvm.runtime.load_module(str(out / file))[kernel]
+    lib = None if kernels == ["torch"] else tvm.runtime.load_module(str(out / file))
     gen = torch.Generator(device="cuda").manual_seed(0)
     w = (torch.randn(n, k, device="cuda", generator=gen) * k**-0.5).bfloat16()
-    rows = []
-    if kernel == "torch":
-        ms = sorted({*PREFILL_M, *DECODE_M})
-    else:
-        ms = DECODE_M if kernel.startswith("decode") else PREFILL_M
+
+    def ms_of(kernel: str) -> tuple[int, ...]:
+        if kernel == "torch":
+            return (*PREFILL_M, *DECODE_M)
+        return DECODE_M if kernel.startswith("decode") else PREFILL_M
+
+    ms = sorted({m for kernel in kernels for m in ms_of(kernel)})
     for m in ms:
-        row = {"file": file, "kernel": kernel, "m": m, "n": n, "k": k}
-        try:
-            x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
-            res = torch.randn(m, n, device="cuda", generator=gen).bfloat16()
-            ref = x.float() @ w.float().T
-            if "res" in roles:
-                ref += res.float()
-            scale = ref.abs().max().item()
-            if kernel == "torch":
-                got = x @ w.T + res if "res" in roles else x @ w.T
-                seconds = cuda_time(torch, lambda x=x: torch.matmul(x, w.T))
-            else:
-                got = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-                named = {"x": x, "w": w, "res": res, "out": got}
-                order = sorted(roles, key=roles.get)
-                args = [tvm.runtime.from_dlpack(named[r]) for r in order]
-                fn(*args)
-                torch.cuda.synchronize()
-                seconds = cuda_time(torch, lambda args=args: fn(*args))
-            row.update(
-                us=seconds * 1e6,
-                tflops=2 * m * n * k / seconds / 1e12,
-                weight_gbs=n * k * 2 / seconds / 1e9,
-                max_rel_err=(got.float() - ref).abs().max().item() / scale,
-            )
-        except Exception as err:  # noqa: BLE001  report, go on with the next M
-            row["error"] = f"{type(err).__name__}: {err}"
-            traceback.print_exc(file=sys.stderr)
-        rows.append(row)
-    return rows
+        x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+        res = torch.randn(m, n, device="cuda", generator=gen).bfloat16()
+        ref = x.float() @ w.float().T
+        if "res" in roles:
+            ref += res.float()
+        scale = ref.abs().max().item()
+        for kernel in kernels:
+            if m not in ms_of(kernel):
+                continue
+            row = {"file": file, "kernel": kernel, "m": m, "n": n, "k": k}
+            try:
+                if kernel == "torch":
+                    got = x @ w.T + res if "res" in roles else x @ w.T
+                    seconds = cuda_time(torch, lambda x=x: torch.matmul(x, w.T))
+                else:
+                    fn = lib[kernel]
+                    got = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+                    named = {"x": x, "w": w, "res": res, "out": got}
+                    order = sorted(roles, key=roles.get)
+                    args = [tvm.runtime.from_dlpack(named[r]) for r in order]
+                    fn(*args)
+                    torch.cuda.synchronize()
+                    seconds = cuda_time(torch, lambda args=args, fn=fn: fn(*args))
+                row.update(
+                    us=seconds * 1e6,
+                    tflops=2 * m * n * k / seconds / 1e12,
+                    weight_gbs=n * k * 2 / seconds / 1e9,
+                    # NaN (an element never written) makes the error NaN
+                    max_rel_err=(got.float() - ref).abs().max().item() / scale,
+                )
+            except Exception as err:  # noqa: BLE001  report, go on with the next kernel
+                row["error"] = f"{type(err).__name__}: {err}"
+                traceback.print_exc(file=sys.stderr)
+            print(json.dumps(row), flush=True)
+        del x, res, ref
+
+
+def _child(out: Path, file: str, kernels: list[str], timeout: int) -> tuple[list[dict], str]:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "measure", str(out), file, *kernels]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as err:
+        stdout = err.stdout.decode() if isinstance(err.stdout, bytes) else err.stdout or ""
+        got = [json.loads(line) for line in stdout.splitlines() if line[:1] == "{"]
+        return got, f"timeout {timeout}s"
+    got = [json.loads(line) for line in proc.stdout.splitlines() if line[:1] == "{"]
+    return got, "" if proc.returncode == 0 else f"exit {proc.returncode}: {proc.stderr[-1500:]}"
 
 
 def run(out: Path, timeout: int) -> None:
+    """A child process a shape runs cuBLAS and all its kernels; if it dies (a faulting kernel
+    poisons the CUDA context), the kernels it had not finished get a child each."""
     manifest = json.loads((out / MANIFEST).read_text())
     rows: list[dict] = []
     for entry in manifest["entries"]:
-        for kernel in ["torch", *entry["kernels"]]:
-            cmd = [
-                sys.executable,
-                str(Path(__file__).resolve()),
-                "measure",
-                str(out),
-                entry["file"],
-                kernel,
-            ]
-            try:
-                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-                got = [json.loads(line) for line in proc.stdout.splitlines() if line[:1] == "{"]
-                if proc.returncode != 0 or not got:
-                    error = f"exit {proc.returncode}: {proc.stderr[-1500:]}"
-                    got.append({"file": entry["file"], "kernel": kernel, "error": error})
-            except subprocess.TimeoutExpired:
-                got = [{"file": entry["file"], "kernel": kernel, "error": f"timeout {timeout}s"}]
-            rows += got
-            for r in got:
-                print(_line(r, rows), file=sys.stderr, flush=True)
+        file = entry["file"]
+        got, error = _child(out, file, ["torch", *entry["kernels"]], timeout)
+        if error:
+            done = {r["kernel"] for r in got}
+            # the kernel that was running when it died has some rows: measure it again too
+            last = got[-1]["kernel"] if got else None
+            got = [r for r in got if r["kernel"] != last]
+            for kernel in ["torch", *entry["kernels"]]:
+                if kernel in done and kernel != last:
+                    continue
+                again, error = _child(out, file, [kernel], timeout)
+                if error:
+                    again.append({"file": file, "kernel": kernel, "error": error})
+                got += again
+        rows += got
+        for r in got:
+            print(_line(r, rows), file=sys.stderr, flush=True)
     result = {"arch": manifest["arch"], "rows": _with_cublas_ratio(rows)}
+    result["summary"] = _summary(result["rows"])
+    print(_summary_text(result["summary"]), file=sys.stderr, flush=True)
     (out / "gemm_bench_result.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result))
+
+
+def _summary(rows: list[dict], ms: tuple[int, ...] = (1024, 4096)) -> dict:
+    """Per prefill variant and M: geometric mean over shapes of its speed against the default
+    ("prefill_mma") and against cuBLAS, and which shapes it wins; the best variant a shape.
+    A variant with a wrong result (error > 2e-2) at any shape is marked, not ranked."""
+    import math
+
+    ok = {
+        (r["file"], r["kernel"], r["m"]): r
+        for r in rows
+        if "us" in r and r["kernel"].startswith("prefill_mma")
+    }
+    bad = sorted(
+        {k for (_, k, _), r in ok.items() if not r["max_rel_err"] < 2e-2}
+        | {r["kernel"] for r in rows if "error" in r and r["kernel"].startswith("prefill_mma")}
+    )
+    files = sorted({f for f, _, _ in ok})
+    kernels = sorted({k for _, k, _ in ok})
+    out: dict = {"wrong_or_failed": bad, "by_m": {}}
+    for m in ms:
+        per: dict = {}
+        for kern in kernels:
+            vs_default, vs_cublas = [], []
+            for f in files:
+                r, base = ok.get((f, kern, m)), ok.get((f, "prefill_mma", m))
+                if r and base:
+                    vs_default.append(base["us"] / r["us"])
+                    if "speed_vs_cublas" in r:
+                        vs_cublas.append(r["speed_vs_cublas"])
+            if vs_default:
+                per[kern] = {
+                    "vs_default": math.exp(sum(map(math.log, vs_default)) / len(vs_default)),
+                    "vs_cublas": math.exp(sum(map(math.log, vs_cublas)) / len(vs_cublas))
+                    if vs_cublas
+                    else None,
+                }
+        best = {}
+        for f in files:
+            cands = [(ok[(f, kk, m)]["us"], kk) for kk in kernels if (f, kk, m) in ok]
+            cands = [c for c in cands if c[1] not in bad]
+            if cands:
+                us, kk = min(cands)
+                best[f] = {
+                    "kernel": kk,
+                    "us": us,
+                    **{x: ok[(f, kk, m)].get(x) for x in ("tflops", "speed_vs_cublas")},
+                }
+        out["by_m"][str(m)] = {"variants": per, "best": best}
+    return out
+
+
+def _summary_text(summary: dict) -> str:
+    lines = [f"wrong or failed: {summary['wrong_or_failed'] or 'none'}"]
+    for m, part in summary["by_m"].items():
+        lines.append(f"M={m}: variant, geomean speed vs default, vs cuBLAS")
+        ranked = sorted(part["variants"].items(), key=lambda kv: -kv[1]["vs_default"])
+        for kern, v in ranked:
+            cub = f"{v['vs_cublas']:.2f}" if v["vs_cublas"] else "-"
+            lines.append(f"  {kern:<28} x{v['vs_default']:.3f}  x{cub}")
+        for f, b in part["best"].items():
+            tf = b["tflops"] or 0
+            lines.append(f"  best {f:<26} {b['kernel']:<28} {b['us']:8.1f} us {tf:6.1f} TFLOP/s")
+    return "\n".join(lines)
 
 
 def _with_cublas_ratio(rows: list[dict]) -> list[dict]:
@@ -293,17 +393,20 @@ def main() -> None:
     p.add_argument("step", choices=["build", "run", "measure"])
     p.add_argument("dir", type=Path)
     p.add_argument("file", nargs="?", help="measure only: library file")
-    p.add_argument("kernel", nargs="?", help="measure only: kernel name or torch")
+    p.add_argument("kernels", nargs="*", help="measure only: kernel names or torch")
     p.add_argument("--arch", default="sm_90")
-    p.add_argument("--timeout", type=int, default=600, help="seconds per kernel (run)")
+    p.add_argument("--shapes", default="4b,9b", help="build: model shapes (random_model.SHAPES)")
+    p.add_argument(
+        "--baselines", action="store_true", help="build: also dlight's SIMT and GEMV kernels"
+    )
+    p.add_argument("--timeout", type=int, default=300, help="seconds a child process (run)")
     args = p.parse_args()
     if args.step == "build":
-        build(args.dir, args.arch)
+        build(args.dir, args.arch, tuple(args.shapes.split(",")), args.baselines)
     elif args.step == "run":
         run(args.dir, args.timeout)
     else:
-        for row in _measure(args.dir, args.file, args.kernel):
-            print(json.dumps(row), flush=True)
+        _measure(args.dir, args.file, args.kernels)
 
 
 if __name__ == "__main__":

@@ -48,6 +48,9 @@ class GemmConfig:
     warps_m: int = 2
     warps_n: int = 2
     stages: int = 3
+    # epilogue: each lane stores its two adjacent columns as one 4-byte (bf16x2) / 8-byte
+    # (fp32x2) access instead of two scalar ones (needs n even, else scalar stores)
+    pair_store: bool = False
 
     @property
     def threads(self) -> int:
@@ -143,6 +146,7 @@ def gemm_kernel(
     a_copies, b_copies = bm * chunks // threads, bn * chunks // threads
     k_tiles, n_tiles = k // bk, -(-n // bn)
     scope = "shared" if config.shared_bytes <= 48 * 1024 else "shared.dyn"
+    pair = config.pair_store and n % 2 == 0  # c even and n even: c + 1 < n too
 
     def extra_shape(i: int, m):
         return {"mn": (m, n), "n": (n,), "m": (m,)}[extra_shapes[i]]
@@ -263,14 +267,24 @@ def gemm_kernel(
                                             )
                             for mt in T.unroll(mt_count):
                                 for nt in T.unroll(nt_count):
-                                    for e in T.unroll(4):
-                                        er, ec = T.meta_var(acc_coords(tx, e))
+                                    for eh in T.unroll(2):
+                                        # acc e = 2 eh + v: row half eh, column pair v
+                                        er, ec = T.meta_var(acc_coords(tx, eh * 2))
                                         r: T.let[T.int32] = bx * bm + row_w + mt * 16 + er
                                         c: T.let[T.int32] = by * bn + col_w + nt * 8 + ec
-                                        if r < m and c < n:
-                                            out[r, c] = epilogue(
-                                                acc[(mt * nt_count + nt) * 4 + e], r, c, extras
-                                            )
+                                        a_at: T.let[T.int32] = (mt * nt_count + nt) * 4 + eh * 2
+                                        if pair:
+                                            if r < m and c < n:
+                                                for v in T.vectorized(2):
+                                                    out[r, c + v] = epilogue(
+                                                        acc[a_at + v], r, c + v, extras
+                                                    )
+                                        else:
+                                            for v in T.unroll(2):
+                                                if r < m and c + v < n:
+                                                    out[r, c + v] = epilogue(
+                                                        acc[a_at + v], r, c + v, extras
+                                                    )
 
     attrs = {"tirx.is_scheduled": True, "tirx.noalias": True}
     if not extra_shapes:

@@ -139,6 +139,11 @@ def _emulate(a: np.ndarray, b: np.ndarray, cfg: mm.GemmConfig) -> np.ndarray:
         (mm.GemmConfig(block_k=64), 70, 128, 256),
         (mm.GemmConfig(block_m=64, block_k=64, stages=4), 65, 72, 320),
         (mm.GemmConfig(block_n=256, warps_n=4, stages=4), 17, 264, 96),
+        # the sweep's shapes (benchmarks/gemm_kernel.py): 8 warps of 64x32, small-N tiles
+        (mm.GemmConfig(warps_n=4, block_k=64), 131, 136, 192),
+        (mm.GemmConfig(block_n=64, stages=4), 129, 72, 224),
+        (mm.GemmConfig(block_m=64, stages=4), 63, 136, 96),
+        (mm.GemmConfig(block_m=256, warps_m=4, stages=4), 257, 128, 160),
     ],
 )
 def test_emulated_kernel_computes_a_times_b_transposed(cfg, m, n, k) -> None:
@@ -163,6 +168,34 @@ def test_swizzle_is_a_permutation_and_conflict_free() -> None:
                         r, c = mm.ldmatrix_a_coords(lane, kk)
                         groups.add(mm.tile_offset(base + r, c, chunks) // 8 % 8)
                     assert len(groups) == 8
+
+
+def test_pair_store_lanes_own_adjacent_even_columns() -> None:
+    # the bf16x2 epilogue stores acc elements 2 eh and 2 eh + 1 of a lane at (r, c), (r, c + 1)
+    for lane in range(32):
+        for eh in range(2):
+            r, c = mm.acc_coords(lane, 2 * eh)
+            assert c % 2 == 0 and mm.acc_coords(lane, 2 * eh + 1) == (r, c + 1)
+
+
+@pytest.mark.parametrize("n, pair", [(200, True), (136, True), (201, False)])
+def test_pair_store_only_where_n_is_even(n, pair) -> None:
+    cfg = mm.GemmConfig(pair_store=True)
+    func = mm.gemm_kernel(n, 64, cfg, out_dtype="bfloat16", epilogue=_cast_bf16)
+    text = tvm.tirx.transform.VectorizeLoop()(tvm.IRModule({"main": func}))["main"].script()
+    stores = [line.strip() for line in text.splitlines() if line.strip().startswith("out[")]
+    guards = [line.strip() for line in text.splitlines() if line.strip().startswith("if r <")]
+    assert len(stores) == 1 and len(guards) == 1
+    if pair:  # one bf16x2 store a column pair, guarded by the row and the pair's first column
+        assert stores[0].startswith("out[r, c:c + 2] =") and "bfloat16x2" in stores[0]
+        assert guards[0] == f"if r < m and c < {n}:"
+    else:  # n odd: a pair may straddle n, so scalar stores, each column guarded
+        assert stores[0].startswith("out[r, c + v] =")
+        assert guards[0] == f"if r < m and c + v < {n}:"
+
+
+def _cast_bf16(acc, _row, _col, _extras):
+    return tvm.tirx.Cast("bfloat16", acc)
 
 
 # ---- the pipeline --------------------------------------------------------------------------
