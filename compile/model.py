@@ -14,15 +14,15 @@ import operator
 from typing import NamedTuple
 
 import numpy as np
-from tvm import IRModule, relax, tirx
+from tvm import IRModule, tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import Tensor, op
-from tvm.relax.frontend.nn.core import wrap_nested
 from tvm.target import Target
 
 from ..schedules import (
     attention,
     attention_prefill,
+    attention_prep,
     gdn,
     gdn_chunked,
     gdn_prep,
@@ -35,10 +35,6 @@ from .config import FULL, ModelConfig
 from .vocab import VocabWidths
 
 F32 = "float32"
-
-
-def _unary(fn, x: Tensor, name: str) -> Tensor:
-    return wrap_nested(fn(x._expr), name)  # nn.op lacks these elementwise ops
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -89,18 +85,6 @@ class MLP(nn.Module):
         return self.down_proj(op.silu(gate) * up)
 
 
-def rope(x: Tensor, cos: Tensor, sin: Tensor, rotary_dim: int) -> Tensor:
-    """Neox-style rotation of the first `rotary_dim` dims of x [T, heads, head_dim]."""
-    head_dim = x.shape[-1]
-    half = rotary_dim // 2
-    x1, x2, rest = op.split(x.astype(F32), [half, rotary_dim], axis=-1)
-    c, s = op.unsqueeze(cos, 1), op.unsqueeze(sin, 1)
-    parts = [x1 * c - x2 * s, x2 * c + x1 * s]
-    if rotary_dim < head_dim:
-        parts.append(rest)
-    return op.concat(parts, dim=-1).astype(x.dtype)
-
-
 class KVCache(NamedTuple):
     """The paged K/V cache: pools [full layers, pages, kv heads, page size, head dim] and the
     page table [slots, pages per sequence] of page ids."""
@@ -122,10 +106,7 @@ class GatedAttention(nn.Module):
         self.o_proj = Linear(nh * d, cfg.hidden_size, dtype)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
-        inv_freq = 1.0 / (
-            cfg.rope_theta ** (np.arange(0, cfg.rotary_dim, 2, dtype=np.float32) / cfg.rotary_dim)
-        )
-        self.inv_freq = inv_freq.astype(np.float32)
+        self.inv_freq = attention_prep.inv_freq(cfg.rotary_dim, cfg.rope_theta)
 
     def forward(
         self,
@@ -141,25 +122,32 @@ class GatedAttention(nn.Module):
         cfg = self.cfg
         n_tok = x.shape[0]
         nh, nkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        q_gate, k, v = op.split(self.qkv_proj(x), [2 * nh * d, (2 * nh + nkv) * d], axis=-1)
-        q, gate = op.split(op.reshape(q_gate, (n_tok, nh, 2 * d)), 2, axis=-1)
-        q = self.q_norm(q)
-        k = self.k_norm(op.reshape(k, (n_tok, nkv, d)))
-        v = op.reshape(v, (n_tok, nkv, d))
-        freqs = op.unsqueeze(positions.astype(F32), 1) * nn.Tensor.from_const(self.inv_freq)
-        cos, sin = _unary(relax.op.cos, freqs, "cos"), _unary(relax.op.sin, freqs, "sin")
-        q = rope(q, cos, sin, cfg.rotary_dim)
-        k = rope(k, cos, sin, cfg.rotary_dim)
+        # [q_0 gate_0 q_1 gate_1 ... | k | v], read in place by both kernels below
+        proj = self.qkv_proj(x)
         layer = tirx.IntImm("int32", self.kv_layer)
         target = Target.current()
-        k_pool, v_pool = op.tensor_ir_inplace_op(
-            kv_cache.append_kv(nkv, d, self.dtype, target),
-            "attn_append_kv",
-            [k, v, indptr, slots, positions, kv.page_table, kv.k_pool, kv.v_pool, layer],
-            inplace_indices=[6, 7],
-            out=[kv.k_pool, kv.v_pool],
+        # q/k RMSNorm and RoPE, q out, K/V into their pages: one kernel
+        k_pool, v_pool, q = op.tensor_ir_inplace_op(
+            attention_prep.attention_input(
+                nh, nkv, d, cfg.rotary_dim, cfg.rms_norm_eps, self.dtype, target
+            ),
+            attention_prep.INPUT_NAME,
+            [
+                proj,
+                self.q_norm.weight,
+                self.k_norm.weight,
+                nn.Tensor.from_const(self.inv_freq),
+                indptr,
+                slots,
+                positions,
+                kv.page_table,
+                kv.k_pool,
+                kv.v_pool,
+                layer,
+            ],
+            inplace_indices=[8, 9, -1],
+            out=[kv.k_pool, kv.v_pool, Tensor.placeholder((n_tok, nh, d), self.dtype)],
         )
-        heads = nh * d
         tensor_cores = prefill and target.kind.name == "cuda" and self.dtype == "bfloat16"
         if tensor_cores and d % 64 == 0:
             kernel, name = attention_prefill.paged_prefill_mma(nh, nkv, d, target), "attn_prefill"
@@ -175,7 +163,12 @@ class GatedAttention(nn.Module):
                 Tensor.placeholder((attention.SPLIT_BUDGET, nh, 2), F32),
             ],
         )
-        o = op.reshape(o, (n_tok, heads)) * op.sigmoid(op.reshape(gate, (n_tok, heads)))
+        o = op.tensor_ir_op(
+            attention_prep.output_gate(nh, d, self.dtype, target),
+            attention_prep.GATE_NAME,
+            [o, proj],
+            out=Tensor.placeholder((n_tok, nh * d), self.dtype),
+        )
         return self.o_proj(o), KVCache(k_pool, v_pool, kv.page_table)
 
 
