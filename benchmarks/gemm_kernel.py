@@ -52,6 +52,11 @@ VARIANTS = {
     "mma_128x64": {**_PAIR, "block_n": 64, "stages": 4},
     "mma_128x64_bk64": {**_PAIR, "block_n": 64, "block_k": 64},
     "mma_64x128": {**_PAIR, "block_m": 64, "stages": 4},
+    # frag_pipeline: the next tile's first fragments load under the last k16 step's mma
+    "mma_fp": {**_PAIR, "frag_pipeline": True},  # 232 regs
+    "mma_fp_bk64": {**_PAIR, "frag_pipeline": True, "block_k": 64},  # 246 regs, 96 KB
+    "mma_8w_fp": {**_PAIR, "frag_pipeline": True, "warps_n": 4},
+    "mma_128x64_fp": {**_PAIR, "frag_pipeline": True, "block_n": 64, "stages": 4},
 }
 MANIFEST = "gemm_bench.json"
 

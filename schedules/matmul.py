@@ -30,6 +30,13 @@ from tvm.s_tir.dlight.gpu.base import GPUScheduleRule
 from tvm.script import tirx as T
 from tvm.target import Target
 
+from .gemm_layout import (
+    acc_coords,
+    copy_coords,
+    ldmatrix_a_coords,
+    ldmatrix_b_coords,
+    tile_offset,
+)
 from .gemm_match import DTYPE, MAX_EXTRA_INPUTS, Epilogue, match_gemm, plain_epilogue
 from .ptx import ldmatrix_x4, mma_bf16
 
@@ -51,6 +58,9 @@ class GemmConfig:
     # epilogue: each lane stores its two adjacent columns as one 4-byte (bf16x2) / 8-byte
     # (fp32x2) access instead of two scalar ones (needs n even, else scalar stores)
     pair_store: bool = False
+    # main loop: the barrier moves to the last k16 step of a tile, so the next tile's first
+    # fragments load while that step's mma run (two fragment sets, alternating)
+    frag_pipeline: bool = False
 
     @property
     def threads(self) -> int:
@@ -78,44 +88,6 @@ DEFAULT_CONFIG = GemmConfig()
 # Decode batches of 8-64 rows: a 64-row tile, deeper k steps (0.9x cuBLAS at m = 16 on an H200,
 # where the GEMV rules reach 0.33x).
 WIDE_DECODE_CONFIG = GemmConfig(block_m=64, block_k=64, stages=4)
-
-# ---- layout: shared by the kernel (with TIR expressions) and the test's emulator (with ints) ----
-
-Index = int | tirx.Expr
-
-
-def tile_offset(row: Index, chunk: Index, chunks: int) -> Index:
-    """Element offset of 16-byte chunk `chunk` of row `row` in a tile whose rows hold `chunks`
-    chunks. The chunk index is XORed with the row's place among the rows sharing a 128-byte bank
-    window, so the 8 rows an ldmatrix reads (and a warp's 32 copies) hit 8 different banks."""
-    rows_per_window = 8 // chunks
-    return row * (chunks * 8) + (chunk ^ (row // rows_per_window % chunks)) * 8
-
-
-def copy_coords(index: Index, chunks: int) -> tuple[Index, Index]:
-    """(row, chunk) of the index-th 16-byte chunk of a tile; consecutive threads take
-    consecutive chunks of a row, so a warp reads whole rows of global memory."""
-    return index // chunks, index % chunks
-
-
-def ldmatrix_a_coords(lane: Index, kk: Index) -> tuple[Index, Index]:
-    """(row, chunk) whose address `lane` gives ldmatrix.x4 for the A fragment of one m16 x k16
-    step kk: matrices (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15), (rows 8-15,
-    k 8-15), which are mma's a0a1, a2a3, a4a5, a6a7 registers."""
-    return lane % 16, kk * 2 + lane // 16
-
-
-def ldmatrix_b_coords(lane: Index, kk: Index) -> tuple[Index, Index]:
-    """(row of B = column n, chunk) for ldmatrix.x4 of two n8 x k16 B fragments: matrices
-    (n 0-7, k 0-7), (n 0-7, k 8-15), (n 8-15, k 0-7), (n 8-15, k 8-15), i.e. b0b1 and b2b3 of
-    the first n8 tile, then of the second."""
-    return lane // 16 * 8 + lane % 8, kk * 2 + lane // 8 % 2
-
-
-def acc_coords(lane: Index, e: Index) -> tuple[Index, Index]:
-    """(row, column) within an m16 x n8 tile of accumulator element e (0..3) of `lane`."""
-    return lane // 4 + e // 2 * 8, lane % 4 * 2 + e % 2
-
 
 # ---- the kernel ----------------------------------------------------------------------------
 
@@ -147,6 +119,8 @@ def gemm_kernel(
     k_tiles, n_tiles = k // bk, -(-n // bn)
     scope = "shared" if config.shared_bytes <= 48 * 1024 else "shared.dyn"
     pair = config.pair_store and n % 2 == 0  # c even and n even: c + 1 < n too
+    frag_pipe = config.frag_pipeline
+    frag_sets = 2 if frag_pipe else ksteps
 
     def extra_shape(i: int, m):
         return {"mn": (m, n), "n": (n,), "m": (m,)}[extra_shapes[i]]
@@ -180,6 +154,45 @@ def gemm_kernel(
             )
 
     @T.macro
+    def load_frags(a_frag, b_frag, a_sh, b_sh, slot, stage, kk, tx, row_w, col_w):
+        # k16 step kk of a stage's tiles into fragment set `slot`
+        for mt in T.unroll(mt_count):
+            ar, ac = T.meta_var(ldmatrix_a_coords(tx, kk))
+            T.evaluate(
+                ldmatrix_x4(
+                    a_frag,
+                    (slot * mt_count + mt) * 8,
+                    a_sh,
+                    stage * bm * bk + tile_offset(row_w + mt * 16 + ar, ac, chunks),
+                )
+            )
+        for np in T.unroll(nt_count // 2):
+            br, bc = T.meta_var(ldmatrix_b_coords(tx, kk))
+            T.evaluate(
+                ldmatrix_x4(
+                    b_frag,
+                    (slot * nt_count + np * 2) * 4,
+                    b_sh,
+                    stage * bn * bk + tile_offset(col_w + np * 16 + br, bc, chunks),
+                )
+            )
+
+    @T.macro
+    def mmas(a_frag, b_frag, acc, slot):
+        for mt in T.unroll(mt_count):
+            for nt in T.unroll(nt_count):
+                T.evaluate(
+                    mma_bf16(
+                        a_frag.data,
+                        (slot * mt_count + mt) * 8,
+                        b_frag.data,
+                        (slot * nt_count + nt) * 4,
+                        acc.data,
+                        (mt * nt_count + nt) * 4,
+                    )
+                )
+
+    @T.macro
     def body(a, b, out, extras, m):
         for bx in T.thread_binding(T.ceildiv(m, bm), thread="blockIdx.x"):
             for by in T.thread_binding(n_tiles, thread="blockIdx.y"):
@@ -190,13 +203,13 @@ def gemm_kernel(
                             T.writes()
                             a_sh = T.sblock_alloc_buffer((stages * bm * bk,), DTYPE, scope=scope)
                             b_sh = T.sblock_alloc_buffer((stages * bn * bk,), DTYPE, scope=scope)
-                            # one fragment set per k16 step, so the next step's ldmatrix can be
-                            # issued while this step's mma run
+                            # one fragment set per k16 step (frag_pipe: two, alternating), so
+                            # the next step's ldmatrix can be issued while this step's mma run
                             a_frag = T.sblock_alloc_buffer(
-                                (ksteps * mt_count * 8,), DTYPE, scope="local"
+                                (frag_sets * mt_count * 8,), DTYPE, scope="local"
                             )
                             b_frag = T.sblock_alloc_buffer(
-                                (ksteps * nt_count * 4,), DTYPE, scope="local"
+                                (frag_sets * nt_count * 4,), DTYPE, scope="local"
                             )
                             acc = T.sblock_alloc_buffer(
                                 (mt_count * nt_count * 4,), "float32", scope="local"
@@ -210,61 +223,100 @@ def gemm_kernel(
                                 if s < k_tiles:
                                     load_tile(a, b, a_sh, b_sh, s, s, bx, by, tid, m)
                                 T.evaluate(T.ptx["cp.async.commit_group"]())
-                            for kt in T.serial(k_tiles):
-                                # tile kt has landed once at most stages - 2 groups are pending;
-                                # the barrier also retires the stage the next copy overwrites
+                            if frag_pipe:
+                                # tile 0 landed; its first fragments
                                 T.evaluate(T.ptx["cp.async.wait_group"](stages - 2))
                                 T.tvm_storage_sync("shared")
-                                if kt + stages - 1 < k_tiles:
-                                    load_tile(
-                                        a,
-                                        b,
-                                        a_sh,
-                                        b_sh,
-                                        (kt + stages - 1) % stages,
-                                        kt + stages - 1,
-                                        bx,
-                                        by,
-                                        tid,
-                                        m,
-                                    )
-                                T.evaluate(T.ptx["cp.async.commit_group"]())
+                                load_frags(a_frag, b_frag, a_sh, b_sh, 0, 0, 0, tx, row_w, col_w)
+                            for kt in T.serial(k_tiles):
                                 stage: T.let[T.int32] = kt % stages
-                                for kk in T.unroll(ksteps):
-                                    for mt in T.unroll(mt_count):
-                                        ar, ac = T.meta_var(ldmatrix_a_coords(tx, kk))
-                                        T.evaluate(
-                                            ldmatrix_x4(
+                                if frag_pipe:
+                                    for kk in T.unroll(ksteps):
+                                        if kk == ksteps - 1:
+                                            # tile kt + 1 landed, and every warp has its last
+                                            # fragments of tile kt (the copy at kk 0 of tile
+                                            # kt + 1 overwrites stage kt)
+                                            T.evaluate(T.ptx["cp.async.wait_group"](stages - 2))
+                                            T.tvm_storage_sync("shared")
+                                        # the next k16 step's fragments (the next tile's first
+                                        # at the last step) load while this step's mma run
+                                        if kk < ksteps - 1:
+                                            load_frags(
                                                 a_frag,
-                                                (kk * mt_count + mt) * 8,
-                                                a_sh,
-                                                stage * bm * bk
-                                                + tile_offset(row_w + mt * 16 + ar, ac, chunks),
-                                            )
-                                        )
-                                    for np in T.unroll(nt_count // 2):
-                                        br, bc = T.meta_var(ldmatrix_b_coords(tx, kk))
-                                        T.evaluate(
-                                            ldmatrix_x4(
                                                 b_frag,
-                                                (kk * nt_count + np * 2) * 4,
+                                                a_sh,
                                                 b_sh,
-                                                stage * bn * bk
-                                                + tile_offset(col_w + np * 16 + br, bc, chunks),
+                                                (kk + 1) % 2,
+                                                stage,
+                                                kk + 1,
+                                                tx,
+                                                row_w,
+                                                col_w,
                                             )
-                                        )
-                                    for mt in T.unroll(mt_count):
-                                        for nt in T.unroll(nt_count):
-                                            T.evaluate(
-                                                mma_bf16(
-                                                    a_frag.data,
-                                                    (kk * mt_count + mt) * 8,
-                                                    b_frag.data,
-                                                    (kk * nt_count + nt) * 4,
-                                                    acc.data,
-                                                    (mt * nt_count + nt) * 4,
+                                        elif kt + 1 < k_tiles:
+                                            load_frags(
+                                                a_frag,
+                                                b_frag,
+                                                a_sh,
+                                                b_sh,
+                                                0,
+                                                (kt + 1) % stages,
+                                                0,
+                                                tx,
+                                                row_w,
+                                                col_w,
+                                            )
+                                        if kk == 0:
+                                            # into stage kt - 1, retired at the last barrier
+                                            if kt + stages - 1 < k_tiles:
+                                                load_tile(
+                                                    a,
+                                                    b,
+                                                    a_sh,
+                                                    b_sh,
+                                                    (kt + stages - 1) % stages,
+                                                    kt + stages - 1,
+                                                    bx,
+                                                    by,
+                                                    tid,
+                                                    m,
                                                 )
-                                            )
+                                            T.evaluate(T.ptx["cp.async.commit_group"]())
+                                        mmas(a_frag, b_frag, acc, kk % 2)
+                                else:
+                                    # tile kt has landed once at most stages - 2 groups are
+                                    # pending; the barrier also retires the stage the next
+                                    # copy overwrites
+                                    T.evaluate(T.ptx["cp.async.wait_group"](stages - 2))
+                                    T.tvm_storage_sync("shared")
+                                    if kt + stages - 1 < k_tiles:
+                                        load_tile(
+                                            a,
+                                            b,
+                                            a_sh,
+                                            b_sh,
+                                            (kt + stages - 1) % stages,
+                                            kt + stages - 1,
+                                            bx,
+                                            by,
+                                            tid,
+                                            m,
+                                        )
+                                    T.evaluate(T.ptx["cp.async.commit_group"]())
+                                    for kk in T.unroll(ksteps):
+                                        load_frags(
+                                            a_frag,
+                                            b_frag,
+                                            a_sh,
+                                            b_sh,
+                                            kk,
+                                            stage,
+                                            kk,
+                                            tx,
+                                            row_w,
+                                            col_w,
+                                        )
+                                        mmas(a_frag, b_frag, acc, kk)
                             for mt in T.unroll(mt_count):
                                 for nt in T.unroll(nt_count):
                                     for eh in T.unroll(2):

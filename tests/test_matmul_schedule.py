@@ -89,34 +89,59 @@ def _emulate(a: np.ndarray, b: np.ndarray, cfg: mm.GemmConfig) -> np.ndarray:
             for s in range(stages - 1):
                 if s < k_tiles:
                     load(s, s)
-            for kt in range(k_tiles):
-                if kt + stages - 1 < k_tiles:
-                    load((kt + stages - 1) % stages, kt + stages - 1)
-                stage = kt % stages
-                for w in range(threads // 32):
-                    row_w, col_w = w // cfg.warps_n * warp_m, w % cfg.warps_n * warp_n
-                    for kk in range(bk // 16):
-                        a_frag = []
-                        for mt in range(mtc):
-                            coords = [mm.ldmatrix_a_coords(lane, kk) for lane in range(32)]
-                            addrs = [
-                                stage * bm_ * bk + mm.tile_offset(row_w + mt * 16 + r, c, chunks)
-                                for r, c in coords
-                            ]
-                            a_frag.append(_ldmatrix_x4(tiles["a"], addrs))
-                        b_frag = []
-                        for pair in range(ntc // 2):
-                            coords = [mm.ldmatrix_b_coords(lane, kk) for lane in range(32)]
-                            addrs = [
-                                stage * bn_ * bk + mm.tile_offset(col_w + pair * 16 + r, c, chunks)
-                                for r, c in coords
-                            ]
-                            regs = _ldmatrix_x4(tiles["b"], addrs)
-                            b_frag += [regs[:, :4], regs[:, 4:]]
-                        for mt in range(mtc):
-                            for nt in range(ntc):
-                                at = (mt * ntc + nt) * 4
-                                _mma(a_frag[mt], b_frag[nt], acc[w, :, at : at + 4])
+
+            def frags(w: int, stage: int, kk: int, tiles: dict = tiles) -> tuple[list, list]:
+                """Warp w's ldmatrix of k16 step kk of a stage, as the tiles hold it now."""
+                row_w, col_w = w // cfg.warps_n * warp_m, w % cfg.warps_n * warp_n
+                a_frag = []
+                for mt in range(mtc):
+                    coords = [mm.ldmatrix_a_coords(lane, kk) for lane in range(32)]
+                    addrs = [
+                        stage * bm_ * bk + mm.tile_offset(row_w + mt * 16 + r, c, chunks)
+                        for r, c in coords
+                    ]
+                    a_frag.append(_ldmatrix_x4(tiles["a"], addrs))
+                b_frag = []
+                for pair in range(ntc // 2):
+                    coords = [mm.ldmatrix_b_coords(lane, kk) for lane in range(32)]
+                    addrs = [
+                        stage * bn_ * bk + mm.tile_offset(col_w + pair * 16 + r, c, chunks)
+                        for r, c in coords
+                    ]
+                    regs = _ldmatrix_x4(tiles["b"], addrs)
+                    b_frag += [regs[:, :4], regs[:, 4:]]
+                return a_frag, b_frag
+
+            def mma(w: int, got: tuple[list, list], acc: np.ndarray = acc) -> None:
+                for mt in range(mtc):
+                    for nt in range(ntc):
+                        at = (mt * ntc + nt) * 4
+                        _mma(got[0][mt], got[1][nt], acc[w, :, at : at + 4])
+
+            warps, ksteps = range(threads // 32), bk // 16
+            if cfg.frag_pipeline:
+                # the kernel's order: next step's fragments, then (kk 0) the copy, then mma
+                cur = [frags(w, 0, 0) for w in warps]
+                for kt in range(k_tiles):
+                    stage = kt % stages
+                    for kk in range(ksteps):
+                        nxt = None
+                        if kk < ksteps - 1:
+                            nxt = [frags(w, stage, kk + 1) for w in warps]
+                        elif kt + 1 < k_tiles:
+                            nxt = [frags(w, (kt + 1) % stages, 0) for w in warps]
+                        if kk == 0 and kt + stages - 1 < k_tiles:
+                            load((kt + stages - 1) % stages, kt + stages - 1)
+                        for w in warps:
+                            mma(w, cur[w])
+                        cur = nxt
+            else:
+                for kt in range(k_tiles):
+                    if kt + stages - 1 < k_tiles:
+                        load((kt + stages - 1) % stages, kt + stages - 1)
+                    for w in warps:
+                        for kk in range(ksteps):
+                            mma(w, frags(w, kt % stages, kk))
             for w in range(threads // 32):
                 row_w, col_w = w // cfg.warps_n * warp_m, w % cfg.warps_n * warp_n
                 for lane in range(32):
@@ -144,6 +169,12 @@ def _emulate(a: np.ndarray, b: np.ndarray, cfg: mm.GemmConfig) -> np.ndarray:
         (mm.GemmConfig(block_n=64, stages=4), 129, 72, 224),
         (mm.GemmConfig(block_m=64, stages=4), 63, 136, 96),
         (mm.GemmConfig(block_m=256, warps_m=4, stages=4), 257, 128, 160),
+        # frag_pipeline: one k tile, two (< stages - 1), and through the ring
+        (mm.GemmConfig(frag_pipeline=True), 5, 136, 32),
+        (mm.GemmConfig(frag_pipeline=True, stages=4), 33, 128, 64),
+        (mm.GemmConfig(frag_pipeline=True), 130, 200, 160),
+        (mm.GemmConfig(frag_pipeline=True, block_k=64, warps_n=4), 129, 136, 384),
+        (mm.GemmConfig(frag_pipeline=True, block_n=64, stages=2), 64, 72, 128),
     ],
 )
 def test_emulated_kernel_computes_a_times_b_transposed(cfg, m, n, k) -> None:
