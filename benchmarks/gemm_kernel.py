@@ -5,19 +5,23 @@ Two steps, because the GPU server has no compiler:
   here (nvcc, no GPU):  python benchmarks/gemm_kernel.py build DIR [--arch sm_90]
   on the GPU server:    python benchmarks/gemm_kernel.py run DIR
 
-`build` takes each projection the way the model has it (`Linear`: bf16 x [M, K] times W [N, K]ᵀ
-to fp32, cast to bf16; out_proj, o_proj and down_proj with the residual add FuseOps puts behind
-them), fuses it with the CUDA pipeline's passes and compiles, per shape, the PrimFunc as:
+`build` takes each projection of the models in --shapes (default 4b,9b) the way the model has
+it (`Linear`: bf16 x [M, K] times W [N, K]ᵀ to fp32, cast to bf16; out_proj, o_proj and
+down_proj with the residual add FuseOps puts behind them), fuses it with the CUDA pipeline's
+passes and compiles, per shape, the PrimFunc as:
   prefill  mma        our kernel as the pipeline builds it (GemmConfig defaults)
-           mma_*      the same kernel with other tilings, to tune the default
-           simt       dlight's gpu.Matmul on SIMT (what prefill ran before the kernel)
-  decode   gemv       dlight's LowBatchGEMV (what decode runs now)
-           simt       dlight's gpu.Matmul (what decode ran before prefill and decode were split)
-`run` checks each against a fp32 torch reference (max |ours - ref| / max |ref|, cuBLAS's bf16
-error beside it) and times it (best of 20, CUDA events) with torch.matmul(x, w.T) in bf16 in
-the same process, M in {16, 128, 1024, 4096} for prefill and {1, 4, 16, 64} for decode. Each
-kernel runs in its own child process, so a faulting kernel costs only its own rows. Prints a
-table to stderr and the JSON (also written to DIR/gemm_bench_result.json) to stdout.
+           mma_*      the same kernel with other configs (VARIANTS), to pick the default
+  with --baselines:
+  prefill  simt       dlight's gpu.Matmul on SIMT (what prefill ran before the kernel)
+  decode   gemv       dlight's LowBatchGEMV
+           simt       dlight's gpu.Matmul
+`run` checks each against a fp32 torch reference (max |ours - ref| / max |ref|; the output
+starts as NaN, so an element never written shows) and times it (best of 20, CUDA events) with
+torch.matmul(x, w.T) in bf16 in the same process, M in {16, 128, 1024, 4096} for prefill and
+{1, 4, 16, 64} for decode. One child process a shape runs cuBLAS and all its kernels; if it
+dies, the kernels it had not finished get a child each. Prints a table and a summary (per
+variant and M: geometric mean speed against the default and against cuBLAS; the fastest
+correct variant a shape) to stderr, and the JSON (also DIR/gemm_bench_result.json) to stdout.
 """
 
 from __future__ import annotations
@@ -359,10 +363,14 @@ def _summary_text(summary: dict) -> str:
         ranked = sorted(part["variants"].items(), key=lambda kv: -kv[1]["vs_default"])
         for kern, v in ranked:
             cub = f"{v['vs_cublas']:.2f}" if v["vs_cublas"] else "-"
-            lines.append(f"  {kern:<28} x{v['vs_default']:.3f}  x{cub}")
+            mark = "  WRONG/FAILED" if kern in summary["wrong_or_failed"] else ""
+            lines.append(f"  {kern:<28} x{v['vs_default']:.3f}  x{cub}{mark}")
         for f, b in part["best"].items():
-            tf = b["tflops"] or 0
-            lines.append(f"  best {f:<26} {b['kernel']:<28} {b['us']:8.1f} us {tf:6.1f} TFLOP/s")
+            tf, cub = b["tflops"] or 0, b["speed_vs_cublas"] or 0
+            lines.append(
+                f"  best {f:<24} {b['kernel']:<26} {b['us']:8.1f} us {tf:6.1f} TFLOP/s"
+                f" x{cub:.2f} of cuBLAS"
+            )
     return "\n".join(lines)
 
 
