@@ -159,8 +159,10 @@ def _emulate(a: np.ndarray, b: np.ndarray, cfg: mm.GemmConfig) -> np.ndarray:
 @pytest.mark.parametrize(
     "cfg, m, n, k",
     [
-        (mm.DEFAULT_CONFIG, 1, 136, 32),  # one k tile: fewer tiles than prologue stages
-        (mm.DEFAULT_CONFIG, 130, 200, 160),  # m and n off the tile, k through the ring twice
+        (mm.DEFAULT_CONFIG, 1, 136, 64),  # one k tile: fewer tiles than prologue stages
+        (mm.GemmConfig(), 1, 136, 32),  # the same, 32 deep
+        (mm.DEFAULT_CONFIG, 130, 200, 320),  # m and n off the tile, k through the ring twice
+        (mm.GemmConfig(), 130, 200, 160),
         (mm.GemmConfig(block_k=64), 70, 128, 256),
         (mm.GemmConfig(block_m=64, block_k=64, stages=4), 65, 72, 320),
         (mm.GemmConfig(block_n=256, warps_n=4, stages=4), 17, 264, 96),
