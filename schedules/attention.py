@@ -22,6 +22,7 @@ from tvm.target import Target
 from tvm.tirx import PrimFunc
 
 from .kv_cache import PAGE_SIZE, seq_of_token
+from .loops import block_loop, thread_loop
 
 # Split pieces of all tokens together: with few tokens each one's kv range is cut so that
 # tokens x splits stays at this many (x kv heads blocks), enough to fill an H200's 132 SMs.
@@ -69,11 +70,7 @@ def paged_attention(
     shared = "shared" if gpu else "global"
     ws_rows = split_budget
 
-    def grid(n):
-        return T.thread_binding(n, thread="blockIdx.x") if gpu else T.parallel(n)
-
-    def lanes():
-        return T.thread_binding(nt, thread="threadIdx.x") if gpu else T.serial(nt)
+    grid, lanes = block_loop(gpu), thread_loop(nt, gpu)
 
     def own(tx, i, n):
         """A thread's private element i of n: registers on the GPU; on the CPU, where lanes

@@ -25,6 +25,7 @@ from tvm.tirx import PrimFunc
 
 from .gdn_prep import _lanes, _rounded
 from .kv_cache import PAGE_SIZE, seq_of_token
+from .loops import block_loop, thread_loop
 
 GATE_LANES = 256  # output_gate: elements a block
 # the input kernel's name keeps "attn_append_kv": it is the layer's K/V append now
@@ -68,11 +69,7 @@ def attention_input(
     tj = PAGE_SIZE
     shared = "shared" if gpu else "global"
 
-    def grid(n):
-        return T.thread_binding(n, thread="blockIdx.x") if gpu else T.parallel(n)
-
-    def lanes():
-        return T.thread_binding(nt, thread="threadIdx.x") if gpu else T.serial(nt)
+    grid, lanes = block_loop(gpu), thread_loop(nt, gpu)
 
     @T.prim_func(s_tir=True)
     def attn_input_fn(
@@ -187,11 +184,7 @@ def output_gate(heads: int, head_dim: int, dtype: str, target: Target) -> PrimFu
     gpu = target.kind.name == "cuda"
     nt = GATE_LANES
 
-    def grid(n):
-        return T.thread_binding(n, thread="blockIdx.x") if gpu else T.parallel(n)
-
-    def lanes():
-        return T.thread_binding(nt, thread="threadIdx.x") if gpu else T.serial(nt)
+    grid, lanes = block_loop(gpu), thread_loop(nt, gpu)
 
     @T.prim_func(s_tir=True)
     def output_gate_fn(o_h: T.handle, x_h: T.handle, out_h: T.handle):

@@ -20,6 +20,7 @@ from tvm.target import Target
 from tvm.tirx import PrimFunc
 
 from .kv_cache import seq_of_token
+from .loops import block_loop, thread_loop
 
 GPU_THREADS = 128
 
@@ -140,11 +141,7 @@ def gated_delta_rule(
     tiles = v_dim // rows
     shared = "shared" if gpu else "global"
 
-    def grid(n):
-        return T.thread_binding(n, thread="blockIdx.x") if gpu else T.parallel(n)
-
-    def lanes():
-        return T.thread_binding(nt, thread="threadIdx.x") if gpu else T.serial(nt)
+    grid, lanes = block_loop(gpu), thread_loop(nt, gpu)
 
     @T.prim_func(s_tir=True)
     def gdn_delta_rule(

@@ -30,6 +30,7 @@ from tvm.tirx import PrimFunc
 
 from .gdn_chunked_mma import shared_bytes
 from .gdn_chunked_mma_launch import gdn_chunked_mma, gdn_chunked_mma_dispatch
+from .loops import block_loop, thread_loop
 
 GPU_THREADS = 256
 GPU_COL_TILE = 64  # value columns per block: 2 blocks per head at v_dim 128
@@ -135,11 +136,7 @@ def _build(
     shared = "shared.dyn" if gpu else "global"
     kst, ast, ust = dk + PAD, c + PAD, ct + PAD  # row strides of [., dk], [., c], [., ct] tiles
 
-    def grid(n):  # the loop over (sequence, head, column tile) blocks
-        return T.thread_binding(n, thread="blockIdx.x") if gpu else T.parallel(n)
-
-    def lanes():  # one phase's loop over the threads of a block
-        return T.thread_binding(nt, thread="threadIdx.x") if gpu else T.serial(nt)
+    grid, lanes = block_loop(gpu), thread_loop(nt, gpu)
 
     # (TM, TN) micro-tile, tile grid (mt, nt) and passes per thread of each matmul phase.
     def plan(rows: int, cols: int) -> tuple[int, int, int, int, int]:

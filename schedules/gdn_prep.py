@@ -20,6 +20,8 @@ from tvm.script import tirx as T
 from tvm.target import Target
 from tvm.tirx import PrimFunc
 
+from .loops import block_loop, thread_loop
+
 TILE = 16  # gdn_input: tokens of one sequence a block (>= the conv history)
 HEADS = 8  # gated_norm: (token, head) rows a block, at most
 
@@ -70,11 +72,7 @@ def gdn_input(
     parts = nt // TILE  # partial sums a token, TILE squares each
     shared = "shared" if gpu else "global"
 
-    def grid(n):
-        return T.thread_binding(n, thread="blockIdx.x") if gpu else T.parallel(n)
-
-    def lanes():
-        return T.thread_binding(nt, thread="threadIdx.x") if gpu else T.serial(nt)
+    grid, lanes = block_loop(gpu), thread_loop(nt, gpu)
 
     @T.prim_func(s_tir=True)
     def gdn_input_fn(
@@ -267,11 +265,7 @@ def gated_norm(
     groups = v_heads // rows
     shared = "shared" if gpu else "global"
 
-    def grid(n):
-        return T.thread_binding(n, thread="blockIdx.x") if gpu else T.parallel(n)
-
-    def lanes():
-        return T.thread_binding(nt, thread="threadIdx.x") if gpu else T.serial(nt)
+    grid, lanes = block_loop(gpu), thread_loop(nt, gpu)
 
     @T.prim_func(s_tir=True)
     def gated_norm_fn(o_h: T.handle, x_h: T.handle, w_h: T.handle, out_h: T.handle):

@@ -24,6 +24,8 @@ from tvm.script import tirx as T
 from tvm.target import Target
 from tvm.tirx import PrimFunc
 
+from .loops import block_loop, thread_loop
+
 GPU_THREADS = 256
 CHUNKS = 128  # column chunks of a row, a block each: one row alone spreads over the GPU
 
@@ -37,11 +39,7 @@ def _loops(target: Target, threads: int = GPU_THREADS) -> tuple[bool, int, objec
     gpu = target.kind.name == "cuda"
     nt = threads if gpu else 1
 
-    def rows(n):
-        return T.thread_binding(n, thread="blockIdx.x") if gpu else T.parallel(n)
-
-    def lanes():
-        return T.thread_binding(nt, thread="threadIdx.x") if gpu else T.serial(nt)
+    rows, lanes = block_loop(gpu), thread_loop(nt, gpu)
 
     return gpu, nt, rows, lanes
 

@@ -14,6 +14,8 @@ from tvm.script import tirx as T
 from tvm.target import Target
 from tvm.tirx import PrimFunc
 
+from .loops import block_loop, thread_loop
+
 PAGE_SIZE = 16
 
 
@@ -37,11 +39,7 @@ def append_kv(kv_heads: int, head_dim: int, dtype: str, target: Target) -> PrimF
     tj = PAGE_SIZE
     width = kv_heads * head_dim
 
-    def tokens(n):
-        return T.thread_binding(n, thread="blockIdx.x") if gpu else T.parallel(n)
-
-    def lanes():
-        return T.thread_binding(width, thread="threadIdx.x") if gpu else T.serial(width)
+    tokens, lanes = block_loop(gpu), thread_loop(width, gpu)
 
     @T.prim_func(s_tir=True)
     def attn_append_kv(

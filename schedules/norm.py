@@ -12,6 +12,8 @@ from tvm.script import tirx as T
 from tvm.target import Target
 from tvm.tirx import PrimFunc
 
+from .loops import block_loop, thread_loop
+
 GPU_THREADS = 256
 
 
@@ -23,11 +25,7 @@ def rms_norm(dim: int, eps: float, dtype: str, target: Target) -> PrimFunc:
     steps = nt.bit_length() - 1
     shared = "shared" if gpu else "global"
 
-    def grid(n):
-        return T.thread_binding(n, thread="blockIdx.x") if gpu else T.parallel(n)
-
-    def lanes():
-        return T.thread_binding(nt, thread="threadIdx.x") if gpu else T.serial(nt)
+    grid, lanes = block_loop(gpu), thread_loop(nt, gpu)
 
     @T.prim_func(s_tir=True)
     def rms_norm_rows(x_h: T.handle, w_h: T.handle, out_h: T.handle):
