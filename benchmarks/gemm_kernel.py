@@ -94,7 +94,7 @@ def _fused_pair(n: int, k: int, residual: bool, target):
     import tvm
     from tvm.relax.frontend import nn
 
-    from qwen35_tvm.compile.model import Linear
+    from qwen35_tvm.compile.layers import Linear
     from qwen35_tvm.compile.pipeline import fusion_passes
     from qwen35_tvm.schedules.matmul import ROWS_ATTR
 

@@ -25,7 +25,7 @@ import tvm
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
-from qwen35_tvm.compile.model import Linear
+from qwen35_tvm.compile.layers import Linear
 from qwen35_tvm.compile.pipeline import fusion_passes
 from qwen35_tvm.compile.targets import make_target
 from qwen35_tvm.schedules import gemv, gemv_config

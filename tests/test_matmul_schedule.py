@@ -17,7 +17,7 @@ from tvm.relax.frontend import nn
 
 from qwen35_tvm.compile.build import build_module
 from qwen35_tvm.compile.config import ModelConfig
-from qwen35_tvm.compile.model import Linear
+from qwen35_tvm.compile.layers import Linear
 from qwen35_tvm.compile.pipeline import fusion_passes, relax_pipeline
 from qwen35_tvm.compile.random_model import SHAPES
 from qwen35_tvm.compile.targets import make_target

@@ -1,0 +1,251 @@
+"""Qwen3.5's blocks in TVM Relax (`relax.frontend.nn`), one module each: the projections,
+RMSNorm, the MLP, the gated full-attention layer over our paged KV cache, the Gated DeltaNet
+layer, and the decoder layer holding one of the two. compile/model.py stacks them.
+
+Every forward works on a ragged token array: `T` tokens of `B` sequences laid end to end,
+`indptr[b]` marking where sequence b starts, `slots[b]` naming its rows in the state pools (GDN
+state and the page table) and `positions[t]` giving each token's absolute position.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+from typing import NamedTuple
+
+from tvm import tirx
+from tvm.relax.frontend import nn
+from tvm.relax.frontend.nn import Tensor, op
+from tvm.target import Target
+
+from ..schedules import (
+    attention,
+    attention_prefill,
+    attention_prep,
+    gdn,
+    gdn_chunked,
+    gdn_prep,
+    norm,
+)
+from .config import FULL, ModelConfig
+
+F32 = "float32"
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm over the last axis in float32 (schedules/norm.py: one kernel, casts included);
+    `weight` already holds HF's (1 + w), folded at conversion."""
+    *lead, dim = x.shape
+    rows = functools.reduce(operator.mul, lead)
+    y = op.tensor_ir_op(
+        norm.rms_norm(int(dim), eps, x.dtype, Target.current()),
+        norm.kernel_name(int(dim), eps, x.dtype),
+        [op.reshape(x, (rows, dim)), weight],
+        out=Tensor.placeholder((rows, dim), x.dtype),
+    )
+    return op.reshape(y, x.shape)
+
+
+class Linear(nn.Linear):
+    """No bias; accumulates in fp32 (as cuBLAS does for bf16) and rounds the output back to the
+    activation dtype. Accumulating a bf16 GEMM in bf16 costs whole nats of logprob."""
+
+    def __init__(self, in_features: int, out_features: int, dtype: str):
+        super().__init__(in_features, out_features, bias=False, dtype=dtype, out_dtype=F32)
+        self.act_dtype = dtype
+
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(x).astype(self.act_dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        self.weight = nn.Parameter((dim,), F32)
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class MLP(nn.Module):
+    """SwiGLU with gate and up fused into one projection."""
+
+    def __init__(self, cfg: ModelConfig, dtype: str):
+        self.inter = cfg.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.inter, dtype)
+        self.down_proj = Linear(self.inter, cfg.hidden_size, dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = op.split(self.gate_up_proj(x), 2, axis=-1)
+        return self.down_proj(op.silu(gate) * up)
+
+
+class KVCache(NamedTuple):
+    """The paged K/V cache: pools [full layers, pages, kv heads, page size, head dim] and the
+    page table [slots, pages per sequence] of page ids."""
+
+    k_pool: Tensor
+    v_pool: Tensor
+    page_table: Tensor
+
+
+class GatedAttention(nn.Module):
+    """Full attention: q carries a per-head output gate; q/k RMSNorm; partial RoPE; GQA."""
+
+    def __init__(self, cfg: ModelConfig, kv_layer: int, dtype: str):
+        self.cfg = cfg
+        self.kv_layer = kv_layer
+        self.dtype = dtype
+        nh, nkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.qkv_proj = Linear(cfg.hidden_size, (2 * nh + 2 * nkv) * d, dtype)
+        self.o_proj = Linear(nh * d, cfg.hidden_size, dtype)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.inv_freq = attention_prep.inv_freq(cfg.rotary_dim, cfg.rope_theta)
+
+    def forward(
+        self,
+        x: Tensor,
+        indptr: Tensor,
+        slots: Tensor,
+        positions: Tensor,
+        kv: KVCache,
+        prefill: bool,
+    ) -> tuple[Tensor, KVCache]:
+        """`prefill` picks the tensor-core kernel where there is one (bf16 on CUDA): many query
+        tokens share each K/V tile there, while decode's single tokens want split-KV."""
+        cfg = self.cfg
+        n_tok = x.shape[0]
+        nh, nkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        # [q_0 gate_0 q_1 gate_1 ... | k | v], read in place by both kernels below
+        proj = self.qkv_proj(x)
+        layer = tirx.IntImm("int32", self.kv_layer)
+        target = Target.current()
+        # q/k RMSNorm and RoPE, q out, K/V into their pages: one kernel
+        k_pool, v_pool, q = op.tensor_ir_inplace_op(
+            attention_prep.attention_input(
+                nh, nkv, d, cfg.rotary_dim, cfg.rms_norm_eps, self.dtype, target
+            ),
+            attention_prep.INPUT_NAME,
+            [
+                proj,
+                self.q_norm.weight,
+                self.k_norm.weight,
+                nn.Tensor.from_const(self.inv_freq),
+                indptr,
+                slots,
+                positions,
+                kv.page_table,
+                kv.k_pool,
+                kv.v_pool,
+                layer,
+            ],
+            inplace_indices=[8, 9, -1],
+            out=[kv.k_pool, kv.v_pool, Tensor.placeholder((n_tok, nh, d), self.dtype)],
+        )
+        tensor_cores = prefill and target.kind.name == "cuda" and self.dtype == "bfloat16"
+        if tensor_cores and d % 64 == 0:
+            kernel, name = attention_prefill.paged_prefill_mma(nh, nkv, d, target), "attn_prefill"
+        else:
+            kernel, name = attention.paged_attention(nh, nkv, d, self.dtype, target), "attn_paged"
+        o, _, _ = op.tensor_ir_op(
+            kernel,
+            name,
+            [q, indptr, slots, positions, kv.page_table, k_pool, v_pool, layer],
+            out=[
+                Tensor.placeholder((n_tok, nh, d), self.dtype),
+                Tensor.placeholder((attention.SPLIT_BUDGET, nh, d), F32),
+                Tensor.placeholder((attention.SPLIT_BUDGET, nh, 2), F32),
+            ],
+        )
+        o = op.tensor_ir_op(
+            attention_prep.output_gate(nh, d, self.dtype, target),
+            attention_prep.GATE_NAME,
+            [o, proj],
+            out=Tensor.placeholder((n_tok, nh * d), self.dtype),
+        )
+        return self.o_proj(o), KVCache(k_pool, v_pool, kv.page_table)
+
+
+class GatedDeltaNet(nn.Module):
+    """Linear attention: fused input projection, causal conv1d with state, the gated delta
+    rule with an fp32 recurrent state, gated RMSNorm, output projection."""
+
+    def __init__(self, cfg: ModelConfig, gdn_layer: int, dtype: str):
+        self.cfg = cfg
+        self.gdn_layer = gdn_layer
+        self.dtype = dtype
+        hv = cfg.linear_num_value_heads
+        self.in_proj = Linear(cfg.hidden_size, cfg.conv_dim + cfg.value_dim + 2 * hv, dtype)
+        self.conv_weight = nn.Parameter((cfg.conv_dim, cfg.linear_conv_kernel_dim), dtype)
+        self.A_log = nn.Parameter((hv,), F32)
+        self.dt_bias = nn.Parameter((hv,), F32)
+        self.norm_weight = nn.Parameter((cfg.linear_value_head_dim,), F32)
+        self.out_proj = Linear(cfg.value_dim, cfg.hidden_size, dtype)
+
+    def forward(
+        self,
+        x: Tensor,
+        indptr: Tensor,
+        slots: Tensor,
+        conv_pool: Tensor,
+        rec_pool: Tensor,
+        chunked: bool,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """`chunked` picks the chunkwise-parallel delta rule (prefill) over the recurrent one
+        (decode); both read and update the same state."""
+        cfg = self.cfg
+        n_tok = x.shape[0]
+        hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        layer = tirx.IntImm("int32", self.gdn_layer)
+        target = Target.current()
+        proj = self.in_proj(x)  # [q k v | z | b | a], read in place by both kernels below
+        conv_pool, q, k, v, g, beta = op.tensor_ir_inplace_op(
+            gdn_prep.gdn_input(hk, hv, dk, dv, cfg.linear_conv_kernel_dim, self.dtype, target),
+            "gdn_input",
+            [proj, self.conv_weight, self.A_log, self.dt_bias, indptr, slots, conv_pool, layer],
+            inplace_indices=[6, -1, -1, -1, -1, -1],
+            out=[
+                conv_pool,
+                Tensor.placeholder((n_tok, hk, dk), F32),
+                Tensor.placeholder((n_tok, hk, dk), F32),
+                Tensor.placeholder((n_tok, hv, dv), F32),
+                Tensor.placeholder((n_tok, hv), F32),
+                Tensor.placeholder((n_tok, hv), F32),
+            ],
+        )
+        if chunked:  # bf16 on CUDA: the tensor-core kernel (bf16 operands, fp32 state)
+            rule = gdn_chunked.chunked_gated_delta_rule(
+                hk, hv, dk, dv, target, act_dtype=self.dtype
+            )
+        else:
+            rule = gdn.gated_delta_rule(hk, hv, dk, dv, target)
+        rec_pool, o = op.tensor_ir_inplace_op(
+            rule,
+            "gdn_delta_rule",
+            [q, k, v, g, beta, indptr, slots, rec_pool, layer],
+            inplace_indices=[7, -1],
+            out=[rec_pool, Tensor.placeholder((n_tok, hv, dv), F32)],
+        )
+        # Gated RMSNorm: HF rounds the core output to the activation dtype before the norm.
+        o = op.tensor_ir_op(
+            gdn_prep.gated_norm(hv, dv, cfg.conv_dim, cfg.rms_norm_eps, self.dtype, target),
+            "gdn_gated_norm",
+            [o, proj, self.norm_weight],
+            out=Tensor.placeholder((n_tok, cfg.value_dim), self.dtype),
+        )
+        out = self.out_proj(o)
+        return out, conv_pool, rec_pool
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int, dtype: str):
+        self.kind = cfg.layer_types[index]
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if self.kind == FULL:
+            self.self_attn = GatedAttention(cfg, cfg.full_layers.index(index), dtype)
+        else:
+            self.linear_attn = GatedDeltaNet(cfg, cfg.linear_layers.index(index), dtype)
+        self.mlp = MLP(cfg, dtype)
