@@ -14,6 +14,7 @@ def build_library(
     arch: str = "sm_80,sm_90",
     cuda_graph: bool = True,
     context_window: int | None = None,
+    dependent_launch: bool = True,
 ) -> float:
     """Compile the library of a real-shape (or tiny) config; weights come later, on the GPU
     server, through `convert`. Returns the compile time in seconds."""
@@ -33,6 +34,7 @@ def build_library(
         context_window=context_window,
         convert=False,
         cuda_graph=cuda_graph,
+        dependent_launch=dependent_launch,
     )
     return time.time() - started
 

@@ -1,4 +1,5 @@
-"""Engine-level throughput on a GPU at real shapes (bf16), with and without CUDA graphs.
+"""Engine-level throughput on a GPU at real shapes (bf16), with and without CUDA graphs
+(`--variants graphs,no-graphs`) or programmatic dependent launch (`graphs,no-pdl`).
 
   here:        python benchmarks/engine_throughput.py build DIR [--shape 4b]
   on the GPU:  python benchmarks/engine_throughput.py run DIR WORK [--shape 4b] [--constrained]
@@ -28,7 +29,8 @@ import numpy as np
 
 PROMPT, OUTPUT = 1024, 256
 CONCURRENCY = (1, 8, 16)
-VARIANTS = {"graphs": True, "no-graphs": False}
+# name: (CUDA graphs, programmatic dependent launch)
+VARIANTS = {"graphs": (True, True), "no-graphs": (False, True), "no-pdl": (True, False)}
 TOKENIZER_GZ = "tokenizer.json.gz"
 # Nested objects, enums, arrays and required fields; unbounded strings and arrays, so a random
 # model stays inside the grammar for most of its 256 tokens.
@@ -64,7 +66,8 @@ def build(out: Path, shape: str, variants: list[str]) -> None:
 
     for name in variants:
         lib = out / f"{shape}-{name}"
-        seconds = build_library(shape, "bfloat16", lib, cuda_graph=VARIANTS[name])
+        graphs, pdl = VARIANTS[name]
+        seconds = build_library(shape, "bfloat16", lib, cuda_graph=graphs, dependent_launch=pdl)
         print(f"{shape} bf16 {name} library compiled in {seconds:.1f} s")
         tokenizer = lib / "tokenizer.json"  # the same vocabulary for every shape
         if not (out / TOKENIZER_GZ).exists():
@@ -296,9 +299,16 @@ def run(
         results[name] = rows
         del engine, artifact
         torch.cuda.empty_cache()
-    if len(variants) == 2:  # graphs replay the same kernels: greedy tokens must not change
-        pairs = zip(*(results[n] for n in variants), strict=True)
-        results["greedy_tokens_identical"] = [a["tokens"] == b["tokens"] for a, b in pairs]
+    # the same kernels launched otherwise (graphs, dependent launch): greedy tokens must not
+    # change; each variant against the first, a flag per level
+    first, *rest = variants
+    results["greedy_tokens_identical"] = {
+        name: [
+            a["tokens"] == b["tokens"]
+            for a, b in zip(results[first], results[name], strict=True)
+        ]
+        for name in rest
+    }
     for rows in (results[n] for n in variants):
         for row in rows:
             row.pop("tokens")

@@ -21,7 +21,7 @@ from .convert import convert_weights, log, write_meta
 from .cuda_toolchain import prepare_cuda_codegen
 from .hf_folder import HFModelFolder, resolve_model
 from .model import Qwen35LM, export_spec, mark_decode_for_cuda_graph
-from .pipeline import relax_pipeline
+from .pipeline import relax_pipeline, tir_pipeline
 from .targets import make_target
 from .tokenizer_build import chat_template_of, decodable_width, resolve_tokenizer
 from .vocab import VocabWidths
@@ -55,11 +55,13 @@ def compile_model(
     context_window: int | None = None,
     convert: bool = True,
     cuda_graph: bool = True,
+    dependent_launch: bool = True,
     _mask_pad: bool = True,
 ) -> Path:
     """Build the library for `target` and write the artifact folder. On CUDA, `decode` runs as
-    CUDA graphs unless `cuda_graph` is off. `_mask_pad=False` is a test-only switch that
-    removes the logits pad mask, to prove the mask tests can fail."""
+    CUDA graphs unless `cuda_graph` is off, and our kernels start before their producers end
+    (programmatic dependent launch, sm_90) unless `dependent_launch` is off. `_mask_pad=False`
+    is a test-only switch that removes the logits pad mask, to prove the mask tests can fail."""
     if dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {DTYPES}, got {dtype!r}")
     folder = resolve_model(model)
@@ -78,7 +80,12 @@ def compile_model(
     log(f"compiling with TVM {tvm.__version__} ({len(mod.functions)} functions)")
     cuda_graph = cuda_graph and target == "cuda"
     with tvm.transform.PassContext(config={"relax.backend.use_cuda_graph": cuda_graph}):
-        executable = tvm.compile(mod, tvm_target, relax_pipeline=relax_pipeline(tvm_target))
+        executable = tvm.compile(
+            mod,
+            tvm_target,
+            relax_pipeline=relax_pipeline(tvm_target),
+            tir_pipeline=tir_pipeline(tvm_target) if dependent_launch else "default",
+        )
     executable.export_library(str(out / "model.so"))
     compile_seconds = time.time() - started
     log(f"library built in {compile_seconds:.1f} s")
@@ -100,6 +107,7 @@ def compile_model(
         "max_decode_batch": MAX_DECODE_BATCH,
         "page_size": PAGE_SIZE,
         "cuda_graph": cuda_graph,
+        "dependent_launch": dependent_launch and target == "cuda",
         "eos_token_ids": _eos_ids(folder, tokenizer),
         "params": [
             {"name": name, "shape": [int(s) for s in p.shape], "dtype": p.dtype}

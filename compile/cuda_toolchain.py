@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -85,12 +86,22 @@ def nvcc_command(nvcc: Path, arches: list[str], source: Path, output: Path) -> l
     ]  # fmt: skip
 
 
+# sm_90-only instructions TVM emits as bare inline asm (griddepcontrol: schedules/pdl.py)
+_SM90_ASM = re.compile(r'^(\s*)(asm volatile\("griddepcontrol\.[^\n]*;)$', re.MULTILINE)
+
+
+def guard_sm90_asm(code: str) -> str:
+    """Compile the sm_90-only asm lines for sm_90+ only: older arches' SASS and PTX skip them
+    (their launches are serialised anyway)."""
+    return _SM90_ASM.sub(r"#if __CUDA_ARCH__ >= 900\n\1\2\n#endif", code)
+
+
 def compile_fatbin(code: str, arches: list[str]) -> bytes:
     """Compile one CUDA translation unit to a fatbin; on failure keep the source for a look."""
     nvcc = find_nvcc()
     with tempfile.TemporaryDirectory(prefix="qwen35-tvm-nvcc-") as tmp:
         source, output = Path(tmp) / "kernels.cu", Path(tmp) / "kernels.fatbin"
-        source.write_text(code)
+        source.write_text(guard_sm90_asm(code))
         proc = subprocess.run(
             nvcc_command(nvcc, arches, source, output),
             stdout=subprocess.PIPE,

@@ -19,6 +19,7 @@ from tvm.relax.frontend.nn import Tensor, op
 from tvm.target import Target
 
 from ..schedules import (
+    activation,
     attention,
     attention_prefill,
     attention_prep,
@@ -76,8 +77,16 @@ class MLP(nn.Module):
         self.down_proj = Linear(self.inter, cfg.hidden_size, dtype)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = op.split(self.gate_up_proj(x), 2, axis=-1)
-        return self.down_proj(op.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)
+        *lead, width = gate_up.shape
+        rows = functools.reduce(operator.mul, lead)
+        act = op.tensor_ir_op(
+            activation.swiglu(self.inter, gate_up.dtype, Target.current()),
+            f"{activation.NAME}_{gate_up.dtype}_{self.inter}",
+            [op.reshape(gate_up, (rows, width))],
+            out=Tensor.placeholder((rows, self.inter), gate_up.dtype),
+        )
+        return self.down_proj(op.reshape(act, (*lead, self.inter)))
 
 
 class KVCache(NamedTuple):

@@ -22,6 +22,7 @@ from tvm.s_tir.dlight.gpu.base import GPUScheduleRule
 from ..schedules.gemm_match import match_gemm
 from ..schedules.gemv_rule import DecodeGemv
 from ..schedules.matmul import ROWS_ATTR, WIDE_DECODE_CONFIG, MatmulMMA
+from ..schedules.pdl import WAIT_CALL
 
 # Exported Relax functions by how many rows their projections see: prefill a whole prompt
 # chunk ("large"), decode_wide 8-64 sequences ("wide"), decode fewer ("small").
@@ -207,3 +208,46 @@ def relax_pipeline(target: tvm.target.Target) -> tvm.transform.Pass | str:
             return tvm.transform.Sequential(passes)(mod)
 
     return _pipeline
+
+
+# ---- TIR: programmatic dependent launch ----------------------------------------------------
+
+PDL_TAG = "tirx.use_programtic_dependent_launch"  # sic: TVM's runtime spells it so
+DYN_SHARED_TAG = "tirx.use_dyn_shared_memory"  # must stay the last launch tag
+TIR_PIPELINE = "qwen35_cuda"
+
+
+def waits_for_producers(func: tvm.tirx.PrimFunc) -> bool:
+    """Whether the kernel calls schedules/pdl.py's wait_for_producers (read from the printed
+    TIR: this TVM has no Python TIR visitor)."""
+    return WAIT_CALL in func.script()
+
+
+@tvm.transform.module_pass(opt_level=0, name="TagDependentLaunch")
+def tag_dependent_launch(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+    """Launch with programmatic stream serialisation exactly the device kernels that wait for
+    their producers (schedules/pdl.py); any other kernel keeps starting after its producer."""
+    for gv, func in list(mod.functions_items()):
+        if not isinstance(func, tvm.tirx.PrimFunc) or not func.attrs:
+            continue
+        tags = [str(t) for t in func.attrs.get("tirx.kernel_launch_params", None) or []]
+        if not tags or PDL_TAG in tags or not waits_for_producers(func):
+            continue
+        last = [t for t in tags if t == DYN_SHARED_TAG]
+        tags = [t for t in tags if t != DYN_SHARED_TAG] + [PDL_TAG] + last
+        mod[gv] = func.with_attr("tirx.kernel_launch_params", tags)
+    return mod
+
+
+def tir_pipeline(target: tvm.target.Target) -> str:
+    """The name of TVM's default TIR pipeline for `target` followed, on CUDA, by
+    TagDependentLaunch."""
+    if target.kind.name != "cuda":
+        return "default"
+
+    def factory(**_kwargs):
+        lower, host, device = tvm.tirx.get_default_tir_pipeline(target)
+        return (lambda mod: tag_dependent_launch(lower(mod))), host, device
+
+    tvm.tirx.register_tir_pipeline(TIR_PIPELINE, factory)
+    return TIR_PIPELINE

@@ -23,6 +23,7 @@ from tvm.tirx import PrimFunc
 
 from .kv_cache import PAGE_SIZE, seq_of_token
 from .loops import block_loop, thread_loop
+from .pdl import release_dependents, wait_for_producers
 
 # Split pieces of all tokens together: with few tokens each one's kv range is cut so that
 # tokens x splits stays at this many (x kv heads blocks), enough to fill an H200's 132 SMs.
@@ -167,6 +168,8 @@ def paged_attention(
                 vreg = T.sblock_alloc_buffer((reg_rows * n_v,), v_dtype, scope=reg)
                 lo = T.sblock_alloc_buffer((1,), "int32", scope="local")
                 hi = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                T.evaluate(wait_for_producers(gpu))  # first: schedules/pdl.py
+                T.evaluate(release_dependents(gpu))
                 t: T.let[T.int32] = blk // (kv_heads * splits)
                 kvh: T.let[T.int32] = blk // splits % kv_heads
                 s: T.let[T.int32] = blk % splits
@@ -357,6 +360,8 @@ def paged_attention(
                 m_sh = T.sblock_alloc_buffer((nt,), "float32", scope=shared)
                 n_sh = T.sblock_alloc_buffer((nt,), "float32", scope=shared)
                 d_sh = T.sblock_alloc_buffer((nt,), "float32", scope=shared)
+                T.evaluate(wait_for_producers(gpu))  # first: schedules/pdl.py
+                T.evaluate(release_dependents(gpu))
                 for tx in lanes():
                     with T.sblock("merge_groups"):
                         T.reads()

@@ -26,6 +26,7 @@ from tvm.tirx import PrimFunc
 from .gdn_prep import _lanes, _rounded
 from .kv_cache import PAGE_SIZE, seq_of_token
 from .loops import block_loop, thread_loop
+from .pdl import release_dependents, wait_for_producers
 
 GATE_LANES = 256  # output_gate: elements a block
 # the input kernel's name keeps "attn_append_kv": it is the layer's K/V append now
@@ -109,6 +110,8 @@ def attention_input(
                 part = T.sblock_alloc_buffer((parts,), "float32", scope=shared)
                 lo = T.sblock_alloc_buffer((1,), "int32", scope="local")
                 hi = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                T.evaluate(wait_for_producers(gpu))  # first: schedules/pdl.py
+                T.evaluate(release_dependents(gpu))
                 tok: T.let[T.int32] = blk // blocks_per_tok
                 hd: T.let[T.int32] = blk % blocks_per_tok
                 is_k: T.let[T.bool] = hd >= heads
@@ -198,6 +201,8 @@ def output_gate(heads: int, head_dim: int, dtype: str, target: Target) -> PrimFu
                 with T.sblock("gate"):
                     T.reads()
                     T.writes()
+                    T.evaluate(wait_for_producers(gpu))  # first: schedules/pdl.py
+                    T.evaluate(release_dependents(gpu))
                     i: T.let[T.int32] = blk * nt + tx
                     tok: T.let[T.int32] = i // per_tok
                     h: T.let[T.int32] = i % per_tok // d

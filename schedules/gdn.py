@@ -21,6 +21,7 @@ from tvm.tirx import PrimFunc
 
 from .kv_cache import seq_of_token
 from .loops import block_loop, thread_loop
+from .pdl import release_dependents, wait_for_producers
 
 GPU_THREADS = 128
 
@@ -175,6 +176,8 @@ def gated_delta_rule(
                 st = T.sblock_alloc_buffer((rows * stride,), "float32", scope=shared)
                 kq = T.sblock_alloc_buffer((2 * k_dim,), "float32", scope=shared)
                 red = T.sblock_alloc_buffer((2 * nt,), "float32", scope=shared)
+                T.evaluate(wait_for_producers(gpu))  # first: schedules/pdl.py
+                T.evaluate(release_dependents(gpu))
                 b: T.let[T.int32] = blk // (v_heads * tiles)
                 h: T.let[T.int32] = blk // tiles % v_heads
                 col0: T.let[T.int32] = blk % tiles * rows

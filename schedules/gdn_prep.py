@@ -21,6 +21,7 @@ from tvm.target import Target
 from tvm.tirx import PrimFunc
 
 from .loops import block_loop, thread_loop
+from .pdl import release_dependents, wait_for_producers
 
 TILE = 16  # gdn_input: tokens of one sequence a block (>= the conv history)
 HEADS = 8  # gated_norm: (token, head) rows a block, at most
@@ -114,6 +115,8 @@ def gdn_input(
                 inv = T.sblock_alloc_buffer((TILE,), "float32", scope=shared)
                 lo = T.sblock_alloc_buffer((1,), "int32", scope="local")
                 hi = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                T.evaluate(wait_for_producers(gpu))  # first: schedules/pdl.py
+                T.evaluate(release_dependents(gpu))
                 tile: T.let[T.int32] = blk // heads
                 hd: T.let[T.int32] = blk % heads
                 # the sequence b whose tiles start at or before this one: b + indptr[b] // TILE
@@ -284,6 +287,8 @@ def gated_norm(
                 zs = T.sblock_alloc_buffer((rows * nt,), "float32", scope=shared)
                 part = T.sblock_alloc_buffer((rows * parts,), "float32", scope=shared)
                 inv = T.sblock_alloc_buffer((rows,), "float32", scope=shared)
+                T.evaluate(wait_for_producers(gpu))  # first: schedules/pdl.py
+                T.evaluate(release_dependents(gpu))
                 tok: T.let[T.int32] = blk // groups
                 h0: T.let[T.int32] = blk % groups * rows
                 for tx in lanes():

@@ -59,9 +59,11 @@ from .gemv_layout import (
     x_row,
 )
 from .matmul import acc_coords
+from .pdl import prefetch_l2, release_dependents, wait_for_producers
 from .ptx import cp_async_16, mma_bf16
 
 KERNEL_ATTR = "qwen35.kernel"  # set to "gemv" on the kernel, so tests can tell it is ours
+LINE = 64  # bf16 elements of a 128-byte cache line
 
 
 # ---- the kernel ----------------------------------------------------------------------------
@@ -84,6 +86,8 @@ def _pass_kernel(n: int, k: int, cfg: GemvConfig, gpu: bool, epilogue: Epilogue)
     same = xr == stages  # both rings equally deep: a step's loads go together
     ring_elems = cfg.warps_k * cfg.stages * cfg.unroll * 2 * cfg.m_tiles * 32 * VEC
     ring_scope = "shared" if cfg.shared_bytes <= 48 * 1024 else "shared.dyn"
+    prefetched = min(cfg.prefetch_steps, per_warp)
+    lines = cdiv(step, LINE)  # L2 lines of a row's step
 
     def in_k(k0):
         return k0 < k if k % step else True  # a load can fall past k only then
@@ -264,6 +268,21 @@ def _pass_kernel(n: int, k: int, cfg: GemvConfig, gpu: bool, epilogue: Epilogue)
                 out[b, row] = epilogue(total[0], b, row, extras)
 
     @T.macro
+    def prefetch_weights(w, tile, wk, tx):
+        # the first steps' weight lines into L2 while the producer of X still runs: the weight
+        # is constant, so this may precede the wait (schedules/pdl.py)
+        g, q = T.meta_var(lane_coords(tx))
+        if q == 0:
+            for j in T.unroll(prefetched):
+                ks: T.let[T.int32] = warp_step(j, wk, wks)
+                if ks < n_steps:
+                    for h in T.unroll(2 * mt):
+                        for c in T.unroll(lines):
+                            T.evaluate(prefetch_l2(gpu, T.address_of(
+                                w[T.min(load_row(tile, h, g, mt), n - 1),
+                                  T.min(ks * step + c * LINE, k - 1)])))  # fmt: skip
+
+    @T.macro
     def tile_gpu(x, w, out, extras, batch, tile, col, part):
         # one thread nest: the accumulators stay in registers while the n-tiles' sums go
         # through `part` one n-tile at a time (8 KB at most, whatever the batch)
@@ -273,6 +292,9 @@ def _pass_kernel(n: int, k: int, cfg: GemvConfig, gpu: bool, epilogue: Epilogue)
                     T.reads()
                     T.writes()
                     acc = T.sblock_alloc_buffer((n_acc,), "float32", scope="local")
+                    prefetch_weights(w, tile, wk, tx)
+                    T.evaluate(wait_for_producers(gpu))
+                    T.evaluate(release_dependents(gpu))
                     for i in T.unroll(n_acc):
                         acc[i] = T.float32(0)
                     accumulate_gpu(w, x, acc, wk, tile, tx, col, batch)

@@ -37,6 +37,8 @@ class GemvConfig:
     # the weight ring in shared memory, filled by cp.async, instead of registers: bytes in
     # flight no longer cost registers (which 64 batch columns' X and accumulators need)
     w_smem: bool = False
+    # k steps a warp prefetches into L2 before it waits for its producer (schedules/pdl.py)
+    prefetch_steps: int = 4
 
     @property
     def rows(self) -> int:
@@ -70,6 +72,8 @@ class GemvConfig:
             raise ValueError(f"{self}: m_tiles 1-4, warps_k 1-32")
         if not (1 <= self.unroll <= 8 and 1 <= self.stages <= (16 if self.w_smem else 8)):
             raise ValueError(f"{self}: unroll 1-8, stages 1-8 (1-16 in shared memory)")
+        if not 0 <= self.prefetch_steps <= 16:
+            raise ValueError(f"{self}: prefetch_steps 0-16")
         if not 1 <= self.n_tiles <= MAX_N_TILES:
             raise ValueError(f"{self}: n_tiles 1-{MAX_N_TILES}")
         # the X slot of a step must be known at compile time inside the unrolled ring

@@ -25,6 +25,7 @@ from tvm.target import Target
 from tvm.tirx import PrimFunc
 
 from .loops import block_loop, thread_loop
+from .pdl import release_dependents, wait_for_producers
 
 GPU_THREADS = 256
 CHUNKS = 128  # column chunks of a row, a block each: one row alone spreads over the GPU
@@ -113,6 +114,8 @@ def greedy_pick(
                 vals = T.sblock_alloc_buffer((2, nt), "float32", scope=shared)
                 ids = T.sblock_alloc_buffer((2, nt), "int32", scope=shared)
                 sums = T.sblock_alloc_buffer((2, nt), "float32", scope=shared)
+                T.evaluate(wait_for_producers(gpu))  # first: schedules/pdl.py
+                T.evaluate(release_dependents(gpu))
                 b: T.let[T.int32] = bc // CHUNKS
                 r: T.let[T.int32] = source(rows_buf, b)
                 c0: T.let[T.int32] = bc % CHUNKS * span
@@ -157,6 +160,8 @@ def greedy_pick(
                 vals = T.sblock_alloc_buffer((2, nt2), "float32", scope=shared)
                 ids = T.sblock_alloc_buffer((2, nt2), "int32", scope=shared)
                 sums = T.sblock_alloc_buffer((2, nt2), "float32", scope=shared)
+                T.evaluate(wait_for_producers(gpu))  # first: schedules/pdl.py
+                T.evaluate(release_dependents(gpu))
                 for tx in lanes2():
                     with T.sblock("gather"):
                         T.reads()

@@ -12,6 +12,7 @@ from tvm.script import tirx as T
 from tvm.target import Target
 from tvm.tirx import PrimFunc
 
+from .pdl import release_dependents, wait_for_producers
 from .ptx import mma_bf16
 
 
@@ -97,6 +98,8 @@ def _logits_gpu(hidden: int, rows: int, live: int, selection: int, dtype: str) -
                         x_loc = T.sblock_alloc_buffer((vec,), dtype, scope="local")
                         part = T.sblock_alloc_buffer((1,), "float32", scope="local")
                         red = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                        T.evaluate(wait_for_producers(True))  # first: schedules/pdl.py
+                        T.evaluate(release_dependents(True))
                         col0: T.let[T.int32] = (bx * warps + ty) * cols
                         for b0 in T.serial(T.ceildiv(batch, bt)):
                             for i in T.unroll(bt * cols):
@@ -255,6 +258,8 @@ def _logits_gpu_mma(hidden: int, rows: int, live: int, selection: int, dtype: st
                         acc = T.sblock_alloc_buffer(
                             (m_tiles * n_tiles * 4,), "float32", scope="local"
                         )
+                        T.evaluate(wait_for_producers(True))  # first: schedules/pdl.py
+                        T.evaluate(release_dependents(True))
                         g: T.let[T.int32] = tx // 4
                         q: T.let[T.int32] = tx % 4
                         row0: T.let[T.int32] = (bx * warps + ty) * 16 * m_tiles + g

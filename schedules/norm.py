@@ -13,6 +13,7 @@ from tvm.target import Target
 from tvm.tirx import PrimFunc
 
 from .loops import block_loop, thread_loop
+from .pdl import release_dependents, wait_for_producers
 
 GPU_THREADS = 256
 
@@ -46,6 +47,8 @@ def rms_norm(dim: int, eps: float, dtype: str, target: Target) -> PrimFunc:
                         T.reads()
                         T.writes()
                         acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                        T.evaluate(wait_for_producers(gpu))
+                        T.evaluate(release_dependents(gpu))
                         acc[0] = T.float32(0)
                         for e in T.serial((dim + nt - 1) // nt):
                             if e * nt + tx < dim:

@@ -1,0 +1,40 @@
+"""Programmatic dependent launch (sm_90): a kernel may start while the one before it in the
+stream is still running, so its launch and its first weight reads overlap its producer's tail
+instead of following it. A decode step is ~300 short kernels in a row, and each GEMV loses
+2-4 µs to that ramp.
+
+The contract, one statement each, at the top of every block's threads:
+- `wait_for_producers()` before the kernel reads anything an earlier kernel wrote and before it
+  writes anything at all (an earlier kernel may still read a buffer the memory planner hands
+  this one). Only constant data (weights) may be read, or prefetched, before it.
+- `release_dependents()` after that wait: the next kernel may then be scheduled. Released
+  after the wait, not before, so at most one kernel waits on SMs behind a running one.
+
+compile/pipeline.py gives the launch attribute only to kernels that call `wait_for_producers`:
+a kernel without the wait (TVM's own) starts after its producer ends, as before. On the CPU
+both are nothing; sm_80 SASS drops them (compile/cuda_toolchain.py), since the instructions
+are sm_90's and the driver serialises such launches there anyway.
+"""
+
+from __future__ import annotations
+
+from tvm.script import tirx as T
+from tvm.tirx import Expr
+
+WAIT_CALL = 'T.ptx.griddepcontrol("wait"'  # how the wait prints: the pipeline looks for it
+
+
+def wait_for_producers(gpu: bool) -> Expr:
+    """For T.evaluate: block until every earlier kernel has finished and its writes are
+    visible."""
+    return T.ptx.griddepcontrol.wait() if gpu else T.int32(0)
+
+
+def release_dependents(gpu: bool) -> Expr:
+    """For T.evaluate: let the next kernel in the stream be scheduled now."""
+    return T.ptx.griddepcontrol.launch_dependents() if gpu else T.int32(0)
+
+
+def prefetch_l2(gpu: bool, address: Expr) -> Expr:
+    """For T.evaluate: start moving the line at `address` (constant data) from HBM into L2."""
+    return T.ptx.prefetch.global_.L2(address) if gpu else T.int32(0)

@@ -1,0 +1,147 @@
+"""Programmatic dependent launch (schedules/pdl.py): a kernel launched with it may run beside
+its producer until it waits, so the launch attribute must go exactly to kernels that wait, and
+nothing an earlier kernel writes may be touched before the wait. Checked on the CUDA source of
+the tiny model's library (built here, no GPU) and on hand-made kernels that break the rule."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from qwen35_tvm.compile import cuda_toolchain
+from qwen35_tvm.compile.build import compile_model
+from qwen35_tvm.compile.cuda_toolchain import guard_sm90_asm
+from qwen35_tvm.compile.pipeline import DYN_SHARED_TAG, PDL_TAG, tag_dependent_launch
+
+WAIT = "tvm_builtin_ptx_griddepcontrol_wait();"
+PREFETCH = "tvm_builtin_ptx_prefetch_global_L2("
+KERNEL = re.compile(
+    r'extern "C" __global__ void (?:__launch_bounds__\([^)]*\) )?(\w+)\(([^)]*)\) \{'
+)
+
+
+def kernels(source: str) -> dict[str, tuple[list[str], str]]:
+    """{kernel name: (pointer parameter names, body)} of a CUDA translation unit."""
+    found = list(KERNEL.finditer(source))
+    out = {}
+    for i, m in enumerate(found):
+        end = found[i + 1].start() if i + 1 < len(found) else len(source)
+        params = re.findall(r"\*\s*__restrict__\s+(\w+)", m.group(2))
+        out[m.group(1)] = (params, source[m.end() : end])
+    return out
+
+
+def touched_before_wait(params: list[str], body: str) -> list[str]:
+    """Global buffers a kernel touches before its wait, other than by an L2 prefetch."""
+    head = body[: body.index(WAIT)]
+    head = re.sub(re.escape(PREFETCH) + r"[^;]*;", "", head)
+    return [p for p in params if re.search(rf"\b{p}\b", head)]
+
+
+@pytest.fixture(scope="module")
+def tiny_cuda(tmp_path_factory):
+    """The tiny model's CUDA library and the CUDA source it was compiled from."""
+    sources = []
+    compile_fatbin = cuda_toolchain.compile_fatbin
+
+    def recording(code, arches):
+        sources.append(code)
+        return compile_fatbin(code, arches)
+
+    cuda_toolchain.compile_fatbin = recording
+    try:
+        out = compile_model(
+            "tiny-random",
+            tmp_path_factory.mktemp("pdl") / "cuda-tiny",
+            target="cuda",
+            arch="sm_80,sm_90",
+            dtype="bfloat16",
+            convert=False,
+        )
+    finally:
+        cuda_toolchain.compile_fatbin = compile_fatbin
+    assert len(sources) == 1
+    return out, sources[0]
+
+
+def test_decode_kernels_wait_before_touching_activations(tiny_cuda) -> None:
+    _, source = tiny_cuda
+    found = kernels(source)
+    waiting = {name for name, (_, body) in found.items() if WAIT in body}
+    # every family of the decode step waits: norms, GEMVs, GDN, attention, logits, the pick
+    for family in ("rms_norm", "small_kernel", "wide_kernel", "gdn_input", "gdn_delta_rule",
+                   "gdn_gated_norm", "attn_append_kv", "attn_paged", "attn_output_gate",
+                   "logits", "greedy_pick"):  # fmt: skip
+        assert any(family in name for name in waiting), family
+    for name in waiting:
+        params, body = found[name]
+        assert body.count(WAIT) == 1, name
+        assert touched_before_wait(params, body) in ([], ["w_ptr"]), name
+        if touched_before_wait(params, body):  # only a GEMV's weight, only prefetched
+            assert PREFETCH in body[: body.index(WAIT)], name
+
+
+def test_the_checker_catches_a_read_or_write_before_the_wait() -> None:
+    params = ["x_ptr", "out_ptr", "w_ptr"]
+    good = f"  {PREFETCH}(&(w_ptr[8])));\n  {WAIT}\n  out_ptr[0] = x_ptr[0];\n"
+    assert touched_before_wait(params, good) == []
+    read = f"  float v = x_ptr[0];\n  {WAIT}\n  out_ptr[0] = v;\n"
+    assert touched_before_wait(params, read) == ["x_ptr"]
+    write = f"  out_ptr[0] = 0.f;\n  {WAIT}\n"
+    assert touched_before_wait(params, write) == ["out_ptr"]
+    weight_load = f"  float v = w_ptr[0];\n  {WAIT}\n"  # a load, not a prefetch: flagged too
+    assert touched_before_wait(params, weight_load) == ["w_ptr"]
+
+
+def test_library_launches_with_the_attribute(tiny_cuda) -> None:
+    out, source = tiny_cuda
+    lib = (out / "model.so").read_bytes()
+    waiting = sum(WAIT in body for _, body in kernels(source).values())
+    assert lib.count(PDL_TAG.encode()) == waiting > 0
+    # sm_80 has no griddepcontrol: its SASS and PTX are built without it (the build passed)
+    assert "#if __CUDA_ARCH__ >= 900" in guard_sm90_asm(source)
+
+
+def _device_module(with_wait: bool, dyn_shared: bool):
+    import tvm
+    from tvm.script import tirx as T
+
+    from qwen35_tvm.schedules.pdl import release_dependents, wait_for_producers
+
+    @T.prim_func(s_tir=True)
+    def add1(a: T.Buffer((256,), "float32"), b: T.Buffer((256,), "float32")):
+        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
+        for bx in T.thread_binding(2, thread="blockIdx.x"):
+            for tx in T.thread_binding(128, thread="threadIdx.x"):
+                with T.sblock("x"):
+                    T.reads()
+                    T.writes()
+                    T.evaluate(wait_for_producers(with_wait))
+                    T.evaluate(release_dependents(with_wait))
+                    b[bx * 128 + tx] = a[bx * 128 + tx] + T.float32(1)
+
+    tags = ["blockIdx.x", "threadIdx.x"] + ([DYN_SHARED_TAG] if dyn_shared else [])
+    kernel = add1.with_attr("tirx.kernel_launch_params", tags)
+    return tvm.IRModule({"add1_kernel": kernel})
+
+
+@pytest.mark.parametrize("dyn_shared", [False, True])
+def test_tag_goes_to_waiting_kernels_only(dyn_shared: bool) -> None:
+    tagged = tag_dependent_launch(_device_module(True, dyn_shared))["add1_kernel"]
+    tags = [str(t) for t in tagged.attrs["tirx.kernel_launch_params"]]
+    assert PDL_TAG in tags
+    assert tags[-1] == (DYN_SHARED_TAG if dyn_shared else PDL_TAG)  # dyn shared stays last
+    plain = tag_dependent_launch(_device_module(False, dyn_shared))["add1_kernel"]
+    assert PDL_TAG not in [str(t) for t in plain.attrs["tirx.kernel_launch_params"]]
+
+
+def test_sm90_asm_is_guarded_line_by_line() -> None:
+    code = '{\n  asm volatile("griddepcontrol.wait;" :  :  : "memory");\n}\n'
+    guarded = guard_sm90_asm(code)
+    assert guarded.splitlines()[1:4] == [
+        "#if __CUDA_ARCH__ >= 900",
+        '  asm volatile("griddepcontrol.wait;" :  :  : "memory");',
+        "#endif",
+    ]
+    assert guard_sm90_asm("mma.sync") == "mma.sync"
