@@ -10,6 +10,12 @@ CUPTI, inside CUDA graphs too. Kernels are grouped by name: calls and µs per st
 the step. The step's roofline (weights once, each sequence's GDN state read and written and
 its K/V read, over the copy bandwidth of the same run) heads each table. The prefill of one
 `context`-token prompt gets the same table. JSON: stdout and, with --out, profile_step.json.
+
+The step's GPU time is `span_us`, from its first kernel's start to its last one's end. Under
+programmatic dependent launch (schedules/pdl.py) a kernel starts while its producer runs and
+CUPTI counts its wait as its own time, so the per-kernel µs overlap and `gpu_us`, their sum,
+overstates the step; an artifact built with `dependent_launch=False` gives the table without
+overlap. `wall_us` is a decode call with its host work (input copy, launch, reading the pick).
 """
 
 from __future__ import annotations
@@ -22,8 +28,9 @@ from pathlib import Path
 import numpy as np
 
 
-def kernel_table(torch, fn, repeats: int) -> tuple[list[dict], float]:
-    """(rows grouped by kernel name, GPU µs per call of `fn`) over `repeats` calls."""
+def kernel_table(torch, fn, repeats: int) -> tuple[list[dict], float, float]:
+    """(rows grouped by kernel name, summed kernel µs per call of `fn`, µs per call from the
+    first kernel's start to the last one's end) over `repeats` calls."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -33,12 +40,19 @@ def kernel_table(torch, fn, repeats: int) -> tuple[list[dict], float]:
         torch.cuda.synchronize()
     us: dict[str, float] = defaultdict(float)
     calls: dict[str, int] = defaultdict(int)
+    spans = []
     for e in prof.events():
         if e.device_type.name != "CUDA" or "Memcpy" in e.name or "Memset" in e.name:
             continue
         us[e.name] += e.device_time / repeats
         calls[e.name] += 1
+        spans.append((e.time_range.start, e.time_range.end))
     total = sum(us.values())
+    # every call runs the same kernels: the k-th chunk of them in start order is call k's
+    spans.sort()
+    per = len(spans) // repeats
+    calls_spans = [spans[i * per : (i + 1) * per] for i in range(repeats)]
+    span = sum(max(e for _, e in c) - c[0][0] for c in calls_spans) / repeats
     rows = [
         {
             "kernel": name[:100],
@@ -48,12 +62,13 @@ def kernel_table(torch, fn, repeats: int) -> tuple[list[dict], float]:
         }
         for name, t in sorted(us.items(), key=lambda kv: -kv[1])
     ]
-    return rows, total
+    return rows, total, span
 
 
-def print_table(title: str, rows: list[dict], total_us: float, top: int) -> None:
+def print_table(title: str, rows: list[dict], total_us: float, span_us: float, top: int) -> None:
     kernels = sum(r["calls"] for r in rows)
-    print(f"\n### {title}: {total_us:.0f} µs of GPU time, {kernels:.0f} kernels\n")
+    print(f"\n### {title}: {span_us:.0f} µs from first kernel to last ({total_us:.0f} µs summed)"
+          f", {kernels:.0f} kernels\n")  # fmt: skip
     print("| kernel | calls | µs | share |\n|---|---|---|---|")
     for r in rows[:top]:
         print(f"| {r['kernel']} | {r['calls']:g} | {r['us']:.1f} | {100 * r['share']:.1f}% |")
@@ -70,7 +85,7 @@ def main() -> None:
     args = p.parse_args()
 
     import torch
-    from common import copy_bandwidth
+    from common import copy_bandwidth, cuda_time
     from engine_throughput import step_bytes
 
     from qwen35_tvm.runtime.artifact import Artifact
@@ -96,12 +111,16 @@ def main() -> None:
             runner.add_sequence(s, list(range(s * pages, (s + 1) * pages)))
             runner.prefill([s], [prompt()], np.array([args.context - 1]))
         runner.decode(slots, [1] * b)  # captures this batch size's graph
-        rows, total = kernel_table(torch, lambda s=slots: runner.decode(s, [1] * len(s)), 3)
+        step = lambda s=slots: runner.decode(s, [1] * len(s))  # noqa: E731
+        rows, total, span = kernel_table(torch, step, 3)
+        wall = cuda_time(torch, step, iters=10) * 1e6
         roof_us = step_bytes(artifact, b, args.context) / bw * 1e6
         key = f"decode_b{b}"
-        report[key] = {"gpu_us": total, "roofline_us": roof_us, "kernels": rows}
-        print_table(f"decode, batch {b} at {args.context} tokens (roofline {roof_us:.0f} µs)",
-                    rows, total, args.top)  # fmt: skip
+        report[key] = {"gpu_us": total, "span_us": span, "wall_us": wall, "roofline_us": roof_us,
+                       "kernels": rows}  # fmt: skip
+        title = (f"decode, batch {b} at {args.context} tokens (roofline {roof_us:.0f} µs, "
+                 f"{wall:.0f} µs a call with its host work)")  # fmt: skip
+        print_table(title, rows, total, span, args.top)
         for s in slots:
             runner.remove_sequence(s)
     slot = n - 1
@@ -112,9 +131,9 @@ def main() -> None:
         runner.remove_sequence(slot)
 
     prefill()  # loads the prefill kernels
-    rows, total = kernel_table(torch, prefill, 2)
-    report[f"prefill_{args.context}"] = {"gpu_us": total, "kernels": rows}
-    print_table(f"prefill of {args.context} tokens", rows, total, args.top)
+    rows, total, span = kernel_table(torch, prefill, 2)
+    report[f"prefill_{args.context}"] = {"gpu_us": total, "span_us": span, "kernels": rows}
+    print_table(f"prefill of {args.context} tokens", rows, total, span, args.top)
     text = json.dumps(report, indent=1)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)

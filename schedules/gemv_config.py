@@ -162,7 +162,22 @@ def wide_config(
     return GemvConfig(m_tiles or 1, 1, 1, 2, n_tiles, int(w_smem), w_smem)
 
 
+def ring_in_registers(n: int, k: int, n_tiles: int) -> bool:
+    """Where the weight ring of a decode_wide bucket goes by default: registers for the 16-row
+    bucket of every 4B shape and of 9B's narrow n (at batch 16 the sweep measured 1.06-1.37x
+    over the shared ring: docs/results/gemv_kernel_wide.json, "regs"); shared memory
+    elsewhere, where 32-64 columns of X need the registers (and 9B's in_proj, 12352 x 4096,
+    measured 0.94x in registers)."""
+    return n_tiles == 2 and (n <= 4096 or k <= 2560)
+
+
 def wide_buckets(n: int, k: int, **options) -> Buckets:
     """decode_wide's buckets: 8 rows as decode's GEMV, then 16, 32 and 64 columns a pass (a
-    batch past 64 takes a second pass, re-reading the weight). `options` go to wide_config."""
-    return tuple((8 * t, wide_config(n, k, t, **options)) for t in (1, 2, 4, MAX_N_TILES))
+    batch past 64 takes a second pass, re-reading the weight). `options` go to wide_config;
+    without `w_smem`, `ring_in_registers` places each bucket's weight ring."""
+
+    def bucket(t: int) -> GemvConfig:
+        placed = {} if "w_smem" in options else {"w_smem": not ring_in_registers(n, k, t)}
+        return wide_config(n, k, t, **options, **placed)
+
+    return tuple((8 * t, bucket(t)) for t in (1, 2, 4, MAX_N_TILES))

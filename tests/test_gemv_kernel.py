@@ -277,7 +277,8 @@ def test_wide_buckets_read_the_weight_once_up_to_64_rows() -> None:
         assert buckets[0] == (8, gemv_config.default_config(n, k))
         assert [limit for limit, _ in buckets] == [8, 16, 32, 64]
         for limit, cfg in buckets[1:]:
-            assert cfg.cols >= limit and cfg.w_smem, (n, k, cfg)  # one pass
+            assert cfg.cols >= limit, (n, k, cfg)  # one pass
+            assert cfg.w_smem != gemv_config.ring_in_registers(n, k, cfg.n_tiles), (n, k, cfg)
             assert gemv_config.one_wave(n, k, cfg, gemv_config.WIDE_SHARED_PER_SM), (n, k, cfg)
             assert gemv_config.cdiv(n, cfg.rows) >= gemv_config.SMS, (n, k, cfg)
 
