@@ -4,8 +4,8 @@
   here:        python benchmarks/engine_throughput.py build DIR [--shape 4b]
   on the GPU:  python benchmarks/engine_throughput.py run DIR WORK [--shape 4b] [--constrained]
 
-For each concurrency c: c requests of random 1,024-token prompts, 256 greedy output tokens
-each (EOS ignored), submitted together to one Engine, no HTTP. Reports TTFT (submit to first
+For each concurrency c: c requests of random 1,024-token prompts (`--prompt`), 256 greedy output
+tokens each (EOS ignored), submitted together to one Engine, no HTTP. Reports TTFT (submit to first
 token), TPOT (first to last token, per request), output tokens/s over the whole batch, and the
 roofline step time of the same run: bytes a decode step must move (weights once, plus each
 sequence's GDN state read and written and its KV read) over the copy bandwidth.
@@ -244,6 +244,7 @@ def run(
     variants: list[str],
     levels: list[int],
     constrained: bool = False,
+    prompt: int = PROMPT,
 ) -> dict:
     import torch
     from common import copy_bandwidth
@@ -259,6 +260,7 @@ def run(
         "shape": shape,
         "device": torch.cuda.get_device_name(),
         "copy_bw_tbs": bw / 1e12,
+        "prompt_tokens": prompt,
     }
     max_c = max(levels)
     for name in variants:
@@ -267,7 +269,7 @@ def run(
         rng = np.random.default_rng(0)  # the same prompts for every variant
         t0 = time.time()
         engine = Engine(
-            artifact, max_batch_size=max_c, max_total_tokens=max_c * (PROMPT + OUTPUT + 64)
+            artifact, max_batch_size=max_c, max_total_tokens=max_c * (prompt + OUTPUT + 64)
         )
         print(f"{name}: engine ready in {time.time() - t0:.1f} s: {engine.capacity()}", flush=True)
         grammar = _grammar(artifact) if constrained else None
@@ -280,13 +282,13 @@ def run(
             run_level(engine, warm, grammar)  # and the constrained ones, and xgrammar
         rows = []
         for c in levels:
-            prompts = [rng.integers(1000, 100000, PROMPT).tolist() for _ in range(c)]
+            prompts = [rng.integers(1000, 100000, prompt).tolist() for _ in range(c)]
             for g in (None, grammar) if grammar else (None,):
                 row = run_level(engine, prompts, g)
                 # Mid-generation context: the prompt plus half the outputs.
                 # The whole copy bandwidth: it counts bytes read and written, and a read stream
                 # reaches ~95% of it (earlier runs divided by half of it).
-                roof = step_bytes(artifact, c, PROMPT + OUTPUT // 2) / bw
+                roof = step_bytes(artifact, c, prompt + OUTPUT // 2) / bw
                 row["roofline_step_ms"] = roof * 1e3
                 row["tpot_over_roofline"] = row["tpot_ms_mean"] / (roof * 1e3)
                 rows.append(row)
@@ -324,6 +326,7 @@ def main() -> None:
     p.add_argument("--shape", default="4b")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--levels", default=",".join(map(str, CONCURRENCY)))
+    p.add_argument("--prompt", type=int, default=PROMPT, help="prompt tokens a request")
     p.add_argument(
         "--constrained", action="store_true", help="also run each level JSON-schema constrained"
     )
@@ -334,7 +337,7 @@ def main() -> None:
     else:
         args.work.mkdir(parents=True, exist_ok=True)
         levels = [int(c) for c in args.levels.split(",")]
-        out = run(args.dir, args.work, args.shape, variants, levels, args.constrained)
+        out = run(args.dir, args.work, args.shape, variants, levels, args.constrained, args.prompt)
         (args.work / "engine.json").write_text(json.dumps(out, indent=2))
 
 
