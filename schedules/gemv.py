@@ -87,6 +87,10 @@ def _pass_kernel(n: int, k: int, cfg: GemvConfig, gpu: bool, epilogue: Epilogue)
     ring_elems = cfg.warps_k * cfg.stages * cfg.unroll * 2 * cfg.m_tiles * 32 * VEC
     ring_scope = "shared" if cfg.shared_bytes <= 48 * 1024 else "shared.dyn"
     prefetched = min(cfg.prefetch_steps, per_warp)
+    # decode's kernel (one n-tile) starts beside its producer (schedules/pdl.py); decode_wide's
+    # do not: launched early, a one-wave grid's blocks land unevenly on SMs the producer still
+    # holds, and at 16 rows those kernels ran 1.3-1.5x slower (profile_step, H200)
+    dependent = gpu and cfg.n_tiles == 1
     lines = cdiv(step, LINE)  # L2 lines of a row's step
 
     def in_k(k0):
@@ -292,9 +296,10 @@ def _pass_kernel(n: int, k: int, cfg: GemvConfig, gpu: bool, epilogue: Epilogue)
                     T.reads()
                     T.writes()
                     acc = T.sblock_alloc_buffer((n_acc,), "float32", scope="local")
-                    prefetch_weights(w, tile, wk, tx)
-                    T.evaluate(wait_for_producers(gpu))
-                    T.evaluate(release_dependents(gpu))
+                    if dependent:
+                        prefetch_weights(w, tile, wk, tx)
+                        T.evaluate(wait_for_producers(gpu))
+                        T.evaluate(release_dependents(gpu))
                     for i in T.unroll(n_acc):
                         acc[i] = T.float32(0)
                     accumulate_gpu(w, x, acc, wk, tile, tx, col, batch)
