@@ -68,6 +68,7 @@ class ModelRunner:
         self._logits = tvm.runtime.empty((n, width), "float32", self.device)
         self._best = tvm.runtime.empty((n,), "int32", self.device)
         self._best_logprob = tvm.runtime.empty((n,), "float32", self.device)
+        self._decode_views: dict[int, tuple] = {}
         # Artifacts built before the bitmask kernels lack these; the engine masks on the host.
         self.constrains_on_device = vm.module.implements_function("constrained_pick")
         if self.constrains_on_device:
@@ -181,14 +182,23 @@ class ModelRunner:
         if not 0 < batch <= self.max_batch_size:
             raise ValueError(f"decode batch {batch}: 1 to {self.max_batch_size}")
         starts = self._advance(slots, [1] * batch)
-        step = self._step_in._create_view((batch, 3))  # views: the graph's fixed addresses
-        step.copyfrom(np.stack([tokens, slots, starts], axis=1).astype(np.int32))
+        step, logits, best, logprob = self._views(batch)
+        step.copyfrom(np.array([tokens, slots, starts], dtype=np.int32).T)
         fn = self._decode_wide if batch >= WIDE_DECODE_FROM else self._decode
-        logits = self._logits._create_view((batch, self._logits.shape[1]))
-        best = self._best._create_view((batch,))
-        logprob = self._best_logprob._create_view((batch,))
         fn(step, logits, best, logprob, *self._state())
         return StepLogits(logits, best.numpy(), logprob.numpy())
+
+    def _views(self, batch: int) -> tuple:
+        """decode's buffers for `batch` rows, made once: views of fixed allocations, since a
+        captured graph keeps the addresses it was captured with."""
+        if batch not in self._decode_views:
+            self._decode_views[batch] = (
+                self._step_in._create_view((batch, 3)),
+                self._logits._create_view((batch, self._logits.shape[1])),
+                self._best._create_view((batch,)),
+                self._best_logprob._create_view((batch,)),
+            )
+        return self._decode_views[batch]
 
     def constrain(
         self, step: StepLogits, rows: list[int], bitmasks: np.ndarray, pick: bool, mask: bool

@@ -151,7 +151,31 @@ def _logits_gpu(hidden: int, rows: int, live: int, selection: int, dtype: str) -
 
 
 def _logits_gpu_mma(hidden: int, rows: int, live: int, selection: int, dtype: str) -> PrimFunc:
-    """bf16 GPU kernel on tensor cores (mma.sync m16n8k16, fp32 accumulate). A warp owns 16
+    """bf16 GPU kernel on tensor cores: passes of 16 batch rows up to 16 (decode's batches),
+    and a second kernel taking 64 rows a pass beyond, so the 1.3 GB table is read once per 64
+    rows rather than once per 16 (B = 64 streamed 23% of copy bandwidth in 16-row passes).
+    Picked on the device by the batch."""
+    small = _mma_launch(hidden, rows, live, selection, dtype, n_tiles=2)
+    large = _mma_launch(hidden, rows, live, selection, dtype, n_tiles=8)
+
+    @T.prim_func(s_tir=True)
+    def logits(x_h: T.handle, w_h: T.handle, out_h: T.handle):
+        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
+        batch = T.int32()
+        x = T.match_buffer(x_h, (batch, hidden), dtype)
+        w = T.match_buffer(w_h, (rows, hidden), dtype)
+        out = T.match_buffer(out_h, (batch, selection), "float32")
+        if batch <= 16:
+            small(x, w, out, batch)
+        else:
+            large(x, w, out, batch)
+
+    return logits
+
+
+def _mma_launch(hidden: int, rows: int, live: int, selection: int, dtype: str, n_tiles: int):
+    """A macro (x, w, out, batch): the kernel taking `n_tiles` n8 batch tiles a pass, on tensor
+    cores (mma.sync m16n8k16, fp32 accumulate). A warp owns 16
     weight rows (m_tiles m16 tiles) and the batch as n8 tiles. The dot product does not care in
     which order k is summed, so each lane loads 8 consecutive k of a row with one 128-bit load
     and the same 8 k of the hidden vector, and those 8 feed two mma k16 steps: lane (g, q)
@@ -159,9 +183,9 @@ def _logits_gpu_mma(hidden: int, rows: int, live: int, selection: int, dtype: st
     to physical k 8q' + {0..3} and 8q' + {4..7}. Lane q streams k_lane contiguous k of each
     step, so the four lanes of a row read one contiguous stretch; the next step's weight loads
     are issued before this step's mma (two register stages)."""
-    # 128 rows per block; batch passes of 16. Two m-tiles per warp halve how often each warp
-    # re-reads the hidden vectors, which otherwise rival the weight stream in L2 traffic.
-    warps, m_tiles, n_tiles, unroll = 4, 2, 2, 2
+    # 128 rows per block. Two m-tiles per warp halve how often each warp re-reads the hidden
+    # vectors, which otherwise rival the weight stream in L2 traffic.
+    warps, m_tiles, unroll = 4, 2, 2
     step = 32 * unroll
     k_lane = 8 * unroll
     if hidden % (2 * step):
@@ -234,13 +258,8 @@ def _logits_gpu_mma(hidden: int, rows: int, live: int, selection: int, dtype: st
                                 )
                             )
 
-    @T.prim_func(s_tir=True)
-    def logits(x_h: T.handle, w_h: T.handle, out_h: T.handle):
-        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
-        batch = T.int32()
-        x = T.match_buffer(x_h, (batch, hidden), dtype)
-        w = T.match_buffer(w_h, (rows, hidden), dtype)
-        out = T.match_buffer(out_h, (batch, selection), "float32")
+    @T.macro
+    def launch(x, w, out, batch):
         for bx in T.thread_binding(n_blocks, thread="blockIdx.x"):
             for ty in T.thread_binding(warps, thread="threadIdx.y"):
                 for tx in T.thread_binding(32, thread="threadIdx.x"):
@@ -312,4 +331,4 @@ def _logits_gpu_mma(hidden: int, rows: int, live: int, selection: int, dtype: st
                                                 r < live, acc[(m * n_tiles + nt) * 4 + e], neg_inf
                                             )
 
-    return logits
+    return launch
