@@ -4,8 +4,8 @@ Two steps, because the GPU server has no compiler:
   here (nvcc, no GPU):  python benchmarks/logits_kernel.py build DIR [--arch sm_80,sm_90]
   on the GPU server:    python benchmarks/logits_kernel.py run DIR
 
-`run` prints, for hidden 2560 and 4096 and batch 1, 16, 64, the time and the weight bytes read
-per second as a fraction of the device-to-device copy bandwidth measured in the same run
+`run` prints, for hidden 2560 and 4096 and batch 1, 16, 17, 64, 65, the time and the weight
+bytes read per second as a fraction of the device-to-device copy bandwidth measured in the same run
 (copy bandwidth = bytes read + written per second, so a pure stream reaches about 100%), at
 width 248,077 (unpadded) and 248,192 (padded, pad columns masked).
 """
@@ -21,7 +21,7 @@ from common import copy_bandwidth, cuda_time
 
 ROWS, DECODABLE, SELECTION = 248_320, 248_077, 248_192
 HIDDENS = (2560, 4096)
-BATCHES = (1, 16, 64)
+BATCHES = (1, 16, 17, 64, 65)  # 17, 65: the 64-row kernel part-filled, and in two passes
 VARIANTS = {"unpadded": (DECODABLE, DECODABLE), "padded": (DECODABLE, SELECTION)}
 
 
