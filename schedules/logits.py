@@ -34,12 +34,7 @@ def logits_projection(
     else:
         tensor_cores = dtype == "bfloat16" and hidden % 256 == 0
         build = _logits_gpu_mma if tensor_cores else _logits_gpu
-    return build(hidden, rows, decodable if mask_pad else selection, selection, dtype)
-
-
-def _logits_cpu(hidden: int, rows: int, live: int, selection: int, dtype: str) -> PrimFunc:
-    """Columns run in parallel; each reads its weight row once for the whole batch."""
-    neg_inf = T.float32("-inf")
+    body = build(hidden, rows, decodable if mask_pad else selection, selection, dtype)
 
     @T.prim_func(s_tir=True)
     def logits(x_h: T.handle, w_h: T.handle, out_h: T.handle):
@@ -48,6 +43,17 @@ def _logits_cpu(hidden: int, rows: int, live: int, selection: int, dtype: str) -
         x = T.match_buffer(x_h, (batch, hidden), dtype)
         w = T.match_buffer(w_h, (rows, hidden), dtype)
         out = T.match_buffer(out_h, (batch, selection), "float32")
+        body(x, w, out, batch)
+
+    return logits
+
+
+def _logits_cpu(hidden: int, rows: int, live: int, selection: int, dtype: str):
+    """Columns run in parallel; each reads its weight row once for the whole batch."""
+    neg_inf = T.float32("-inf")
+
+    @T.macro
+    def body(x, w, out, batch):
         for j in T.parallel(selection):
             for b in T.serial(batch):
                 with T.sblock("logits"):
@@ -64,10 +70,10 @@ def _logits_cpu(hidden: int, rows: int, live: int, selection: int, dtype: str) -
                     else:
                         out[b, j] = neg_inf
 
-    return logits
+    return body
 
 
-def _logits_gpu(hidden: int, rows: int, live: int, selection: int, dtype: str) -> PrimFunc:
+def _logits_gpu(hidden: int, rows: int, live: int, selection: int, dtype: str):
     """A warp owns COLS adjacent columns; each lane streams its slice of their
     weight rows with 128-bit loads and reuses every hidden-vector load across those columns.
     Batches are taken BT rows at a time, so the weight slice is re-read from cache, not DRAM.
@@ -80,13 +86,8 @@ def _logits_gpu(hidden: int, rows: int, live: int, selection: int, dtype: str) -
     n_blocks = -(-selection // (cols * warps))
     neg_inf = T.float32("-inf")
 
-    @T.prim_func(s_tir=True)
-    def logits(x_h: T.handle, w_h: T.handle, out_h: T.handle):
-        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
-        batch = T.int32()
-        x = T.match_buffer(x_h, (batch, hidden), dtype)
-        w = T.match_buffer(w_h, (rows, hidden), dtype)
-        out = T.match_buffer(out_h, (batch, selection), "float32")
+    @T.macro
+    def body(x, w, out, batch):
         for bx in T.thread_binding(n_blocks, thread="blockIdx.x"):
             for ty in T.thread_binding(warps, thread="threadIdx.y"):
                 for tx in T.thread_binding(lanes, thread="threadIdx.x"):
@@ -147,36 +148,31 @@ def _logits_gpu(hidden: int, rows: int, live: int, selection: int, dtype: str) -
                                                 col0 + c < live, red[0], neg_inf
                                             )
 
-    return logits
+    return body
 
 
-def _logits_gpu_mma(hidden: int, rows: int, live: int, selection: int, dtype: str) -> PrimFunc:
-    """bf16 GPU kernel on tensor cores: passes of 16 batch rows up to 16 (decode's batches),
-    and a second kernel taking 64 rows a pass beyond, so the 1.3 GB table is read once per 64
-    rows rather than once per 16 (B = 64 streamed 23% of copy bandwidth in 16-row passes).
-    Picked on the device by the batch."""
+def _logits_gpu_mma(hidden: int, rows: int, live: int, selection: int, dtype: str):
+    """bf16 GPU kernels on tensor cores: one pass of 16 batch rows up to 16 (decode's batches),
+    and one taking 64 rows a pass beyond, so the 1.3 GB table is read once per 64 rows rather
+    than once per 16 (on the H200, B = 64 went from 23% to 49% of copy bandwidth). Picked on
+    the device by the batch."""
     small = _mma_launch(hidden, rows, live, selection, dtype, n_tiles=2)
     large = _mma_launch(hidden, rows, live, selection, dtype, n_tiles=8)
 
-    @T.prim_func(s_tir=True)
-    def logits(x_h: T.handle, w_h: T.handle, out_h: T.handle):
-        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
-        batch = T.int32()
-        x = T.match_buffer(x_h, (batch, hidden), dtype)
-        w = T.match_buffer(w_h, (rows, hidden), dtype)
-        out = T.match_buffer(out_h, (batch, selection), "float32")
+    @T.macro
+    def body(x, w, out, batch):
         if batch <= 16:
             small(x, w, out, batch)
         else:
             large(x, w, out, batch)
 
-    return logits
+    return body
 
 
 def _mma_launch(hidden: int, rows: int, live: int, selection: int, dtype: str, n_tiles: int):
     """A macro (x, w, out, batch): the kernel taking `n_tiles` n8 batch tiles a pass, on tensor
-    cores (mma.sync m16n8k16, fp32 accumulate). A warp owns 16
-    weight rows (m_tiles m16 tiles) and the batch as n8 tiles. The dot product does not care in
+    cores (mma.sync m16n8k16, fp32 accumulate). A warp owns 16 weight rows (m_tiles m16
+    tiles) and the batch as n8 tiles. The dot product does not care in
     which order k is summed, so each lane loads 8 consecutive k of a row with one 128-bit load
     and the same 8 k of the hidden vector, and those 8 feed two mma k16 steps: lane (g, q)
     supplies logical k {2q, 2q+1, 2q+8, 2q+9} of each step, which both operands agree to map
