@@ -1,9 +1,10 @@
 """RMSNorm over the last axis, in float32, reading and writing the activation dtype.
 
 One kernel where Relax's `rms_norm` legalises to two or three (a cast to float32, the norm,
-the cast back): a decode step runs 65 of them, each mostly launch latency. A block per row:
-each thread sums the squares of a strided share of the row, the block adds the shares in
-shared memory by halving strides, and every thread scales its share.
+the cast back): a decode step runs 65 of them, each mostly latency. A block per row, a
+thread per 128-bit vector of it: each thread sums its squares, threads of a second phase add
+GROUP of those sums each, and every thread adds theirs and scales its vector (two barriers;
+the halving-stride reduction this replaced took eight more).
 """
 
 from __future__ import annotations
@@ -15,16 +16,26 @@ from tvm.tirx import PrimFunc
 from .loops import block_loop, thread_loop
 from .pdl import release_dependents, wait_for_producers
 
-GPU_THREADS = 256
+MAX_THREADS = 1024
+GROUP = 16  # partial sums a thread of the second phase adds
 
 
 def rms_norm(dim: int, eps: float, dtype: str, target: Target) -> PrimFunc:
     """out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight, over rows of `dim` values:
     (x [rows, dim] dtype, weight [dim] float32) -> out [rows, dim] dtype."""
     gpu = target.kind.name == "cuda"
-    nt = min(GPU_THREADS, 1 << max(0, (dim - 1).bit_length())) if gpu else 1
-    steps = nt.bit_length() - 1
+    # 128-bit loads: a thread a vector, so a 2,560-wide bf16 row is 320 threads on the GPU
+    vec = 8 if dtype == "bfloat16" else 4
+    vec = vec if dim % vec == 0 else 1
+    chunks = dim // vec
+    # the CPU runs the same lanes one phase at a time, so its tests check the GPU's indexing
+    nt = min(MAX_THREADS, -(-chunks // 32) * 32)
+    per_thread = -(-chunks // nt)
+    groups = -(-nt // GROUP)
     shared = "shared" if gpu else "global"
+    # staged in the activation dtype on the GPU (whole vectors), in float32 on the CPU (TVM's
+    # CPU bf16 legalisation rejects local bf16 buffers)
+    stage = dtype if gpu else "float32"
 
     grid, lanes = block_loop(gpu), thread_loop(nt, gpu)
 
@@ -39,43 +50,61 @@ def rms_norm(dim: int, eps: float, dtype: str, target: Target) -> PrimFunc:
             with T.sblock("row"):
                 T.reads()
                 T.writes()
-                # ping-pong rows: step s reads row s % 2, each lane writes its own slot of the
-                # other, so no lane reads what another writes
-                sums = T.sblock_alloc_buffer((2, nt), "float32", scope=shared)
+                # two phases of partial sums (a thread's, then GROUP of them), two barriers
+                part = T.sblock_alloc_buffer((nt,), "float32", scope=shared)
+                part2 = T.sblock_alloc_buffer((groups,), "float32", scope=shared)
                 for tx in lanes():
                     with T.sblock("squares"):
                         T.reads()
                         T.writes()
                         acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                        T.evaluate(wait_for_producers(gpu))
+                        vals = T.sblock_alloc_buffer((vec,), stage, scope="local")
+                        T.evaluate(wait_for_producers(gpu))  # first: schedules/pdl.py
                         T.evaluate(release_dependents(gpu))
                         acc[0] = T.float32(0)
-                        for e in T.serial((dim + nt - 1) // nt):
-                            if e * nt + tx < dim:
-                                # no let: TVM's bf16 legalization on the CPU mistypes a let
-                                # bound to a cast of a bf16 load
-                                acc[0] = acc[0] + T.Cast("float32", x[r, e * nt + tx]) * T.Cast(
-                                    "float32", x[r, e * nt + tx]
-                                )
-                        sums[0, tx] = acc[0]
-                for s in T.serial(steps):
-                    for tx in lanes():
-                        with T.sblock("reduce"):
-                            T.reads()
-                            T.writes()
-                            o: T.let[T.int32] = T.min(tx + T.shift_right(nt, s + 1), nt - 1)
-                            sums[1 - s % 2, tx] = sums[s % 2, tx] + sums[s % 2, o]
+                        for e in T.serial(per_thread):
+                            if e * nt + tx < chunks:
+                                for v in T.vectorized(vec):
+                                    vals[v] = T.Cast(stage, x[r, (e * nt + tx) * vec + v])
+                                for v in T.unroll(vec):
+                                    acc[0] = acc[0] + T.Cast("float32", vals[v]) * T.Cast(
+                                        "float32", vals[v]
+                                    )
+                        part[tx] = acc[0]
+                for tx in lanes():
+                    with T.sblock("groups"):
+                        T.reads()
+                        T.writes()
+                        acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                        if tx < groups:
+                            acc[0] = T.float32(0)
+                            # every groups-th sum: consecutive lanes, consecutive banks
+                            for p in T.unroll(GROUP):
+                                if p * groups + tx < nt:
+                                    acc[0] = acc[0] + part[p * groups + tx]
+                            part2[tx] = acc[0]
                 for tx in lanes():
                     with T.sblock("scale"):
                         T.reads()
                         T.writes()
-                        inv: T.let[T.float32] = T.rsqrt(
-                            sums[steps % 2, 0] / T.float32(dim) + T.float32(eps)
-                        )
-                        for e in T.serial((dim + nt - 1) // nt):
-                            c: T.let[T.int32] = e * nt + tx
-                            if c < dim:
-                                out[r, c] = T.Cast(dtype, T.Cast("float32", x[r, c]) * inv * w[c])
+                        acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                        vals = T.sblock_alloc_buffer((vec,), stage, scope="local")
+                        res = T.sblock_alloc_buffer((vec,), stage, scope="local")
+                        acc[0] = T.float32(0)
+                        for g in T.serial(groups):
+                            acc[0] = acc[0] + part2[g]
+                        inv: T.let[T.float32] = T.rsqrt(acc[0] / T.float32(dim) + T.float32(eps))
+                        for e in T.serial(per_thread):
+                            c: T.let[T.int32] = (e * nt + tx) * vec
+                            if e * nt + tx < chunks:
+                                for v in T.vectorized(vec):
+                                    vals[v] = T.Cast(stage, x[r, c + v])
+                                for v in T.unroll(vec):
+                                    res[v] = T.Cast(
+                                        stage, T.Cast("float32", vals[v]) * inv * w[c + v]
+                                    )
+                                for v in T.vectorized(vec):
+                                    out[r, c + v] = T.Cast(dtype, res[v])
 
     # names must differ in a module, which holds one kernel for each width, dtype and eps
     return rms_norm_rows.with_attr("global_symbol", kernel_name(dim, eps, dtype))

@@ -33,7 +33,11 @@ def reference(x: np.ndarray, w: np.ndarray, dtype: str) -> np.ndarray:
 
 
 @pytest.mark.parametrize("dtype, tol", [("float32", 1e-5), ("bfloat16", 1.6e-2)])
-@pytest.mark.parametrize("rows, dim", [(1, 1), (5, 7), (3, 40), (2, 300), (1, 2560)])
+# widths of one vector, of 1-2 lanes, of groups part-filled (300: 10 warps of scalars), of
+# 320 lanes (2,560 bf16), and past MAX_THREADS vectors (9,000: 2-3 vectors a lane)
+@pytest.mark.parametrize(
+    "rows, dim", [(1, 1), (5, 7), (3, 40), (2, 300), (1, 2560), (2, 9000)]
+)
 def test_matches_numpy(dtype: str, tol: float, rows: int, dim: int) -> None:
     rng = np.random.default_rng(dim)
     x = (rng.normal(size=(rows, dim)) * 3).astype(np.float32)
