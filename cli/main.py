@@ -23,6 +23,7 @@ def _compile(args: argparse.Namespace) -> None:
         context_window=args.context_window,
         convert=not args.no_convert,
         cuda_graph=not args.no_cuda_graph,
+        dependent_launch=not args.no_dependent_launch,
     )
     print(f"artifact written to {out}")
 
@@ -161,6 +162,11 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--context-window", type=int, default=None, help="longest sequence served")
     c.add_argument("--no-convert", action="store_true", help="build the library only")
     c.add_argument("--no-cuda-graph", action="store_true", help="CUDA: run decode kernel by kernel")
+    c.add_argument(
+        "--no-dependent-launch",
+        action="store_true",
+        help="CUDA: start each kernel after the one before it ends (no sm_90 early launch)",
+    )
     c.set_defaults(func=_compile)
 
     v = sub.add_parser("convert", help="convert a checkpoint's weights into an artifact")

@@ -65,3 +65,18 @@ def test_user_mistakes_get_one_line_errors(tiny_random_artifact, tmp_path):
         assert out.returncode != 0
         assert message in out.stderr, (args, out.stderr)
         assert "Traceback" not in out.stderr, (args, out.stderr)
+
+
+def test_compile_flags_reach_the_compiler(monkeypatch, tmp_path):
+    import qwen35_tvm.compile.build as build
+    from qwen35_tvm.cli.main import main
+
+    seen: list[dict] = []
+    monkeypatch.setattr(build, "compile_model", lambda *a, **kw: seen.append(kw) or tmp_path)
+    main(["compile", "tiny-random", "-o", str(tmp_path), "--target", "cuda"])
+    main(["compile", "tiny-random", "-o", str(tmp_path), "--target", "cuda",
+          "--no-cuda-graph", "--no-dependent-launch"])  # fmt: skip
+    assert [(kw["cuda_graph"], kw["dependent_launch"]) for kw in seen] == [
+        (True, True),
+        (False, False),
+    ]
