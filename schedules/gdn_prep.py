@@ -31,6 +31,40 @@ def _lanes(width: int) -> int:
     return -(-width // 32) * 32  # whole warps
 
 
+def _row_norms(rows: int, parts: int, nt: int, lanes, finish):
+    """A macro (vals, part, inv): inv[r] = finish(sum of squares of vals[r * nt : r * nt +
+    nt]) for r < rows, two-level through shared memory. Lane (row, share) first sums every
+    parts-th value of its row (so lanes hit distinct banks) into part; then a lane a row adds
+    its row's partial sums."""
+    per_part = nt // parts
+
+    @T.macro
+    def norms(vals, part, inv):
+        for tx in lanes():
+            with T.sblock("squares"):
+                T.reads()
+                T.writes()
+                acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                if tx < rows * parts:
+                    acc[0] = T.float32(0)
+                    for e in T.unroll(per_part):
+                        sv: T.let[T.float32] = vals[tx // parts * nt + e * parts + tx % parts]
+                        acc[0] = acc[0] + sv * sv
+                    part[tx] = acc[0]
+        for tx in lanes():
+            with T.sblock("norms"):
+                T.reads()
+                T.writes()
+                acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                if tx < rows:
+                    acc[0] = T.float32(0)
+                    for p in T.unroll(parts):
+                        acc[0] = acc[0] + part[tx * parts + p]
+                    inv[tx] = finish(acc[0])
+
+    return norms
+
+
 def _rounded(v, dtype: str):
     """fp32 v rounded (to nearest even) to `dtype` and back. By hand for bf16: TVM's CPU bf16
     legalisation drops a cast to bf16 and back, and a bf16 local buffer is kept in fp32."""
@@ -74,6 +108,9 @@ def gdn_input(
     shared = "shared" if gpu else "global"
 
     grid, lanes = block_loop(gpu), thread_loop(nt, gpu)
+    norms = _row_norms(
+        TILE, parts, nt, lanes, lambda sq: T.float32(1) / T.sqrt(sq + T.float32(1e-6))
+    )
 
     @T.prim_func(s_tir=True)
     def gdn_input_fn(
@@ -190,27 +227,7 @@ def gdn_input(
                         else:
                             for tt in T.unroll(TILE):
                                 vals[tt * nt + tx] = T.float32(0)
-                for tx in lanes():
-                    with T.sblock("squares"):
-                        T.reads()
-                        T.writes()
-                        acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                        # lane (token, share): every parts-th channel, so lanes hit distinct banks
-                        acc[0] = T.float32(0)
-                        for e in T.unroll(TILE):
-                            sv: T.let[T.float32] = vals[tx // parts * nt + e * parts + tx % parts]
-                            acc[0] = acc[0] + sv * sv
-                        part[tx] = acc[0]
-                for tx in lanes():
-                    with T.sblock("norms"):
-                        T.reads()
-                        T.writes()
-                        acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                        if tx < TILE:
-                            acc[0] = T.float32(0)
-                            for p in T.unroll(parts):
-                                acc[0] = acc[0] + part[tx * parts + p]
-                            inv[tx] = T.float32(1) / T.sqrt(acc[0] + T.float32(1e-6))
+                norms(vals, part, inv)
                 for tx in lanes():
                     with T.sblock("emit"):
                         T.reads()
@@ -264,11 +281,13 @@ def gated_norm(
     gpu = target.kind.name == "cuda"
     nt = _lanes(max(v_dim, rows))
     parts = nt // rows if nt // rows <= 16 else 16  # partial sums a head
-    per_part = nt // parts  # squares a partial sum, strided by `parts`
     groups = v_heads // rows
     shared = "shared" if gpu else "global"
 
     grid, lanes = block_loop(gpu), thread_loop(nt, gpu)
+    norms = _row_norms(
+        rows, parts, nt, lanes, lambda sq: T.rsqrt(sq / T.float32(v_dim) + T.float32(eps))
+    )
 
     @T.prim_func(s_tir=True)
     def gated_norm_fn(o_h: T.handle, x_h: T.handle, w_h: T.handle, out_h: T.handle):
@@ -302,29 +321,7 @@ def gated_norm(
                                 zs[r * nt + tx] = T.Cast(
                                     "float32", x[tok, z_offset + (h0 + r) * v_dim + tx]
                                 )
-                for tx in lanes():
-                    with T.sblock("squares"):
-                        T.reads()
-                        T.writes()
-                        acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                        if tx < rows * parts:
-                            acc[0] = T.float32(0)
-                            for e in T.unroll(per_part):
-                                sv: T.let[T.float32] = vals[
-                                    tx // parts * nt + e * parts + tx % parts
-                                ]
-                                acc[0] = acc[0] + sv * sv
-                            part[tx] = acc[0]
-                for tx in lanes():
-                    with T.sblock("norms"):
-                        T.reads()
-                        T.writes()
-                        acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                        if tx < rows:
-                            acc[0] = T.float32(0)
-                            for p in T.unroll(parts):
-                                acc[0] = acc[0] + part[tx * parts + p]
-                            inv[tx] = T.rsqrt(acc[0] / T.float32(v_dim) + T.float32(eps))
+                norms(vals, part, inv)
                 for tx in lanes():
                     with T.sblock("gate"):
                         T.reads()
