@@ -26,18 +26,24 @@ from common import copy_bandwidth, cuda_time
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 16, 4, 256, 16
 DECODE = {"B1xL32768": (1, 32768), "B16xL4096": (16, 4096), "B64xL1024": (64, 1024)}
-PREFILL = {"1x1024": [1024], "1x8192": [8192], "16x1024": [1024] * 16}
-# split kernel variants: name -> (pages of keys a tile, split budget); "tp2" (the shipped one)
-# also runs on the prefill cases
-DECODE_VARIANTS = {"tp1": (1, 128), "tp2": (2, 128), "tp2_b256": (2, 256)}
-# tensor-core prefill: (pages of keys a tile, query tokens a block)
-MMA_TILES = ((1, 16), (2, 16), (4, 16), (2, 32))
+PREFILL = {
+    "1x1024": [1024],
+    "1x8192": [8192],
+    "16x1024": [1024] * 16,
+    "ragged_odd": [1000, 17, 333, 1],  # odd tile counts, partial tiles, one token: a check
+}
+# split kernel variants: name -> (pages of keys a tile, split budget, dependent launch as the
+# model's build gives it); "tp2" is the shipped one
+DECODE_VARIANTS = {"tp2": (2, 128, True), "tp2_nopdl": (2, 128, False), "tp2_b256": (2, 256, True)}
+# tensor-core prefill: name -> (pages of keys a tile, query tokens a block); "mma2q16" ships
+MMA_VARIANTS = {"mma2q16": (2, 16), "mma4q16": (4, 16)}
 
 
 def build(out: Path, arch: str) -> None:
     import tvm
 
     from qwen35_tvm.compile.cuda_toolchain import prepare_cuda_codegen
+    from qwen35_tvm.compile.pipeline import tir_pipeline
     from qwen35_tvm.compile.targets import make_target
     from qwen35_tvm.schedules import attention, kv_cache
     from qwen35_tvm.schedules.attention_prefill import paged_prefill_mma
@@ -45,19 +51,23 @@ def build(out: Path, arch: str) -> None:
     target, arches = make_target("cuda", arch)
     prepare_cuda_codegen(arches)
     out.mkdir(parents=True, exist_ok=True)
-    funcs = {"append": kv_cache.append_kv(KV_HEADS, HEAD_DIM, "bfloat16", target)}
-    for name, (tp, budget) in DECODE_VARIANTS.items():
-        funcs[f"attend_{name}"] = attention.paged_attention(
-            HEADS, KV_HEADS, HEAD_DIM, "bfloat16", target, tp, budget
+    funcs = {"append": (kv_cache.append_kv(KV_HEADS, HEAD_DIM, "bfloat16", target), True)}
+    for name, (tp, budget, pdl) in DECODE_VARIANTS.items():
+        funcs[f"attend_{name}"] = (
+            attention.paged_attention(HEADS, KV_HEADS, HEAD_DIM, "bfloat16", target, tp, budget),
+            pdl,
         )
-    for tp, qt in MMA_TILES:
-        funcs[f"attend_mma{tp}q{qt}"] = paged_prefill_mma(
-            HEADS, KV_HEADS, HEAD_DIM, target, tp, qt
+    for name, (tp, qt) in MMA_VARIANTS.items():
+        funcs[f"attend_{name}"] = (
+            paged_prefill_mma(HEADS, KV_HEADS, HEAD_DIM, target, tp, qt),
+            True,
         )
-    for name, func in funcs.items():
-        tvm.compile(tvm.IRModule({"main": func}), target=target).export_library(
-            str(out / f"attn_{name}.so")
-        )
+    for name, (func, pdl) in funcs.items():
+        # as the model's build: kernels that wait for their producer launch dependently
+        pipeline = tir_pipeline(target) if pdl else "default"
+        tvm.compile(
+            tvm.IRModule({"main": func}), target=target, tir_pipeline=pipeline
+        ).export_library(str(out / f"attn_{name}.so"))
         print(f"built {name}")
     (out / "attention_bench.json").write_text(json.dumps({"arch": arches}))
 
@@ -182,9 +192,11 @@ def time_case(torch, tvm, attend, x: dict, ref, bw: float, ws_rows: int) -> dict
     kv_bytes = sum(x["lengths"]) * KV_HEADS * HEAD_DIM * 2 * 2
     kernels = kernel_times(torch, lambda: attend(*args))
     graph_s = graph_time(torch, lambda: attend(*args))
-    graph = {} if graph_s is None else {
-        "graph_us": graph_s * 1e6, "copy_bw_fraction_graph": kv_bytes / graph_s / bw
-    }
+    graph = (
+        {}
+        if graph_s is None
+        else {"graph_us": graph_s * 1e6, "copy_bw_fraction_graph": kv_bytes / graph_s / bw}
+    )
     return {
         **graph,
         "us": us,
@@ -219,8 +231,10 @@ def run(out_dir: Path, results: Path | None) -> None:
     rows = []
     cases = [("decode", name, [L] * B, [1] * B) for name, (B, L) in DECODE.items()]
     cases += [("prefill", name, lens, lens) for name, lens in PREFILL.items()]
-    print("| kind | case | kernel | ours (µs) | in a graph (µs) | kernels only (µs) | SDPA (µs) |"
-          " ours / SDPA speed | ours / flash SDPA | % of copy bw (graph; kernels) | max abs Δ |")
+    print(
+        "| kind | case | kernel | ours (µs) | in a graph (µs) | kernels only (µs) | SDPA (µs) |"
+        " ours / SDPA speed | ours / flash SDPA | % of copy bw (graph; kernels) | max abs Δ |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for kind, name, lengths, queries in cases:
         try:
@@ -233,8 +247,8 @@ def run(out_dir: Path, results: Path | None) -> None:
             traceback.print_exc()
             continue
         for tp, attend in kernels.items():
-            if tp.startswith("mma") != (kind == "prefill") and tp != "tp2":
-                continue  # each kernel on its own kind of case; the split kernel on both
+            if tp.startswith("mma") != (kind == "prefill"):
+                continue  # each kernel on its own kind of case
             row = {"kind": kind, "case": name, "kernel": tp}
             try:
                 budget = DECODE_VARIANTS.get(tp, (0, 128))[1]
