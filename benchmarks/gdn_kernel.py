@@ -33,8 +33,11 @@ from common import copy_bandwidth, cuda_time
 
 K_HEADS, V_HEADS, K_DIM, V_DIM = 16, 32, 128, 128
 CASES = {"1x1024": [1024], "1x8192": [8192], "4x1024": [1024] * 4, "16x1024": [1024] * 16}
-DECODE_CASES = {"16x1": [1] * 16, "1x1": [1]}
-N_SLOTS, N_LAYERS, LAYER = 40, 2, 1
+DECODE_CASES = {"16x1": [1] * 16, "1x1": [1], "64x1": [1] * 64}
+# recurrent kernel variants: name -> (value columns a block, threads a column)
+# (gdn_recurrent_sweep.json: 32 x 4, 16 x 4, 8 x 8 and 8 x 16 lost to the shipped 16 x 8)
+RECURRENT = {"recurrent": (16, 8), "recurrent_r32p4": (32, 4)}
+N_SLOTS, N_LAYERS, LAYER = 80, 2, 1  # slots for every sequence of the largest case
 DEVICE = "cuda"  # a CPU smoke test of `run` swaps this (and the shapes) out
 # name -> chunked_gated_delta_rule keywords; "fp32_c32" is the previous default.
 CHUNKED = {
@@ -54,7 +57,7 @@ BASELINE = {"scan": False}  # the first mma version
 REL_BOUND = {"fp32": 1e-4, "mma": 1e-2, "recurrent": 1e-5}
 
 
-def build(out: Path, arch: str) -> None:
+def build(out: Path, arch: str, chunked: bool = True) -> None:
     import tvm
 
     from qwen35_tvm.compile.cuda_toolchain import prepare_cuda_codegen
@@ -65,8 +68,11 @@ def build(out: Path, arch: str) -> None:
     target, arches = make_target("cuda", arch)
     prepare_cuda_codegen(arches)
     out.mkdir(parents=True, exist_ok=True)
-    funcs = {"recurrent": gated_delta_rule(K_HEADS, V_HEADS, K_DIM, V_DIM, target)}
-    for name, kw in CHUNKED.items():
+    funcs = {
+        name: gated_delta_rule(K_HEADS, V_HEADS, K_DIM, V_DIM, target, rows, parts)
+        for name, (rows, parts) in RECURRENT.items()
+    }
+    for name, kw in CHUNKED.items() if chunked else ():
         kw = {**kw, **(BASELINE if name.startswith("mma_") else {})}
         try:
             funcs[name] = chunked_gated_delta_rule(K_HEADS, V_HEADS, K_DIM, V_DIM, target, **kw)
@@ -150,7 +156,9 @@ def kernel_time_us(torch, fn, iters: int = 10) -> float:
     return sum(e.device_time_total for e in events) / iters
 
 
-def run(out_dir: Path, results: Path | None = None, decode: bool = False) -> None:
+def run(
+    out_dir: Path, results: Path | None = None, decode: bool = False, prefill: bool = True
+) -> None:
     import os
 
     os.environ.setdefault("TVM_USE_RUNTIME_LIB", "1")
@@ -175,7 +183,7 @@ def run(out_dir: Path, results: Path | None = None, decode: bool = False) -> Non
     print("| case | kernel | time (µs) | kernel only (µs) | % of copy bw | vs recurrent |"
           " max abs Δ out vs torch | max abs Δ state vs torch | rel out | rel state | ok |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for case, lengths in {**CASES, **(DECODE_CASES if decode else {})}.items():
+    for case, lengths in {**(CASES if prefill else {}), **(DECODE_CASES if decode else {})}.items():
         try:
             x = make_inputs(torch, lengths)
         except Exception:
@@ -246,12 +254,15 @@ def main() -> None:
     p.add_argument("dir", type=Path)
     p.add_argument("--arch", default="sm_90")
     p.add_argument("--out", type=Path, default=None, help="also write the JSON here")
-    p.add_argument("--decode", action="store_true", help="also time 16x1 and 1x1 (decode)")
+    p.add_argument("--decode", action="store_true", help="also time 16x1, 1x1, 64x1 (decode)")
+    p.add_argument(
+        "--decode-only", action="store_true", help="build: recurrent kernels; run: decode cases"
+    )
     args = p.parse_args()
     if args.step == "build":
-        build(args.dir, args.arch)
+        build(args.dir, args.arch, chunked=not args.decode_only)
     else:
-        run(args.dir, args.out, args.decode)
+        run(args.dir, args.out, args.decode or args.decode_only, prefill=not args.decode_only)
     sys.stdout.flush()
 
 
