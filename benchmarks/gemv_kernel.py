@@ -46,6 +46,7 @@ MANIFEST = "gemv_bench.json"
 BATCHES = {"small": (1, 4, 7), "wide": (16, 64)}
 CHECK_BATCHES = {"small": (), "wide": (8, 9, 33)}  # correctness only: bucket edges, odd rows
 MIN_CALLS = 24  # calls per timed graph
+RMS_EPS = 1e-6  # "ours_rms": the GEMV with the RMSNorm before it folded in (no residual only)
 
 
 def _variants(default) -> dict[str, object]:
@@ -124,6 +125,8 @@ def _kernels(small, rows: str, target) -> tuple[dict, dict, dict]:
         default = default_config(n, k)
         configs = {"ours": default, **_variants(default)}
         makers = {"ours": lambda: rule(DecodeGemv())}
+        if not match.extra_params:
+            makers["ours_rms"] = lambda: gemv_for(func, target, rows="small", rms_eps=RMS_EPS)
         baseline = {"dlight": lambda: rule(dl.gpu.GEMV(), dl.gpu.LowBatchGEMV(4))}
     else:
         configs = {"ours": plan(n, k, "wide"), **_wide_variants(n, k)}
@@ -142,7 +145,7 @@ def _kernels(small, rows: str, target) -> tuple[dict, dict, dict]:
     return kernels, {nm: _config_json(configs.get(nm)) for nm in kernels}, errors
 
 
-def build(out: Path, arch: str, rows: str = "small") -> None:
+def build(out: Path, arch: str, rows: str = "small", only: list[str] | None = None) -> None:
     import tvm
     from gemm_kernel import _fused_pair, _roles, projections
 
@@ -156,12 +159,15 @@ def build(out: Path, arch: str, rows: str = "small") -> None:
     entries = []
     classes = ("small", "wide") if rows == "both" else (rows,)
     for model in ("4b", "9b"):
-        for proj in projections(model):
+        for proj in projections((model,)):
             n, k, residual = proj["n"], proj["k"], proj["residual"]
             _, small = _fused_pair(n, k, residual, target)
             small = small.with_attr("dlight.do_not_tensorize", True)
             for cls in classes:
                 kernels, configs, errors = _kernels(small, cls, target)
+                if only:
+                    kernels = {nm: f for nm, f in kernels.items() if nm in only}
+                    configs = {nm: c for nm, c in configs.items() if nm in only}
                 tag = "" if cls == "small" else "wide_"
                 file = f"gemv_{tag}{model}_{n}x{k}{'_res' if residual else ''}.so"
                 mod = tvm.IRModule(
@@ -271,6 +277,10 @@ def _measure(out: Path, file: str) -> list[dict]:
         ref = x.float() @ ws[0].float().T
         if "res" in roles:
             ref += res.float()
+        # "ours_rms" reads x as an RMSNorm's input and the norm's weight too
+        nw = 1 + 0.3 * torch.randn(k, device="cuda", generator=gen)
+        normed = x.float() * torch.rsqrt(x.float().square().mean(1, keepdim=True) + RMS_EPS)
+        ref_rms = (normed * nw).bfloat16().float() @ ws[0].float().T
         scale = ref.abs().max().item()
         moved = n * k * 2 + batch * k * 2 + batch * n * out_dtype.itemsize
         moved += batch * n * 2 if "res" in roles else 0
@@ -298,14 +308,19 @@ def _measure(out: Path, file: str) -> list[dict]:
                 else:
                     fn = lib[kernel]
                     res_out = torch.empty(batch, n, device="cuda", dtype=out_dtype)
-                    named = {"x": dl(x), "res": dl(res), "out": dl(res_out)}
-                    order = sorted(roles, key=roles.get)
+                    named = {"x": dl(x), "res": dl(res), "out": dl(res_out), "nw": dl(nw)}
+                    rms = kernel == "ours_rms"
+                    order = sorted(roles, key=roles.get) + (["nw"] if rms else [])
+                    if rms:  # the norm's weight goes where the output was, the output last
+                        order.remove("out")
+                        order.append("out")
                     argss = [[dl(w) if r == "w" else named[r] for r in order] for w in ws]
                     fn(*argss[0])
                     torch.cuda.synchronize()
                     got = res_out.float()
                     calls = [lambda a=a, fn=fn: fn(*a) for a in argss * reps]
-                row["max_rel_err"] = (got - ref).abs().max().item() / scale
+                want = ref_rms if kernel == "ours_rms" else ref
+                row["max_rel_err"] = (got - want).abs().max().item() / want.abs().max().item()
                 row["cublas_rel_err"] = (cublas - ref).abs().max().item() / scale
                 if not timed:
                     row["timed"] = "check only"
@@ -393,11 +408,12 @@ def main() -> None:
         default="small",
         help="build: decode's GEMMs (1-7 rows), decode_wide's (8-64) or both",
     )
+    p.add_argument("--only", default=None, help="build: these kernels only (names, commas)")
     p.add_argument("--out", type=Path, default=None, help="run: also write the JSON here")
     p.add_argument("--timeout", type=int, default=300, help="seconds per shape (run)")
     args = p.parse_args()
     if args.step == "build":
-        build(args.dir, args.arch, args.rows)
+        build(args.dir, args.arch, args.rows, args.only.split(",") if args.only else None)
     elif args.step == "run":
         run(args.dir, args.out, args.timeout)
     else:

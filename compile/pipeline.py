@@ -23,6 +23,7 @@ from ..schedules.gemm_match import match_gemm
 from ..schedules.gemv_rule import DecodeGemv
 from ..schedules.matmul import ROWS_ATTR, WIDE_DECODE_CONFIG, MatmulMMA
 from ..schedules.pdl import WAIT_CALL
+from .norm_fusion import fold_norms_into_gemv
 
 # Exported Relax functions by how many rows their projections see: prefill a whole prompt
 # chunk ("large"), decode_wide 8-64 sequences ("wide"), decode fewer ("small").
@@ -136,6 +137,7 @@ def fusion_passes(target: tvm.target.Target) -> list[tvm.transform.Pass]:
         relax.transform.FuseOps(),
         relax.transform.FuseTIR(),
         _split_gemms_by_rows,
+        fold_norms_into_gemv(target),
         _mark_no_tensorize,
     ]
 

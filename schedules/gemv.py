@@ -63,15 +63,19 @@ from .pdl import prefetch_l2, release_dependents, wait_for_producers
 from .ptx import cp_async_16, mma_bf16
 
 KERNEL_ATTR = "qwen35.kernel"  # set to "gemv" on the kernel, so tests can tell it is ours
+FULL_MASK = 0xFFFFFFFF
 LINE = 64  # bf16 elements of a 128-byte cache line
 
 
 # ---- the kernel ----------------------------------------------------------------------------
 
 
-def _pass_kernel(n: int, k: int, cfg: GemvConfig, gpu: bool, epilogue: Epilogue):
+def _pass_kernel(
+    n: int, k: int, cfg: GemvConfig, gpu: bool, epilogue: Epilogue, rms_eps: float | None
+):
     """A macro (x, w, out, extras, batch) that launches the kernel of one config: row tiles
-    on blockIdx.x, passes of cfg.cols batch rows on blockIdx.y."""
+    on blockIdx.x, passes of cfg.cols batch rows on blockIdx.y. With `rms_eps` the last extra
+    is an RMSNorm's weight [k]: X's rows are normalised on the fly (see gemv_kernel)."""
     cfg.check()
     mt, wks, unroll, stages, rb, step = (
         cfg.m_tiles, cfg.warps_k, cfg.unroll, cfg.stages, cfg.rows, cfg.step
@@ -92,6 +96,19 @@ def _pass_kernel(n: int, k: int, cfg: GemvConfig, gpu: bool, epilogue: Epilogue)
     # holds, and at 16 rows those kernels ran 1.3-1.5x slower (profile_step, H200)
     dependent = gpu and cfg.n_tiles == 1
     lines = cdiv(step, LINE)  # L2 lines of a row's step
+    rms = rms_eps is not None
+
+    def norm_weight(extras):
+        return extras[-1] if rms else None
+
+    def row_squares(sq_sh, c):
+        return sum((sq_sh[w2, c] for w2 in range(1, wks)), sq_sh[0, c])
+
+    def x_value(x, nw, b, kk):
+        # X, or X times the norm's weight (which the GPU rounds to bf16 for mma; TVM's CPU
+        # legalisation folds that round trip away, so the CPU keeps it in fp32)
+        xv = T.Cast("float32", x[b, kk])
+        return xv * nw[kk] if rms else xv
 
     def in_k(k0):
         return k0 < k if k % step else True  # a load can fall past k only then
@@ -139,12 +156,19 @@ def _pass_kernel(n: int, k: int, cfg: GemvConfig, gpu: bool, epilogue: Epilogue)
                                 x_reg[dx, u, j, v] = T.Cast(DTYPE, 0)
 
     @T.macro
-    def product(w_reg, x_reg, a_frag, b_frag, acc, d, dx, ks):
+    def product(w_reg, x_reg, a_frag, b_frag, acc, d, dx, ks, q, nw, sq):
         if ks < n_steps:
             for u in T.unroll(unroll):
                 for j in T.unroll(nt):
                     for e in T.unroll(VEC):
-                        b_frag[j, e] = x_reg[dx, u, j, e]
+                        if rms:  # X's squares for its row's norm; X times the norm's weight
+                            xv: T.let[T.float32] = T.Cast("float32", x_reg[dx, u, j, e])
+                            sq[j] = sq[j] + xv * xv
+                            b_frag[j, e] = T.Cast(
+                                DTYPE, xv * nw[T.min(load_k(ks, u, q, step) + e, k - 1)]
+                            )
+                        else:
+                            b_frag[j, e] = x_reg[dx, u, j, e]
                 for m in T.unroll(mt):
                     for s in T.unroll(2):
                         for e in T.unroll(8):
@@ -160,7 +184,7 @@ def _pass_kernel(n: int, k: int, cfg: GemvConfig, gpu: bool, epilogue: Epilogue)
                             )  # fmt: skip
 
     @T.macro
-    def accumulate_regs(w, x, acc, wk, tile, tx, col, batch):
+    def accumulate_regs(w, x, acc, wk, tile, tx, col, batch, nw, sq):
         w_reg = T.sblock_alloc_buffer((stages, unroll, 2 * mt, VEC), DTYPE, scope="local")
         x_reg = T.sblock_alloc_buffer((xr, unroll, nt, VEC), DTYPE, scope="local")
         # mma operands are addressed by element offset: plain arrays the loads are copied into
@@ -178,7 +202,8 @@ def _pass_kernel(n: int, k: int, cfg: GemvConfig, gpu: bool, epilogue: Epilogue)
         for it in T.serial(iters, annotations={"disable_unroll": 1}):
             for d in T.unroll(stages):
                 j: T.let[T.int32] = it * stages + d
-                product(w_reg, x_reg, a_frag, b_frag, acc, d, d % xr, warp_step(j, wk, wks))
+                product(w_reg, x_reg, a_frag, b_frag, acc, d, d % xr, warp_step(j, wk, wks), q,
+                        nw, sq)  # fmt: skip
                 load(w, x, w_reg, x_reg, d, d, warp_step(j + stages, wk, wks), tile, g, q, col,
                      batch, True, same)  # fmt: skip
                 if not same:  # X slot d % xr is free again: the step xr ahead goes there
@@ -200,7 +225,7 @@ def _pass_kernel(n: int, k: int, cfg: GemvConfig, gpu: bool, epilogue: Epilogue)
         T.evaluate(T.ptx["cp.async.commit_group"]())  # every step a group, loads or not
 
     @T.macro
-    def accumulate_smem(w, x, acc, wk, tile, tx, col, batch):
+    def accumulate_smem(w, x, acc, wk, tile, tx, col, batch, nw, sq):
         w_sh = T.sblock_alloc_buffer((ring_elems,), DTYPE, scope=ring_scope)
         w_cur = T.sblock_alloc_buffer((1, unroll, 2 * mt, VEC), DTYPE, scope="local")
         x_reg = T.sblock_alloc_buffer((xr, unroll, nt, VEC), DTYPE, scope="local")
@@ -222,7 +247,8 @@ def _pass_kernel(n: int, k: int, cfg: GemvConfig, gpu: bool, epilogue: Epilogue)
                     for h in T.unroll(2 * mt):
                         for v in T.vectorized(VEC):
                             w_cur[0, u, h, v] = w_sh[ring_offset(wk, slot, u, h, tx, cfg) + v]
-                product(w_cur, x_reg, a_frag, b_frag, acc, 0, d, warp_step(j, wk, wks))
+                product(w_cur, x_reg, a_frag, b_frag, acc, 0, d, warp_step(j, wk, wks), q, nw,
+                        sq)  # fmt: skip
                 # the slot was read into registers the mma above consumed: refill it
                 copy_w(w, w_sh, slot, warp_step(j + stages, wk, wks), tile, wk, tx, g, q)
                 load(w, x, w_cur, x_reg, 0, d, warp_step(j + xr, wk, wks), tile, g, q, col, batch,
@@ -231,7 +257,7 @@ def _pass_kernel(n: int, k: int, cfg: GemvConfig, gpu: bool, epilogue: Epilogue)
     accumulate_gpu = accumulate_smem if cfg.w_smem else accumulate_regs
 
     @T.macro
-    def accumulate_cpu(w, x, acc, wk, tile, tx, col, batch):
+    def accumulate_cpu(w, x, acc, wk, tile, tx, col, batch, nw, sq):
         # what the warp's mma leave in this lane's accumulators, computed from memory
         base = (wk * 32 + tx) * n_acc
         for j in T.serial(per_warp):
@@ -247,7 +273,7 @@ def _pass_kernel(n: int, k: int, cfg: GemvConfig, gpu: bool, epilogue: Epilogue)
                             for kk in T.serial(step):
                                 if in_k(ks * step + kk):
                                     acc[i] = acc[i] + T.Cast("float32", w[row, ks * step + kk]) \
-                                        * T.Cast("float32", x[b, ks * step + kk])  # fmt: skip
+                                        * x_value(x, nw, b, ks * step + kk)  # fmt: skip
 
     @T.macro
     def to_part(acc, base, part, wk, tx, t):
@@ -257,7 +283,7 @@ def _pass_kernel(n: int, k: int, cfg: GemvConfig, gpu: bool, epilogue: Epilogue)
                 part[wk, ec, m * 16 + er] = acc[base + acc_index(m, t, e, nt)]
 
     @T.macro
-    def store(out, extras, part, wk, tx, tile, col, t, batch):
+    def store(out, extras, part, wk, tx, tile, col, t, batch, sq_sh):
         total = T.sblock_alloc_buffer((1,), "float32", scope="local")
         for i in T.unroll(store_iters):
             # consecutive threads take consecutive rows: coalesced
@@ -269,7 +295,10 @@ def _pass_kernel(n: int, k: int, cfg: GemvConfig, gpu: bool, epilogue: Epilogue)
                 total[0] = part[0, o // rb, r]
                 for w2 in T.unroll(1, wks):
                     total[0] = total[0] + part[w2, o // rb, r]
-                out[b, row] = epilogue(total[0], b, row, extras)
+                if rms:  # the row's 1 / rms, from every warp's squares of it
+                    ss = T.meta_var(row_squares(sq_sh, t * TILE_COLS + o // rb))
+                    total[0] = total[0] * T.rsqrt(ss / T.float32(k) + T.float32(rms_eps))
+                out[b, row] = epilogue(total[0], b, row, extras[:-1] if rms else extras)
 
     @T.macro
     def prefetch_weights(w, tile, wk, tx):
@@ -287,7 +316,7 @@ def _pass_kernel(n: int, k: int, cfg: GemvConfig, gpu: bool, epilogue: Epilogue)
                                   T.min(ks * step + c * LINE, k - 1)])))  # fmt: skip
 
     @T.macro
-    def tile_gpu(x, w, out, extras, batch, tile, col, part):
+    def tile_gpu(x, w, out, extras, batch, tile, col, part, sq_sh):
         # one thread nest: the accumulators stay in registers while the n-tiles' sums go
         # through `part` one n-tile at a time (8 KB at most, whatever the batch)
         for wk in warps():
@@ -296,31 +325,65 @@ def _pass_kernel(n: int, k: int, cfg: GemvConfig, gpu: bool, epilogue: Epilogue)
                     T.reads()
                     T.writes()
                     acc = T.sblock_alloc_buffer((n_acc,), "float32", scope="local")
+                    sq = T.sblock_alloc_buffer((nt,), "float32", scope="local")
                     if dependent:
                         prefetch_weights(w, tile, wk, tx)
                         T.evaluate(wait_for_producers(gpu))
                         T.evaluate(release_dependents(gpu))
                     for i in T.unroll(n_acc):
                         acc[i] = T.float32(0)
-                    accumulate_gpu(w, x, acc, wk, tile, tx, col, batch)
+                    for j in T.unroll(nt):
+                        sq[j] = T.float32(0)
+                    accumulate_gpu(w, x, acc, wk, tile, tx, col, batch, norm_weight(extras), sq)
                     if cfg.w_smem:  # `part` may reuse the ring's memory: every warp done with it
                         T.tvm_storage_sync("shared")
+                    if rms:  # a row's squares: over the 4 lanes that load it, then per warp
+                        g, q = T.meta_var(lane_coords(tx))
+                        for j in T.unroll(nt):
+                            for b in T.unroll(2):
+                                sq[j] = sq[j] + T.tvm_warp_shuffle_xor(
+                                    FULL_MASK, sq[j], 1 << b, 32, 32
+                                )
+                            if q == 0:
+                                sq_sh[wk, j * TILE_COLS + g] = sq[j]
                     for t in T.unroll(nt):
                         to_part(acc, 0, part, wk, tx, t)
                         T.tvm_storage_sync("shared")
-                        store(out, extras, part, wk, tx, tile, col, t, batch)
+                        store(out, extras, part, wk, tx, tile, col, t, batch, sq_sh)
                         if t + 1 < nt:
                             T.tvm_storage_sync("shared")  # before the next n-tile's writes
 
     @T.macro
-    def tile_cpu(x, w, out, extras, batch, tile, col, part):
+    def squares_cpu(x, sq_sh, wk, tx, col, batch):
+        # each lane's squares of the X it loads (the GPU's maps), summed over a row's 4 lanes
+        g, q = T.meta_var(lane_coords(tx))
+        for j in T.serial(nt):
+            if q == 0:
+                sq_sh[wk, j * TILE_COLS + g] = T.float32(0)
+            for jj in T.serial(per_warp):
+                ks: T.let[T.int32] = warp_step(jj, wk, wks)
+                for u in T.serial(unroll):
+                    for e in T.serial(VEC):
+                        kk: T.let[T.int32] = load_k(ks, u, q, step) + e
+                        if ks < n_steps and kk < k:
+                            # inline, not let-bound: TVM's CPU bf16 legalisation would read a
+                            # let's bf16 bits as an integer
+                            xv = T.meta_var(
+                                T.Cast("float32", x[T.min(x_row(col, j, g), batch - 1), kk])
+                            )
+                            sq_sh[wk, j * TILE_COLS + g] = sq_sh[wk, j * TILE_COLS + g] + xv * xv
+
+    @T.macro
+    def tile_cpu(x, w, out, extras, batch, tile, col, part, sq_sh):
         # the same phases as separate loop nests (a nest is a barrier); accumulators in memory
         acc = T.sblock_alloc_buffer((wks * 32 * n_acc,), "float32", scope="global")
         for wk in warps():
             for tx in lanes():
                 for i in T.serial(n_acc):
                     acc[(wk * 32 + tx) * n_acc + i] = T.float32(0)
-                accumulate_cpu(w, x, acc, wk, tile, tx, col, batch)
+                accumulate_cpu(w, x, acc, wk, tile, tx, col, batch, norm_weight(extras), None)
+                if rms:
+                    squares_cpu(x, sq_sh, wk, tx, col, batch)
         for t in T.serial(nt):
             for wk in warps():
                 for tx in lanes():
@@ -330,9 +393,12 @@ def _pass_kernel(n: int, k: int, cfg: GemvConfig, gpu: bool, epilogue: Epilogue)
                     with T.sblock("store"):
                         T.reads()
                         T.writes()
-                        store(out, extras, part, wk, tx, tile, col, t, batch)
+                        store(out, extras, part, wk, tx, tile, col, t, batch, sq_sh)
 
     tile_body = tile_gpu if gpu else tile_cpu
+
+    part_scope = "shared" if gpu else "global"
+    sq_shape = (wks, cols) if rms else (1, 1)
 
     @T.macro
     def launch(x, w, out, extras, batch):
@@ -345,22 +411,24 @@ def _pass_kernel(n: int, k: int, cfg: GemvConfig, gpu: bool, epilogue: Epilogue)
                     if gpu:
                         T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", min_blocks)
                     # each warp's partial sums of one n-tile, [warp, batch column, row]
-                    part = T.sblock_alloc_buffer(
-                        (wks, TILE_COLS, rb), "float32", scope="shared" if gpu else "global"
-                    )
-                    tile_body(x, w, out, extras, batch, tile, p * cols, part)
+                    part = T.sblock_alloc_buffer((wks, TILE_COLS, rb), "float32", scope=part_scope)
+                    # each warp's squares of each row of the pass (RMSNorm'd X only)
+                    sq_sh = T.sblock_alloc_buffer(sq_shape, "float32", scope=part_scope)
+                    tile_body(x, w, out, extras, batch, tile, p * cols, part, sq_sh)
 
     return launch
 
 
-def _dispatch(n: int, k: int, buckets: Buckets, gpu: bool, epilogue: Epilogue):
+def _dispatch(
+    n: int, k: int, buckets: Buckets, gpu: bool, epilogue: Epilogue, rms_eps: float | None
+):
     """A macro choosing, by the batch at run time, the kernel of the first bucket holding it
     (each bucket its own kernel, with its own registers and launch bounds)."""
     (limit, cfg), rest = buckets[0], buckets[1:]
-    first = _pass_kernel(n, k, cfg, gpu, epilogue)
+    first = _pass_kernel(n, k, cfg, gpu, epilogue, rms_eps)
     if not rest:
         return first
-    other = _dispatch(n, k, rest, gpu, epilogue)
+    other = _dispatch(n, k, rest, gpu, epilogue, rms_eps)
 
     @T.macro
     def pick(x, w, out, extras, batch):
@@ -381,21 +449,29 @@ def gemv_kernel(
     extra_dtypes: tuple[str, ...] = (),
     out_dtype: str = "float32",
     epilogue: Epilogue = plain_epilogue,
+    rms_eps: float | None = None,
 ) -> tirx.PrimFunc:
     """The kernel with parameters (X [batch, k], W [n, k], *extras, out [batch, n]); extras are
-    indexed [batch, n], [n] or [batch] (`extra_shapes` "mn", "n", "m"). `epilogue(acc, row,
-    col, extras)` gives out[row, col] from the fp32 sum. `config`: one config, or buckets
-    ((largest batch, config), ...) ascending, the last taking every larger batch too."""
+    indexed [batch, n], [n], [batch] or [k] (`extra_shapes` "mn", "n", "m", "k"). `epilogue(acc,
+    row, col, extras)` gives out[row, col] from the fp32 sum. `config`: one config, or buckets
+    ((largest batch, config), ...) ascending, the last taking every larger batch too.
+
+    `rms_eps`: X is the input of an RMSNorm whose weight [k] fp32 is the last extra (the
+    epilogue gets the others): out = epilogue(rsqrt(mean_k(X²) + eps) · Σ_k bf16(X · weight)
+    · W), the norm folded in. Each block sums the squares of the X it loads anyway, so the
+    norm costs no kernel and no pass over X of its own."""
     config = config or default_config(n, k)
     buckets = ((1 << 30, config),) if isinstance(config, GemvConfig) else tuple(config)
     if k % VEC:
         raise ValueError(f"k {k} must be a multiple of {VEC} (128-bit loads)")
     if len(extra_shapes) > MAX_EXTRA_INPUTS or len(extra_shapes) != len(extra_dtypes):
         raise ValueError(f"at most {MAX_EXTRA_INPUTS} extra inputs, each with a dtype")
-    body = _dispatch(n, k, buckets, target.kind.name == "cuda", epilogue)
+    if rms_eps is not None and extra_shapes[-1:] != ("k",):
+        raise ValueError("an RMSNorm'd X needs the norm's weight, shape 'k', as the last extra")
+    body = _dispatch(n, k, buckets, target.kind.name == "cuda", epilogue, rms_eps)
 
     def extra_shape(i: int, m):
-        return {"mn": (m, n), "n": (n,), "m": (m,)}[extra_shapes[i]]
+        return {"mn": (m, n), "n": (n,), "m": (m,), "k": (k,)}[extra_shapes[i]]
 
     attrs = {"tirx.is_scheduled": True, "tirx.noalias": True, KERNEL_ATTR: "gemv"}
     if not extra_shapes:

@@ -18,6 +18,7 @@ from .pdl import release_dependents, wait_for_producers
 
 MAX_THREADS = 1024
 GROUP = 16  # partial sums a thread of the second phase adds
+EPS_ATTR = "qwen35.rms_norm_eps"  # on the kernel: compile/norm_fusion.py finds norms by it
 
 
 def rms_norm(dim: int, eps: float, dtype: str, target: Target) -> PrimFunc:
@@ -107,7 +108,8 @@ def rms_norm(dim: int, eps: float, dtype: str, target: Target) -> PrimFunc:
                                     out[r, c + v] = T.Cast(dtype, res[v])
 
     # names must differ in a module, which holds one kernel for each width, dtype and eps
-    return rms_norm_rows.with_attr("global_symbol", kernel_name(dim, eps, dtype))
+    named = rms_norm_rows.with_attr("global_symbol", kernel_name(dim, eps, dtype))
+    return named.with_attr(EPS_ATTR, float(eps))
 
 
 def kernel_name(dim: int, eps: float, dtype: str) -> str:
