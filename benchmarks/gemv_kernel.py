@@ -132,9 +132,12 @@ def _kernels(small, rows: str, target) -> tuple[dict, dict, dict]:
         configs = {"ours": plan(n, k, "wide"), **_wide_variants(n, k)}
         makers = {"ours": lambda: rule(DecodeGemv(rows="wide"))}
         baseline = {"mma_wide": lambda: rule(MatmulMMA(WIDE_DECODE_CONFIG, rows="wide"))}
-    for name, cfg in configs.items():
+    for name, cfg in list(configs.items()):
         if name != "ours":
             makers[name] = lambda cfg=cfg: gemv_for(func, target, cfg)
+            if "ours_rms" in makers:  # the same config with the norm folded in
+                configs[f"{name}_rms"] = cfg
+                makers[f"{name}_rms"] = lambda c=cfg: gemv_for(func, target, c, rms_eps=RMS_EPS)
     kernels, errors = {}, {}
     for name, make in {**makers, **baseline}.items():
         try:
@@ -143,6 +146,11 @@ def _kernels(small, rows: str, target) -> tuple[dict, dict, dict]:
         except Exception as err:  # noqa: BLE001  keep building the others
             errors[name] = f"{type(err).__name__}: {err}"
     return kernels, {nm: _config_json(configs.get(nm)) for nm in kernels}, errors
+
+
+def _picked(name: str, only: list[str]) -> bool:
+    """`name` matches an entry of `only`: exactly, or "*_rms" any name ending so."""
+    return any(name == o or (o[:1] == "*" and name.endswith(o[1:])) for o in only)
 
 
 def build(out: Path, arch: str, rows: str = "small", only: list[str] | None = None) -> None:
@@ -166,8 +174,8 @@ def build(out: Path, arch: str, rows: str = "small", only: list[str] | None = No
             for cls in classes:
                 kernels, configs, errors = _kernels(small, cls, target)
                 if only:
-                    kernels = {nm: f for nm, f in kernels.items() if nm in only}
-                    configs = {nm: c for nm, c in configs.items() if nm in only}
+                    kernels = {nm: f for nm, f in kernels.items() if _picked(nm, only)}
+                    configs = {nm: c for nm, c in configs.items() if _picked(nm, only)}
                 tag = "" if cls == "small" else "wide_"
                 file = f"gemv_{tag}{model}_{n}x{k}{'_res' if residual else ''}.so"
                 mod = tvm.IRModule(
@@ -309,7 +317,7 @@ def _measure(out: Path, file: str) -> list[dict]:
                     fn = lib[kernel]
                     res_out = torch.empty(batch, n, device="cuda", dtype=out_dtype)
                     named = {"x": dl(x), "res": dl(res), "out": dl(res_out), "nw": dl(nw)}
-                    rms = kernel == "ours_rms"
+                    rms = kernel.endswith("_rms")
                     order = sorted(roles, key=roles.get) + (["nw"] if rms else [])
                     if rms:  # the norm's weight goes where the output was, the output last
                         order.remove("out")
@@ -319,7 +327,7 @@ def _measure(out: Path, file: str) -> list[dict]:
                     torch.cuda.synchronize()
                     got = res_out.float()
                     calls = [lambda a=a, fn=fn: fn(*a) for a in argss * reps]
-                want = ref_rms if kernel == "ours_rms" else ref
+                want = ref_rms if kernel.endswith("_rms") else ref
                 row["max_rel_err"] = (got - want).abs().max().item() / want.abs().max().item()
                 row["cublas_rel_err"] = (cublas - ref).abs().max().item() / scale
                 if not timed:
@@ -408,7 +416,9 @@ def main() -> None:
         default="small",
         help="build: decode's GEMMs (1-7 rows), decode_wide's (8-64) or both",
     )
-    p.add_argument("--only", default=None, help="build: these kernels only (names, commas)")
+    p.add_argument(
+        "--only", default=None, help="build: these kernels only (names, *suffix; commas)"
+    )
     p.add_argument("--out", type=Path, default=None, help="run: also write the JSON here")
     p.add_argument("--timeout", type=int, default=300, help="seconds per shape (run)")
     args = p.parse_args()

@@ -21,6 +21,11 @@ lane reads back only what it copied and no barrier is needed. X takes a ring of 
 sums them and applies the epilogue: no workspace, no second pass. decode_wide's kernel holds
 one launch per batch bucket (8, 16, 32, 64 rows a pass), picked on the host by the batch.
 
+Decode's RMSNorm before a projection can be folded in (`rms_eps`, compile/norm_fusion.py):
+each lane also sums the squares of the X it loads and multiplies X by the norm's weight
+before mma; the warps' squares meet in shared memory beside the partial sums, and the
+epilogue scales each row's sum by its 1/rms.
+
 The CPU variant is the same loop nest, except that a lane computes its accumulators from
 memory instead of from mma fragments: CPU tests check every index but the data movement, which
 tests/test_gemv_emulated.py checks by emulating the rings and mma in numpy.
