@@ -34,7 +34,13 @@ PREFILL = {
 }
 # split kernel variants: name -> (pages of keys a tile, split budget, dependent launch as the
 # model's build gives it); "tp2" is the shipped one
-DECODE_VARIANTS = {"tp2": (2, 128, True), "tp2_nopdl": (2, 128, False), "tp2_b256": (2, 256, True)}
+DECODE_VARIANTS = {
+    "tp2": (2, 128, True),
+    "tp2_nopdl": (2, 128, False),
+    "tp2_b132": (2, 132, True),  # 528 blocks at B=1: 4 on each of 132 SMs
+    "tp3": (3, 128, True),
+    "tp2_b256": (2, 256, True),
+}
 # tensor-core prefill: name -> (pages of keys a tile, query tokens a block); "mma2q16" ships
 MMA_VARIANTS = {"mma2q16": (2, 16), "mma4q16": (4, 16)}
 
