@@ -161,17 +161,19 @@ def _pass_kernel(
                                 x_reg[dx, u, j, v] = T.Cast(DTYPE, 0)
 
     @T.macro
-    def product(w_reg, x_reg, a_frag, b_frag, acc, d, dx, ks, q, nw, sq):
+    def product(w_reg, x_reg, a_frag, b_frag, acc, d, dx, ks, q, nw, sq, nwv):
         if ks < n_steps:
             for u in T.unroll(unroll):
+                if rms:  # the norm's weight at this load's 8 k, in two 128-bit loads (k % 8 = 0)
+                    for h in T.unroll(2):
+                        for v in T.vectorized(4):
+                            nwv[h * 4 + v] = nw[T.min(load_k(ks, u, q, step), k - VEC) + h * 4 + v]
                 for j in T.unroll(nt):
                     for e in T.unroll(VEC):
                         if rms:  # X's squares for its row's norm; X times the norm's weight
                             xv: T.let[T.float32] = T.Cast("float32", x_reg[dx, u, j, e])
                             sq[j] = sq[j] + xv * xv
-                            b_frag[j, e] = T.Cast(
-                                DTYPE, xv * nw[T.min(load_k(ks, u, q, step) + e, k - 1)]
-                            )
+                            b_frag[j, e] = T.Cast(DTYPE, xv * nwv[e])
                         else:
                             b_frag[j, e] = x_reg[dx, u, j, e]
                 for m in T.unroll(mt):
@@ -195,6 +197,7 @@ def _pass_kernel(
         # mma operands are addressed by element offset: plain arrays the loads are copied into
         a_frag = T.sblock_alloc_buffer((mt, 2, 8), DTYPE, scope="local")
         b_frag = T.sblock_alloc_buffer((nt, VEC), DTYPE, scope="local")
+        nwv = T.sblock_alloc_buffer((VEC,), "float32", scope="local")
         g, q = T.meta_var(lane_coords(tx))
         for d in T.unroll(stages):
             load(w, x, w_reg, x_reg, d, d, warp_step(d, wk, wks), tile, g, q, col, batch, True,
@@ -208,7 +211,7 @@ def _pass_kernel(
             for d in T.unroll(stages):
                 j: T.let[T.int32] = it * stages + d
                 product(w_reg, x_reg, a_frag, b_frag, acc, d, d % xr, warp_step(j, wk, wks), q,
-                        nw, sq)  # fmt: skip
+                        nw, sq, nwv)  # fmt: skip
                 load(w, x, w_reg, x_reg, d, d, warp_step(j + stages, wk, wks), tile, g, q, col,
                      batch, True, same)  # fmt: skip
                 if not same:  # X slot d % xr is free again: the step xr ahead goes there
@@ -236,6 +239,7 @@ def _pass_kernel(
         x_reg = T.sblock_alloc_buffer((xr, unroll, nt, VEC), DTYPE, scope="local")
         a_frag = T.sblock_alloc_buffer((mt, 2, 8), DTYPE, scope="local")
         b_frag = T.sblock_alloc_buffer((nt, VEC), DTYPE, scope="local")
+        nwv = T.sblock_alloc_buffer((VEC,), "float32", scope="local")
         g, q = T.meta_var(lane_coords(tx))
         for d in T.unroll(stages):
             copy_w(w, w_sh, d, warp_step(d, wk, wks), tile, wk, tx, g, q)
@@ -253,7 +257,7 @@ def _pass_kernel(
                         for v in T.vectorized(VEC):
                             w_cur[0, u, h, v] = w_sh[ring_offset(wk, slot, u, h, tx, cfg) + v]
                 product(w_cur, x_reg, a_frag, b_frag, acc, 0, d, warp_step(j, wk, wks), q, nw,
-                        sq)  # fmt: skip
+                        sq, nwv)  # fmt: skip
                 # the slot was read into registers the mma above consumed: refill it
                 copy_w(w, w_sh, slot, warp_step(j + stages, wk, wks), tile, wk, tx, g, q)
                 load(w, x, w_cur, x_reg, 0, d, warp_step(j + xr, wk, wks), tile, g, q, col, batch,
