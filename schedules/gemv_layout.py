@@ -1,7 +1,7 @@
 """Where the decode GEMV (schedules/gemv.py) puts things: which k, weight rows and batch rows a
 lane loads, how loaded elements become mma fragments, where accumulators, ring slots and
 outputs go. The kernel uses these with TIR expressions, tests/test_gemv_emulated.py with ints;
-tests mutate them through schedules.gemv, whose names the kernel reads."""
+tests mutate them through schedules.gemv_body, whose names the kernel reads."""
 
 from __future__ import annotations
 

@@ -14,8 +14,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from qwen35_tvm.schedules import gemv
-from qwen35_tvm.schedules.gemv_config import GemvConfig, cdiv
+from qwen35_tvm.schedules import gemv_body
+from qwen35_tvm.schedules.gemv_config import TILE_COLS, GemvConfig, cdiv
 from qwen35_tvm.schedules.matmul import acc_coords
 
 _LANES = np.arange(32)
@@ -49,14 +49,14 @@ class _Warp:
         self.groups: list[list] = []  # committed cp.async groups, oldest first
 
     def step(self, j: int) -> int:
-        return gemv.warp_step(j, self.wk, self.cfg.warps_k)
+        return gemv_body.warp_step(j, self.wk, self.cfg.warps_k)
 
     def _k0(self, ks: int, u: int, lane: int) -> int:
-        return gemv.load_k(ks, u, gemv.lane_coords(lane)[1], self.cfg.step)
+        return gemv_body.load_k(ks, u, gemv_body.lane_coords(lane)[1], self.cfg.step)
 
     def _w(self, ks: int, u: int, h: int, lane: int) -> np.ndarray:
-        k0, g = self._k0(ks, u, lane), gemv.lane_coords(lane)[0]
-        row = min(gemv.load_row(self.tile, h, g, self.cfg.m_tiles), self.n - 1)
+        k0, g = self._k0(ks, u, lane), gemv_body.lane_coords(lane)[0]
+        row = min(gemv_body.load_row(self.tile, h, g, self.cfg.m_tiles), self.n - 1)
         return self.w[row, k0 : k0 + 8] if k0 < self.k else np.zeros(8)
 
     def load_w(self, d: int, ks: int) -> None:
@@ -67,8 +67,8 @@ class _Warp:
     def load_x(self, d: int, ks: int) -> None:
         for lane, u, j in np.ndindex(32, self.cfg.unroll, self.cfg.n_tiles):
             if ks < self.n_steps:
-                k0, g = self._k0(ks, u, lane), gemv.lane_coords(lane)[0]
-                row = min(gemv.x_row(self.col, j, g), self.batch - 1)
+                k0, g = self._k0(ks, u, lane), gemv_body.lane_coords(lane)[0]
+                row = min(gemv_body.x_row(self.col, j, g), self.batch - 1)
                 self.x_ring[d, lane, u, j] = self.x[row, k0 : k0 + 8] if k0 < self.k else 0
 
     def copy_w(self, d: int, ks: int) -> None:
@@ -92,10 +92,10 @@ class _Warp:
         mt, nt = self.cfg.m_tiles, self.cfg.n_tiles
         for u in range(self.cfg.unroll) if ks < self.n_steps else ():
             for m, s in np.ndindex(mt, 2):
-                src = [gemv.frag_source(m, s, e) for e in range(8)]
+                src = [gemv_body.frag_source(m, s, e) for e in range(8)]
                 a = np.stack([[w_regs[ln, u, h, v] for h, v in src] for ln in range(32)])
                 for j in range(nt):
-                    at = gemv.acc_index(m, j, 0, nt)
+                    at = gemv_body.acc_index(m, j, 0, nt)
                     b = self.x_ring[dx, :, u, j, s * 4 : s * 4 + 4]
                     self.acc[:, at : at + 4] += _mma(a, b)
 
@@ -123,7 +123,7 @@ class _Warp:
             for d in range(xr):
                 j = it * xr + d
                 slot = j % stages
-                self.wait(gemv.groups_in_flight(stages))
+                self.wait(gemv_body.groups_in_flight(stages))
                 self.product(self.w_ring[slot].copy(), d, self.step(j))
                 self.copy_w(slot, self.step(j + stages))
                 self.load_x(d, self.step(j + xr))
@@ -139,12 +139,12 @@ def _emulate_gpu(x: np.ndarray, w: np.ndarray, cfg: GemvConfig) -> np.ndarray:
         for tile in range(cdiv(n, rb)):
             accs = [_Warp(x, w, cfg, wk, tile, p * cfg.cols).run() for wk in range(cfg.warps_k)]
             for t in range(nt):
-                part = np.full((cfg.warps_k, gemv.TILE_COLS, rb), np.nan)
+                part = np.full((cfg.warps_k, TILE_COLS, rb), np.nan)
                 for wk, lane, m, e in np.ndindex(cfg.warps_k, 32, cfg.m_tiles, 4):
                     er, ec = acc_coords(lane, e)
-                    part[wk, ec, m * 16 + er] = accs[wk][lane, gemv.acc_index(m, t, e, nt)]
-                for o in range(rb * gemv.TILE_COLS):  # every thread's o in the store loop
-                    r, b = o % rb, gemv.out_row(p * cfg.cols, t, o // rb)
+                    part[wk, ec, m * 16 + er] = accs[wk][lane, gemv_body.acc_index(m, t, e, nt)]
+                for o in range(rb * TILE_COLS):  # every thread's o in the store loop
+                    r, b = o % rb, gemv_body.out_row(p * cfg.cols, t, o // rb)
                     if tile * rb + r < n and b < batch:
                         out[b, tile * rb + r] = part[:, o // rb, r].sum()
     return out
@@ -184,29 +184,31 @@ def test_emulated_gpu_kernel_computes_x_times_w_transposed(n, k, batch, cfg) -> 
 
 def test_wrong_fragment_map_is_caught(monkeypatch) -> None:
     # swap the two k halves of A only: A and B no longer agree on the physical k
-    right = gemv.frag_source
-    monkeypatch.setattr(gemv, "frag_source", lambda m, s, e: right(m, 1 - s, e))
+    right = gemv_body.frag_source
+    monkeypatch.setattr(gemv_body, "frag_source", lambda m, s, e: right(m, 1 - s, e))
     assert not _check(*EMULATED[0])
     assert not _check(*EMULATED[6])
 
 
 def test_early_read_of_the_shared_ring_is_caught(monkeypatch) -> None:
     # one more group left pending: each step reads its slot before the weights land
-    monkeypatch.setattr(gemv, "groups_in_flight", lambda stages: stages)
+    monkeypatch.setattr(gemv_body, "groups_in_flight", lambda stages: stages)
     assert not _check(*EMULATED[5])
 
 
 def test_wrong_column_mapping_is_caught(monkeypatch) -> None:
     # n-tile j loads X rows col + 8 g + j (a transposed map) while its sums go to col + 8 j + c
-    monkeypatch.setattr(gemv, "x_row", lambda col, j, g: col + g * 8 + j)
+    monkeypatch.setattr(gemv_body, "x_row", lambda col, j, g: col + g * 8 + j)
     for case in EMULATED[3:]:
         assert not _check(*case), case
 
 
 def test_dropped_n_tile_is_caught(monkeypatch) -> None:
     # the last n-tile's products land in the first's accumulators (and are read from there)
-    right = gemv.acc_index
-    monkeypatch.setattr(gemv, "acc_index", lambda m, j, e, nt: right(m, j % max(nt - 1, 1), e, nt))
+    right = gemv_body.acc_index
+    monkeypatch.setattr(
+        gemv_body, "acc_index", lambda m, j, e, nt: right(m, j % max(nt - 1, 1), e, nt)
+    )
     for case in EMULATED[3:]:
         assert not _check(*case), case
 
@@ -222,8 +224,8 @@ def test_ring_offsets_are_disjoint_and_conflict_free() -> None:
     """Each (warp, slot, load, row set, lane) owns 8 elements of the shared ring, inside it, and
     the 32 lanes of a load are 16 bytes apart (a 128-bit access without bank conflicts)."""
     cfg = GemvConfig(m_tiles=2, warps_k=3, unroll=2, stages=3, n_tiles=8, w_smem=True)
-    offs = [gemv.ring_offset(*i, cfg) for i in np.ndindex(3, 3, 2, 4, 32)]
+    offs = [gemv_body.ring_offset(*i, cfg) for i in np.ndindex(3, 3, 2, 4, 32)]
     size = cfg.warps_k * cfg.stages * cfg.unroll * 2 * cfg.m_tiles * 32 * 8
     assert sorted(offs) == list(range(0, size, 8))
-    lanes = [gemv.ring_offset(1, 2, 1, 3, lane, cfg) for lane in range(32)]
+    lanes = [gemv_body.ring_offset(1, 2, 1, 3, lane, cfg) for lane in range(32)]
     assert np.all(np.diff(lanes) == 8)

@@ -28,7 +28,7 @@ from tvm.relax.frontend.nn import op
 from qwen35_tvm.compile.layers import Linear
 from qwen35_tvm.compile.pipeline import fusion_passes
 from qwen35_tvm.compile.targets import make_target
-from qwen35_tvm.schedules import gemv, gemv_config
+from qwen35_tvm.schedules import gemv, gemv_body, gemv_config
 from qwen35_tvm.schedules.gemm_match import match_gemm
 from qwen35_tvm.schedules.gemv import GemvConfig, gemv_kernel
 from qwen35_tvm.schedules.gemv_rule import DecodeGemv, gemv_for, plan
@@ -86,7 +86,7 @@ def test_cpu_kernel_matches_numpy(n, k, batch, cfg) -> None:
 
 def test_wrong_split_k_is_caught(monkeypatch) -> None:
     # every warp takes warp 0's k steps: some are summed 3 times, the others never
-    monkeypatch.setattr(gemv, "warp_step", lambda j, warp, warps_k: j * warps_k)
+    monkeypatch.setattr(gemv_body, "warp_step", lambda j, warp, warps_k: j * warps_k)
     got, ref = _plain(72, 200, 7, GemvConfig(warps_k=3))
     assert _off(got, ref)
 
@@ -115,7 +115,7 @@ def test_cpu_wide_kernel_matches_numpy(n, k, batch, cfg) -> None:
 
 def test_wrong_column_mapping_is_caught(monkeypatch) -> None:
     # n-tile j reads X rows col + 8 g + j while its sums go to rows col + 8 j + c
-    monkeypatch.setattr(gemv, "x_row", lambda col, j, g: col + g * 8 + j)
+    monkeypatch.setattr(gemv_body, "x_row", lambda col, j, g: col + g * 8 + j)
     for n, k, batch, cfg in [WIDE[1], WIDE[4], WIDE[7]]:
         got, ref = _plain(n, k, batch, cfg)
         assert _off(got, ref), (n, k, batch)
@@ -123,8 +123,10 @@ def test_wrong_column_mapping_is_caught(monkeypatch) -> None:
 
 def test_dropped_n_tile_is_caught(monkeypatch) -> None:
     # the last n-tile's products land in the first's accumulators (and are read from there)
-    right = gemv.acc_index
-    monkeypatch.setattr(gemv, "acc_index", lambda m, j, e, nt: right(m, j % max(nt - 1, 1), e, nt))
+    right = gemv_body.acc_index
+    monkeypatch.setattr(
+        gemv_body, "acc_index", lambda m, j, e, nt: right(m, j % max(nt - 1, 1), e, nt)
+    )
     for n, k, batch, cfg in [WIDE[1], WIDE[4], WIDE[7]]:
         got, ref = _plain(n, k, batch, cfg)
         assert _off(got, ref), (n, k, batch)

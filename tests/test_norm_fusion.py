@@ -21,7 +21,7 @@ from tvm.relax.frontend import nn
 from qwen35_tvm.compile.layers import Linear, RMSNorm
 from qwen35_tvm.compile.pipeline import fusion_passes
 from qwen35_tvm.compile.targets import make_target
-from qwen35_tvm.schedules import gemv
+from qwen35_tvm.schedules import gemv_body
 from qwen35_tvm.schedules.gemv import GemvConfig, gemv_kernel
 from qwen35_tvm.schedules.gemv_rule import plan
 
@@ -76,7 +76,7 @@ def test_wrong_epsilon_is_caught() -> None:
 
 def test_wrong_row_mapping_is_caught(monkeypatch) -> None:
     # the squares follow the loads' maps: a lane summing another row's X misses
-    monkeypatch.setattr(gemv, "x_row", lambda col, j, g: col + j * 8 + (g + 1) % 8)
+    monkeypatch.setattr(gemv_body, "x_row", lambda col, j, g: col + j * 8 + (g + 1) % 8)
     got, ref = _run(40, 200, 8, GemvConfig(warps_k=3))
     assert _off(got, ref) > 1e-3
 
