@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import tvm_ffi
 from tvm import ir, s_tir, tirx
 from tvm.ir.prim import expr as pe
+from tvm.script import tirx as T
 
 DTYPE = "bfloat16"
 MAX_EXTRA_INPUTS = 2  # epilogue inputs besides A and B (a residual, a bias, ...)
@@ -225,3 +226,64 @@ def _match(func: tirx.PrimFunc, dtypes: tuple[str, ...]) -> GemmMatch:
         out_dtype=str(out.buffer.dtype),
         epilogue=epilogue,
     )
+
+
+# ---- declaring a kernel with the fused GEMM's parameters ---------------------------------------
+
+
+def fused_gemm_func(
+    name: str,
+    body,
+    n: int,
+    k: int,
+    extra_shapes: tuple[str, ...],
+    extra_dtypes: tuple[str, ...],
+    out_dtype: str,
+    attrs: dict,
+) -> tirx.PrimFunc:
+    """The PrimFunc `name` (A [m, k], B [n, k] bf16, *extras, out [m, n] `out_dtype`), m
+    symbolic, whose body is the macro `body(a, b, out, extras, m)`. Extras are indexed [m, n],
+    [n], [m] or [k] (`extra_shapes` "mn", "n", "m", "k"), at most MAX_EXTRA_INPUTS of them."""
+    if len(extra_shapes) > MAX_EXTRA_INPUTS or len(extra_shapes) != len(extra_dtypes):
+        raise ValueError(f"at most {MAX_EXTRA_INPUTS} extra inputs, each with a dtype")
+
+    def extra_shape(i: int, m):
+        return {"mn": (m, n), "n": (n,), "m": (m,), "k": (k,)}[extra_shapes[i]]
+
+    if not extra_shapes:
+
+        @T.prim_func(s_tir=True)
+        def fused(a_h: T.handle, b_h: T.handle, o_h: T.handle):
+            T.func_attr(attrs)
+            m = T.int32()
+            a = T.match_buffer(a_h, (m, k), DTYPE)
+            b = T.match_buffer(b_h, (n, k), DTYPE)
+            out = T.match_buffer(o_h, (m, n), out_dtype)
+            body(a, b, out, (), m)
+
+    elif len(extra_shapes) == 1:
+
+        @T.prim_func(s_tir=True)
+        def fused(a_h: T.handle, b_h: T.handle, e0_h: T.handle, o_h: T.handle):
+            T.func_attr(attrs)
+            m = T.int32()
+            a = T.match_buffer(a_h, (m, k), DTYPE)
+            b = T.match_buffer(b_h, (n, k), DTYPE)
+            e0 = T.match_buffer(e0_h, extra_shape(0, m), extra_dtypes[0])
+            out = T.match_buffer(o_h, (m, n), out_dtype)
+            body(a, b, out, (e0,), m)
+
+    else:
+
+        @T.prim_func(s_tir=True)
+        def fused(a_h: T.handle, b_h: T.handle, e0_h: T.handle, e1_h: T.handle, o_h: T.handle):
+            T.func_attr(attrs)
+            m = T.int32()
+            a = T.match_buffer(a_h, (m, k), DTYPE)
+            b = T.match_buffer(b_h, (n, k), DTYPE)
+            e0 = T.match_buffer(e0_h, extra_shape(0, m), extra_dtypes[0])
+            e1 = T.match_buffer(e1_h, extra_shape(1, m), extra_dtypes[1])
+            out = T.match_buffer(o_h, (m, n), out_dtype)
+            body(a, b, out, (e0, e1), m)
+
+    return fused.with_attr("global_symbol", name)

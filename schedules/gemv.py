@@ -40,7 +40,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 from tvm.target import Target
 
-from .gemm_match import DTYPE, MAX_EXTRA_INPUTS, Epilogue, plain_epilogue
+from .gemm_match import Epilogue, fused_gemm_func, plain_epilogue
 from .gemv_body import pass_kernel
 from .gemv_config import VEC, Buckets, GemvConfig, default_config
 
@@ -92,50 +92,8 @@ def gemv_kernel(
     buckets = ((1 << 30, config),) if isinstance(config, GemvConfig) else tuple(config)
     if k % VEC:
         raise ValueError(f"k {k} must be a multiple of {VEC} (128-bit loads)")
-    if len(extra_shapes) > MAX_EXTRA_INPUTS or len(extra_shapes) != len(extra_dtypes):
-        raise ValueError(f"at most {MAX_EXTRA_INPUTS} extra inputs, each with a dtype")
     if rms_eps is not None and extra_shapes[-1:] != ("k",):
         raise ValueError("an RMSNorm'd X needs the norm's weight, shape 'k', as the last extra")
     body = _dispatch(n, k, buckets, target.kind.name == "cuda", epilogue, rms_eps)
-
-    def extra_shape(i: int, m):
-        return {"mn": (m, n), "n": (n,), "m": (m,), "k": (k,)}[extra_shapes[i]]
-
     attrs = {"tirx.is_scheduled": True, "tirx.noalias": True, KERNEL_ATTR: "gemv"}
-    if not extra_shapes:
-
-        @T.prim_func(s_tir=True)
-        def gemv(x_h: T.handle, w_h: T.handle, o_h: T.handle):
-            T.func_attr(attrs)
-            batch = T.int32()
-            x = T.match_buffer(x_h, (batch, k), DTYPE)
-            w = T.match_buffer(w_h, (n, k), DTYPE)
-            out = T.match_buffer(o_h, (batch, n), out_dtype)
-            body(x, w, out, (), batch)
-
-    elif len(extra_shapes) == 1:
-
-        @T.prim_func(s_tir=True)
-        def gemv(x_h: T.handle, w_h: T.handle, e0_h: T.handle, o_h: T.handle):
-            T.func_attr(attrs)
-            batch = T.int32()
-            x = T.match_buffer(x_h, (batch, k), DTYPE)
-            w = T.match_buffer(w_h, (n, k), DTYPE)
-            e0 = T.match_buffer(e0_h, extra_shape(0, batch), extra_dtypes[0])
-            out = T.match_buffer(o_h, (batch, n), out_dtype)
-            body(x, w, out, (e0,), batch)
-
-    else:
-
-        @T.prim_func(s_tir=True)
-        def gemv(x_h: T.handle, w_h: T.handle, e0_h: T.handle, e1_h: T.handle, o_h: T.handle):
-            T.func_attr(attrs)
-            batch = T.int32()
-            x = T.match_buffer(x_h, (batch, k), DTYPE)
-            w = T.match_buffer(w_h, (n, k), DTYPE)
-            e0 = T.match_buffer(e0_h, extra_shape(0, batch), extra_dtypes[0])
-            e1 = T.match_buffer(e1_h, extra_shape(1, batch), extra_dtypes[1])
-            out = T.match_buffer(o_h, (batch, n), out_dtype)
-            body(x, w, out, (e0, e1), batch)
-
-    return gemv
+    return fused_gemm_func("gemv", body, n, k, extra_shapes, extra_dtypes, out_dtype, attrs)

@@ -37,7 +37,7 @@ from .gemm_layout import (
     ldmatrix_b_coords,
     tile_offset,
 )
-from .gemm_match import DTYPE, MAX_EXTRA_INPUTS, Epilogue, match_gemm, plain_epilogue
+from .gemm_match import DTYPE, Epilogue, fused_gemm_func, match_gemm, plain_epilogue
 from .ptx import ldmatrix_x4, mma_bf16
 
 # Set on fused GEMM PrimFuncs by the pipeline: "large" (prefill: this kernel) or "small" (decode:
@@ -118,8 +118,6 @@ def gemm_kernel(
     config.check()
     if k % config.block_k:
         raise ValueError(f"k {k} must be a multiple of block_k {config.block_k}")
-    if len(extra_shapes) > MAX_EXTRA_INPUTS or len(extra_shapes) != len(extra_dtypes):
-        raise ValueError(f"at most {MAX_EXTRA_INPUTS} extra inputs, each with a dtype")
     bm, bn, bk, stages = config.block_m, config.block_n, config.block_k, config.stages
     wn_count, threads = config.warps_n, config.threads
     warp_m, warp_n = bm // config.warps_m, bn // config.warps_n
@@ -132,9 +130,6 @@ def gemm_kernel(
     pair = config.pair_store and n % 2 == 0  # c even and n even: c + 1 < n too
     frag_pipe = config.frag_pipeline
     frag_sets = 2 if frag_pipe else ksteps
-
-    def extra_shape(i: int, m):
-        return {"mn": (m, n), "n": (n,), "m": (m,)}[extra_shapes[i]]
 
     @T.macro
     def load_tile(a, b, a_sh, b_sh, stage, kt, bx, by, tid, m):
@@ -350,43 +345,7 @@ def gemm_kernel(
                                                     )
 
     attrs = {"tirx.is_scheduled": True, "tirx.noalias": True}
-    if not extra_shapes:
-
-        @T.prim_func(s_tir=True)
-        def gemm(a_h: T.handle, b_h: T.handle, o_h: T.handle):
-            T.func_attr(attrs)
-            m = T.int32()
-            a = T.match_buffer(a_h, (m, k), DTYPE)
-            b = T.match_buffer(b_h, (n, k), DTYPE)
-            out = T.match_buffer(o_h, (m, n), out_dtype)
-            body(a, b, out, (), m)
-
-    elif len(extra_shapes) == 1:
-
-        @T.prim_func(s_tir=True)
-        def gemm(a_h: T.handle, b_h: T.handle, e0_h: T.handle, o_h: T.handle):
-            T.func_attr(attrs)
-            m = T.int32()
-            a = T.match_buffer(a_h, (m, k), DTYPE)
-            b = T.match_buffer(b_h, (n, k), DTYPE)
-            e0 = T.match_buffer(e0_h, extra_shape(0, m), extra_dtypes[0])
-            out = T.match_buffer(o_h, (m, n), out_dtype)
-            body(a, b, out, (e0,), m)
-
-    else:
-
-        @T.prim_func(s_tir=True)
-        def gemm(a_h: T.handle, b_h: T.handle, e0_h: T.handle, e1_h: T.handle, o_h: T.handle):
-            T.func_attr(attrs)
-            m = T.int32()
-            a = T.match_buffer(a_h, (m, k), DTYPE)
-            b = T.match_buffer(b_h, (n, k), DTYPE)
-            e0 = T.match_buffer(e0_h, extra_shape(0, m), extra_dtypes[0])
-            e1 = T.match_buffer(e1_h, extra_shape(1, m), extra_dtypes[1])
-            out = T.match_buffer(o_h, (m, n), out_dtype)
-            body(a, b, out, (e0, e1), m)
-
-    return gemm
+    return fused_gemm_func("gemm", body, n, k, extra_shapes, extra_dtypes, out_dtype, attrs)
 
 
 def gemm_for(func: tirx.PrimFunc, config: GemmConfig | None = None) -> tirx.PrimFunc | None:
