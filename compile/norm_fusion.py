@@ -19,7 +19,7 @@ from tvm import relax
 
 from ..schedules.gemm_match import match_gemm
 from ..schedules.gemv_rule import gemv_for
-from ..schedules.matmul import MIN_SM, ROWS_ATTR
+from ..schedules.matmul import ROWS_ATTR, has_tensor_cores
 from ..schedules.norm import EPS_ATTR
 
 FUSED_ROWS = "small"
@@ -53,7 +53,6 @@ class _FoldNorms(relax.PyExprMutator):
         self.mod_ = mod
         self.target = target
         self.kernels: dict[tuple[str, float], tvm.ir.GlobalVar] = {}
-        self.folded = 0
 
     def _norm_input(self, arg: relax.Expr) -> tuple[relax.Expr, relax.Expr, float] | None:
         """(x, weight, eps) if `arg` is an RMSNorm's output, through identity reshapes."""
@@ -98,7 +97,6 @@ class _FoldNorms(relax.PyExprMutator):
             kernel = kernel.with_attr("global_symbol", symbol)
             self.kernels[key] = self.builder_.add_func(kernel, symbol)
         args[match.a_param] = x
-        self.folded += 1
         return relax.Call(
             CALL_TIR, [self.kernels[key], relax.Tuple([*args, weight])], call.attrs, call.ty_args
         )
@@ -109,8 +107,7 @@ def fold_norms_into_gemv(target: tvm.target.Target) -> tvm.transform.Pass:
 
     @tvm.transform.module_pass(opt_level=0, name="FoldNormsIntoGemv")
     def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        arch = str(target.attrs.get("arch", ""))
-        if not (arch.startswith("sm_") and arch[3:].isdigit() and int(arch[3:]) >= MIN_SM):
+        if not has_tensor_cores(target):
             return mod
         mutator = _FoldNorms(mod, target)
         for gv, func in list(mod.functions_items()):

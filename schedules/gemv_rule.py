@@ -10,7 +10,7 @@ from tvm.target import Target
 from .gemm_match import match_gemm
 from .gemv import gemv_kernel
 from .gemv_config import VEC, Buckets, GemvConfig, default_config, wide_buckets
-from .matmul import MIN_SM, ROWS_ATTR
+from .matmul import ROWS_ATTR, has_tensor_cores
 
 
 def plan(n: int, k: int, rows: str) -> GemvConfig | Buckets:
@@ -70,12 +70,9 @@ class DecodeGemv(GPUScheduleRule):
     def apply(self, func: tirx.PrimFunc, target: Target, _tunable: bool) -> s_tir.Schedule | None:
         if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
             return None
-        if target.kind.name != "cuda" or func.attrs is None:
+        if not has_tensor_cores(target) or func.attrs is None:
             return None
         if func.attrs.get(ROWS_ATTR) != self.rows:
-            return None
-        arch = str(target.attrs.get("arch", ""))
-        if not (arch.startswith("sm_") and arch[3:].isdigit() and int(arch[3:]) >= MIN_SM):
             return None
         kernel = gemv_for(func, target, self.config, self.rows)
         return None if kernel is None else s_tir.Schedule(kernel)

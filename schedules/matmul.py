@@ -47,6 +47,17 @@ ROWS_ATTR = "qwen35.gemm_rows"
 MIN_SM = 80  # cp.async, ldmatrix and bf16 mma.sync
 
 
+def has_tensor_cores(target: Target) -> bool:
+    """Whether `target` is CUDA at sm_80 or later (MIN_SM), where our mma kernels run."""
+    arch = str(target.attrs.get("arch", ""))
+    return (
+        target.kind.name == "cuda"
+        and arch.startswith("sm_")
+        and arch[3:].isdigit()
+        and int(arch[3:]) >= MIN_SM
+    )
+
+
 @dataclass(frozen=True)
 class GemmConfig:
     block_m: int = 128
@@ -394,12 +405,9 @@ class MatmulMMA(GPUScheduleRule):
     def apply(self, func: tirx.PrimFunc, target: Target, _tunable: bool) -> s_tir.Schedule | None:
         if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
             return None
-        if target.kind.name != "cuda" or func.attrs is None:
+        if not has_tensor_cores(target) or func.attrs is None:
             return None
         if func.attrs.get(ROWS_ATTR) != self.rows:
-            return None
-        arch = str(target.attrs.get("arch", ""))
-        if not (arch.startswith("sm_") and arch[3:].isdigit() and int(arch[3:]) >= MIN_SM):
             return None
         kernel = gemm_for(func, self.config)
         return None if kernel is None else s_tir.Schedule(kernel)
