@@ -147,13 +147,12 @@ def pass_kernel(
                             )  # fmt: skip
 
     @T.macro
-    def accumulate_regs(w, x, acc, wk, tile, tx, col, batch, nw, sq):
+    def accumulate_regs(w, x, acc, wk, tile, tx, col, batch, nw, sq, nwv):
         w_reg = T.sblock_alloc_buffer((stages, unroll, 2 * mt, VEC), DTYPE, scope="local")
         x_reg = T.sblock_alloc_buffer((xr, unroll, nt, VEC), DTYPE, scope="local")
         # mma operands are addressed by element offset: plain arrays the loads are copied into
         a_frag = T.sblock_alloc_buffer((mt, 2, 8), DTYPE, scope="local")
         b_frag = T.sblock_alloc_buffer((nt, VEC), DTYPE, scope="local")
-        nwv = T.sblock_alloc_buffer((VEC,), "float32", scope="local")
         g, q = T.meta_var(lane_coords(tx))
         for d in T.unroll(stages):
             load(w, x, w_reg, x_reg, d, d, warp_step(d, wk, wks), tile, g, q, col, batch, True,
@@ -189,13 +188,12 @@ def pass_kernel(
         T.evaluate(T.ptx["cp.async.commit_group"]())  # every step a group, loads or not
 
     @T.macro
-    def accumulate_smem(w, x, acc, wk, tile, tx, col, batch, nw, sq):
+    def accumulate_smem(w, x, acc, wk, tile, tx, col, batch, nw, sq, nwv):
         w_sh = T.sblock_alloc_buffer((ring_elems,), DTYPE, scope=ring_scope)
         w_cur = T.sblock_alloc_buffer((1, unroll, 2 * mt, VEC), DTYPE, scope="local")
         x_reg = T.sblock_alloc_buffer((xr, unroll, nt, VEC), DTYPE, scope="local")
         a_frag = T.sblock_alloc_buffer((mt, 2, 8), DTYPE, scope="local")
         b_frag = T.sblock_alloc_buffer((nt, VEC), DTYPE, scope="local")
-        nwv = T.sblock_alloc_buffer((VEC,), "float32", scope="local")
         g, q = T.meta_var(lane_coords(tx))
         for d in T.unroll(stages):
             copy_w(w, w_sh, d, warp_step(d, wk, wks), tile, wk, tx, g, q)
@@ -290,7 +288,9 @@ def pass_kernel(
                     T.reads()
                     T.writes()
                     acc = T.sblock_alloc_buffer((n_acc,), "float32", scope="local")
+                    # the folded norm's: each row's squares, the weight at a load's 8 k
                     sq = T.sblock_alloc_buffer((nt,), "float32", scope="local")
+                    nwv = T.sblock_alloc_buffer((VEC,), "float32", scope="local")
                     if dependent:
                         prefetch_weights(w, tile, wk, tx)
                         T.evaluate(wait_for_producers(gpu))
@@ -299,7 +299,8 @@ def pass_kernel(
                         acc[i] = T.float32(0)
                     for j in T.unroll(nt):
                         sq[j] = T.float32(0)
-                    accumulate_gpu(w, x, acc, wk, tile, tx, col, batch, norm_weight(extras), sq)
+                    accumulate_gpu(w, x, acc, wk, tile, tx, col, batch, norm_weight(extras), sq,
+                                   nwv)  # fmt: skip
                     if cfg.w_smem:  # `part` may reuse the ring's memory: every warp done with it
                         T.tvm_storage_sync("shared")
                     if rms:  # a row's squares: over the 4 lanes that load it, then per warp
