@@ -309,6 +309,9 @@ def _measure(out: Path, file: str) -> list[dict]:
         kernels = [kn for kn in entry["kernels"] if timed or kn not in PREVIOUS]
         for kernel in ["torch", *kernels] if timed else kernels:
             row = {**base, "kernel": kernel, "config": entry["kernels"].get(kernel)}
+            rms = kernel.endswith("_rms")  # reads the norm's weight (fp32 [k]) too
+            if rms:
+                row["bytes"] = moved + k * 4
             try:
                 if kernel == "torch":
                     got = cublas
@@ -317,7 +320,6 @@ def _measure(out: Path, file: str) -> list[dict]:
                     fn = lib[kernel]
                     res_out = torch.empty(batch, n, device="cuda", dtype=out_dtype)
                     named = {"x": dl(x), "res": dl(res), "out": dl(res_out), "nw": dl(nw)}
-                    rms = kernel.endswith("_rms")
                     order = sorted(roles, key=roles.get) + (["nw"] if rms else [])
                     if rms:  # the norm's weight goes where the output was, the output last
                         order.remove("out")
@@ -327,7 +329,7 @@ def _measure(out: Path, file: str) -> list[dict]:
                     torch.cuda.synchronize()
                     got = res_out.float()
                     calls = [lambda a=a, fn=fn: fn(*a) for a in argss * reps]
-                want = ref_rms if kernel.endswith("_rms") else ref
+                want = ref_rms if rms else ref
                 row["max_rel_err"] = (got - want).abs().max().item() / want.abs().max().item()
                 row["cublas_rel_err"] = (cublas - ref).abs().max().item() / scale
                 if not timed:
@@ -354,7 +356,7 @@ def _measure(out: Path, file: str) -> list[dict]:
             elif "wall_us" in row:  # no CUPTI: the graph's (or loop's) time per call
                 row["us"], row["us_from"] = row["wall_us"], "wall"
             if "us" in row:
-                row["pct_copy_bw"] = 100 * moved / (row["us"] * 1e-6) / bw
+                row["pct_copy_bw"] = 100 * row["bytes"] / (row["us"] * 1e-6) / bw
         rows += batch_rows
     return rows
 
