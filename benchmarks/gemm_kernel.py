@@ -9,7 +9,9 @@ Two steps, because the GPU server has no compiler:
 it (`Linear`: bf16 x [M, K] times W [N, K]ᵀ to fp32, cast to bf16; out_proj, o_proj and
 down_proj with the residual add FuseOps puts behind them), fuses it with the CUDA pipeline's
 passes and compiles, per shape, the PrimFunc as:
-  prefill  mma        our kernel as the pipeline builds it (GemmConfig defaults)
+  prefill  mma        our kernel as the pipeline builds it (wgmma on sm_90a, else mma.sync)
+           mma_only   the mma.sync-only default (every arch; what prefill ran before wgmma)
+           wg_*       the pipeline's kernel with other wgmma tilings (WGMMA_VARIANTS)
            mma_*      the same kernel with other configs (VARIANTS), to pick the default
   with --baselines:
   prefill  simt       dlight's gpu.Matmul on SIMT (what prefill ran before the kernel)
@@ -32,6 +34,7 @@ import os
 import subprocess
 import sys
 import traceback
+from fnmatch import fnmatch
 from pathlib import Path
 
 PREFILL_M = (16, 128, 1024, 4096)
@@ -61,6 +64,16 @@ VARIANTS = {
     "mma_fp_bk64": {**_PAIR, "frag_pipeline": True, "block_k": 64},  # 246 regs, 96 KB
     "mma_8w_fp": {**_PAIR, "frag_pipeline": True, "warps_n": 4},
     "mma_128x64_fp": {**_PAIR, "frag_pipeline": True, "block_n": 64, "stages": 4},
+}
+# name -> WgmmaConfig fields: sm_90a runs wgmma, other arches the 8-warp mma.sync tiling that
+# shares the launch (matmul.shared_launch_config); "mma" above is now the pipeline's choice
+# among these (matmul_wgmma.default_wgmma_config), "mma_only" the mma.sync default before it.
+WGMMA_VARIANTS = {
+    "wg_256s3": {"block_n": 256, "stages": 3},
+    "wg_192s4": {"block_n": 192, "stages": 4},
+    "wg_160s4": {"block_n": 160, "stages": 4},
+    "wg_128s5": {"block_n": 128, "stages": 5},
+    "wg_128s4": {"block_n": 128, "stages": 4},
 }
 MANIFEST = "gemm_bench.json"
 
@@ -135,11 +148,14 @@ def _roles(func) -> dict[str, int]:
     return roles
 
 
-def _variants(n: int, k: int, residual: bool, target, baselines: bool) -> tuple[dict, dict, dict]:
+def _variants(
+    n: int, k: int, residual: bool, target, baselines: bool, only: str | None
+) -> tuple[dict, dict, dict]:
     """{kernel name: scheduled PrimFunc}, {kernel name: why it failed}, parameter roles."""
     from tvm.s_tir import dlight as dl
 
-    from qwen35_tvm.schedules.matmul import GemmConfig, MatmulMMA, gemm_for
+    from qwen35_tvm.schedules.matmul import GemmConfig, MatmulMMA, default_config, gemm_for
+    from qwen35_tvm.schedules.matmul_wgmma import WgmmaConfig
 
     large, small = _fused_pair(n, k, residual, target)
 
@@ -147,10 +163,18 @@ def _variants(n: int, k: int, residual: bool, target, baselines: bool) -> tuple[
         sch = r.apply(func.with_attr("dlight.do_not_tensorize", True), target, False)
         return None if sch is None else sch.mod["main"]
 
-    makers = {"prefill_mma": lambda: rule(MatmulMMA(), large)}
+    makers = {
+        "prefill_mma": lambda: rule(MatmulMMA(), large),
+        "prefill_mma_only": lambda: gemm_for(large, default_config(n)),
+    }
     for name, fields in VARIANTS.items():
         if name != "mma":
             makers[f"prefill_{name}"] = lambda f=fields: gemm_for(large, GemmConfig(**f))
+    for name, fields in WGMMA_VARIANTS.items():
+        makers[f"prefill_{name}"] = lambda f=fields: gemm_for(large, None, WgmmaConfig(**f))
+    if only:
+        wanted = [name for name in makers if any(fnmatch(name, g) for g in only.split(","))]
+        makers = {name: makers[name] for name in wanted}
     if baselines:
         makers["prefill_simt"] = lambda: rule(dl.gpu.Matmul(), large)
         makers["decode_gemv"] = lambda: rule(dl.gpu.LowBatchGEMV(4), small)
@@ -168,7 +192,7 @@ def _variants(n: int, k: int, residual: bool, target, baselines: bool) -> tuple[
     return kernels, errors, _roles(large)
 
 
-def build(out: Path, arch: str, shapes: tuple[str, ...], baselines: bool) -> None:
+def build(out: Path, arch: str, shapes: tuple[str, ...], baselines: bool, only: str | None) -> None:
     import tvm
 
     from qwen35_tvm.compile.cuda_toolchain import prepare_cuda_codegen
@@ -180,7 +204,7 @@ def build(out: Path, arch: str, shapes: tuple[str, ...], baselines: bool) -> Non
     entries = []
     for proj in projections(shapes):
         n, k, residual = proj["n"], proj["k"], proj["residual"]
-        kernels, errors, roles = _variants(n, k, residual, target, baselines)
+        kernels, errors, roles = _variants(n, k, residual, target, baselines, only)
         file = f"gemm_{n}x{k}{'_res' if residual else ''}.so"
         mod = tvm.IRModule(
             {name: f.with_attr("global_symbol", name) for name, f in kernels.items()}
@@ -412,10 +436,11 @@ def main() -> None:
     p.add_argument(
         "--baselines", action="store_true", help="build: also dlight's SIMT and GEMV kernels"
     )
+    p.add_argument("--only", help="build: kernels matching one of these globs (a,b*,...)")
     p.add_argument("--timeout", type=int, default=300, help="seconds a child process (run)")
     args = p.parse_args()
     if args.step == "build":
-        build(args.dir, args.arch, tuple(args.shapes.split(",")), args.baselines)
+        build(args.dir, args.arch, tuple(args.shapes.split(",")), args.baselines, args.only)
     elif args.step == "run":
         run(args.dir, args.timeout)
     else:

@@ -23,6 +23,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ..schedules.sm90a import SM90A_PRELUDE
+
 _STUB_SOURCE = Path(__file__).with_name("cuda_stub.c")
 _FATBIN_MAGIC = 0xBA55ED50
 _KIND_PTX, _KIND_ELF = 1, 2
@@ -70,7 +72,9 @@ def nvcc_command(nvcc: Path, arches: list[str], source: Path, output: Path) -> l
     arches = parse_arches(arches)
     gencode: list[str] = []
     for name in arches:
-        gencode += ["-gencode", f"arch=compute_{name[3:]},code={name}"]
+        # sm_90's SASS is sm_90a's, so the kernels' wgmma paths (schedules/ptx.is_sm90a) run
+        sm = name[3:] + ("a" if name == "sm_90" else "")
+        gencode += ["-gencode", f"arch=compute_{sm},code=sm_{sm}"]
     lowest = arches[0][3:]
     gencode += ["-gencode", f"arch=compute_{lowest},code=compute_{lowest}"]
     # Same language flags as TVM's own nvcc path (tvm/support/nvcc.py), so the generated half /
@@ -101,7 +105,7 @@ def compile_fatbin(code: str, arches: list[str]) -> bytes:
     nvcc = find_nvcc()
     with tempfile.TemporaryDirectory(prefix="qwen35-tvm-nvcc-") as tmp:
         source, output = Path(tmp) / "kernels.cu", Path(tmp) / "kernels.fatbin"
-        source.write_text(guard_sm90_asm(code))
+        source.write_text(SM90A_PRELUDE + guard_sm90_asm(code))
         proc = subprocess.run(
             nvcc_command(nvcc, arches, source, output),
             stdout=subprocess.PIPE,

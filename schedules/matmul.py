@@ -24,6 +24,7 @@ through L2 and the weight is streamed from DRAM about once.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Literal
 
 from tvm import s_tir, tirx
 from tvm.s_tir.dlight.gpu.base import GPUScheduleRule
@@ -38,7 +39,15 @@ from .gemm_layout import (
     tile_offset,
 )
 from .gemm_match import DTYPE, Epilogue, fused_gemm_func, match_gemm, plain_epilogue
-from .ptx import ldmatrix_x4, mma_bf16
+from .matmul_wgmma import (
+    BLOCK_K,
+    BLOCK_M,
+    THREADS,
+    WgmmaConfig,
+    default_wgmma_config,
+    wgmma_tile,
+)
+from .ptx import is_sm90a, ldmatrix_x4, mma_bf16
 
 # Set on fused GEMM PrimFuncs by the pipeline: "large" (prefill: this kernel) or "small" (decode:
 # dlight's GEMV rules). Prefill and decode share PrimFuncs until the pipeline splits them.
@@ -107,6 +116,8 @@ NARROW_N = 4096
 def default_config(n: int) -> GemmConfig:
     """The prefill tiling for an output `n` wide."""
     return replace(DEFAULT_CONFIG, block_n=64) if n <= NARROW_N else DEFAULT_CONFIG
+
+
 # Decode batches of 8-64 rows: a 64-row tile, deeper k steps (0.9x cuBLAS at m = 16 on an H200,
 # where the GEMV rules reach 0.33x).
 WIDE_DECODE_CONFIG = GemmConfig(block_m=64, block_k=64, stages=4)
@@ -122,11 +133,21 @@ def gemm_kernel(
     extra_dtypes: tuple[str, ...] = (),
     out_dtype: str = "float32",
     epilogue: Epilogue = plain_epilogue,
+    wgmma: WgmmaConfig | None = None,
 ) -> tirx.PrimFunc:
     """The kernel with parameters (A [m, k], B [n, k], *extras, out [m, n]); each extra input
     is indexed [m, n], [n] or [m] (`extra_shapes` "mn", "n", "m"). `epilogue(acc, row, col,
-    extras)` gives the value stored at out[row, col] from the fp32 accumulator."""
+    extras)` gives the value stored at out[row, col] from the fp32 accumulator.
+
+    With `wgmma`, the code nvcc builds for sm_90a computes the same tiles with wgmma
+    (schedules/matmul_wgmma.py): `config` must then tile like it (128 x wgmma.block_n, 8 warps,
+    k a multiple of 64), since the two paths share one launch."""
     config.check()
+    if wgmma is not None and (
+        (config.block_m, config.block_n, config.threads) != (BLOCK_M, wgmma.block_n, THREADS)
+        or k % BLOCK_K
+    ):
+        raise ValueError(f"{config} and {wgmma} do not share a launch (or k {k} % {BLOCK_K})")
     if k % config.block_k:
         raise ValueError(f"k {k} must be a multiple of block_k {config.block_k}")
     bm, bn, bk, stages = config.block_m, config.block_n, config.block_k, config.stages
@@ -137,19 +158,24 @@ def gemm_kernel(
     chunks = bk // 8
     a_copies, b_copies = bm * chunks // threads, bn * chunks // threads
     k_tiles, n_tiles = k // bk, -(-n // bn)
-    scope = "shared" if config.shared_bytes <= 48 * 1024 else "shared.dyn"
+    smem_bytes = max(config.shared_bytes, wgmma.shared_bytes if wgmma else 0)
+    smem_elems = smem_bytes // 2
+    b_at = stages * bm * bk  # B's ring follows A's
+    scope = "shared" if smem_bytes <= 48 * 1024 else "shared.dyn"
     pair = config.pair_store and n % 2 == 0  # c even and n even: c + 1 < n too
+    if wgmma is not None:
+        sm90_tile = wgmma_tile(n, k, wgmma, epilogue, n % 2 == 0)
     frag_pipe = config.frag_pipeline
     frag_sets = 2 if frag_pipe else ksteps
 
     @T.macro
-    def load_tile(a, b, a_sh, b_sh, stage, kt, bx, by, tid, m):
+    def load_tile(a, b, smem, stage, kt, bx, by, tid, m):
         # rows past m / n are clamped: they feed only accumulators that are never stored
         for it in T.unroll(a_copies):
             row, chunk = T.meta_var(copy_coords(it * threads + tid, chunks))
             T.evaluate(
                 T.s_tir.cp_async_raw.legacy(
-                    a_sh.data,
+                    smem.data,
                     stage * bm * bk + tile_offset(row, chunk, chunks),
                     a.data,
                     T.min(bx * bm + row, m - 1) * k + kt * bk + chunk * 8,
@@ -161,8 +187,8 @@ def gemm_kernel(
             row, chunk = T.meta_var(copy_coords(it * threads + tid, chunks))
             T.evaluate(
                 T.s_tir.cp_async_raw.legacy(
-                    b_sh.data,
-                    stage * bn * bk + tile_offset(row, chunk, chunks),
+                    smem.data,
+                    b_at + stage * bn * bk + tile_offset(row, chunk, chunks),
                     b.data,
                     T.min(by * bn + row, n - 1) * k + kt * bk + chunk * 8,
                     16,
@@ -171,7 +197,7 @@ def gemm_kernel(
             )
 
     @T.macro
-    def load_frags(a_frag, b_frag, a_sh, b_sh, slot, stage, kk, tx, row_w, col_w):
+    def load_frags(a_frag, b_frag, smem, slot, stage, kk, tx, row_w, col_w):
         # k16 step kk of a stage's tiles into fragment set `slot`
         for mt in T.unroll(mt_count):
             ar, ac = T.meta_var(ldmatrix_a_coords(tx, kk))
@@ -179,7 +205,7 @@ def gemm_kernel(
                 ldmatrix_x4(
                     a_frag,
                     (slot * mt_count + mt) * 8,
-                    a_sh,
+                    smem,
                     stage * bm * bk + tile_offset(row_w + mt * 16 + ar, ac, chunks),
                 )
             )
@@ -189,8 +215,8 @@ def gemm_kernel(
                 ldmatrix_x4(
                     b_frag,
                     (slot * nt_count + np * 2) * 4,
-                    b_sh,
-                    stage * bn * bk + tile_offset(col_w + np * 16 + br, bc, chunks),
+                    smem,
+                    b_at + stage * bn * bk + tile_offset(col_w + np * 16 + br, bc, chunks),
                 )
             )
 
@@ -210,6 +236,128 @@ def gemm_kernel(
                 )
 
     @T.macro
+    def tile(a, b, out, extras, m, smem, bx, by, ty, tx):
+        # one fragment set per k16 step (frag_pipe: two, alternating), so the next step's
+        # ldmatrix can be issued while this step's mma run
+        a_frag = T.alloc_local((frag_sets * mt_count * 8,), DTYPE)
+        b_frag = T.alloc_local((frag_sets * nt_count * 4,), DTYPE)
+        acc = T.alloc_local((mt_count * nt_count * 4,), "float32")
+        tid: T.let[T.int32] = ty * 32 + tx
+        row_w: T.let[T.int32] = ty // wn_count * warp_m
+        col_w: T.let[T.int32] = ty % wn_count * warp_n
+        for i in T.unroll(mt_count * nt_count * 4):
+            acc[i] = T.float32(0)
+        for s in T.unroll(stages - 1):
+            if s < k_tiles:
+                load_tile(a, b, smem, s, s, bx, by, tid, m)
+            T.evaluate(T.ptx["cp.async.commit_group"]())
+        if frag_pipe:
+            # tile 0 landed; its first fragments
+            T.evaluate(T.ptx["cp.async.wait_group"](stages - 2))
+            T.tvm_storage_sync("shared")
+            load_frags(a_frag, b_frag, smem, 0, 0, 0, tx, row_w, col_w)
+        for kt in T.serial(k_tiles):
+            stage: T.let[T.int32] = kt % stages
+            if frag_pipe:
+                for kk in T.unroll(ksteps):
+                    if kk == ksteps - 1:
+                        # tile kt + 1 landed, and every warp has its last
+                        # fragments of tile kt (the copy at kk 0 of tile
+                        # kt + 1 overwrites stage kt)
+                        T.evaluate(T.ptx["cp.async.wait_group"](stages - 2))
+                        T.tvm_storage_sync("shared")
+                    # the next k16 step's fragments (the next tile's first
+                    # at the last step) load while this step's mma run
+                    if kk < ksteps - 1:
+                        load_frags(
+                            a_frag,
+                            b_frag,
+                            smem,
+                            (kk + 1) % 2,
+                            stage,
+                            kk + 1,
+                            tx,
+                            row_w,
+                            col_w,
+                        )
+                    elif kt + 1 < k_tiles:
+                        load_frags(
+                            a_frag,
+                            b_frag,
+                            smem,
+                            0,
+                            (kt + 1) % stages,
+                            0,
+                            tx,
+                            row_w,
+                            col_w,
+                        )
+                    if kk == 0:
+                        # into stage kt - 1, retired at the last barrier
+                        if kt + stages - 1 < k_tiles:
+                            load_tile(
+                                a,
+                                b,
+                                smem,
+                                (kt + stages - 1) % stages,
+                                kt + stages - 1,
+                                bx,
+                                by,
+                                tid,
+                                m,
+                            )
+                        T.evaluate(T.ptx["cp.async.commit_group"]())
+                    mmas(a_frag, b_frag, acc, kk % 2)
+            else:
+                # tile kt has landed once at most stages - 2 groups are
+                # pending; the barrier also retires the stage the next
+                # copy overwrites
+                T.evaluate(T.ptx["cp.async.wait_group"](stages - 2))
+                T.tvm_storage_sync("shared")
+                if kt + stages - 1 < k_tiles:
+                    load_tile(
+                        a,
+                        b,
+                        smem,
+                        (kt + stages - 1) % stages,
+                        kt + stages - 1,
+                        bx,
+                        by,
+                        tid,
+                        m,
+                    )
+                T.evaluate(T.ptx["cp.async.commit_group"]())
+                for kk in T.unroll(ksteps):
+                    load_frags(
+                        a_frag,
+                        b_frag,
+                        smem,
+                        kk,
+                        stage,
+                        kk,
+                        tx,
+                        row_w,
+                        col_w,
+                    )
+                    mmas(a_frag, b_frag, acc, kk)
+        for mt in T.unroll(mt_count):
+            for nt in T.unroll(nt_count):
+                for eh in T.unroll(2):
+                    # acc e = 2 eh + v: row half eh, column pair v
+                    er, ec = T.meta_var(acc_coords(tx, eh * 2))
+                    r: T.let[T.int32] = bx * bm + row_w + mt * 16 + er
+                    c: T.let[T.int32] = by * bn + col_w + nt * 8 + ec
+                    a_at: T.let[T.int32] = (mt * nt_count + nt) * 4 + eh * 2
+                    if pair:
+                        if r < m and c < n:
+                            for v in T.vectorized(2):
+                                out[r, c + v] = epilogue(acc[a_at + v], r, c + v, extras)
+                    else:
+                        for v in T.unroll(2):
+                            if r < m and c + v < n:
+                                out[r, c + v] = epilogue(acc[a_at + v], r, c + v, extras)
+
+    @T.macro
     def body(a, b, out, extras, m):
         for bx in T.thread_binding(T.ceildiv(m, bm), thread="blockIdx.x"):
             for by in T.thread_binding(n_tiles, thread="blockIdx.y"):
@@ -218,157 +366,64 @@ def gemm_kernel(
                         with T.sblock("gemm"):
                             T.reads()
                             T.writes()
-                            a_sh = T.sblock_alloc_buffer((stages * bm * bk,), DTYPE, scope=scope)
-                            b_sh = T.sblock_alloc_buffer((stages * bn * bk,), DTYPE, scope=scope)
-                            # one fragment set per k16 step (frag_pipe: two, alternating), so
-                            # the next step's ldmatrix can be issued while this step's mma run
-                            a_frag = T.sblock_alloc_buffer(
-                                (frag_sets * mt_count * 8,), DTYPE, scope="local"
-                            )
-                            b_frag = T.sblock_alloc_buffer(
-                                (frag_sets * nt_count * 4,), DTYPE, scope="local"
-                            )
-                            acc = T.sblock_alloc_buffer(
-                                (mt_count * nt_count * 4,), "float32", scope="local"
-                            )
-                            tid: T.let[T.int32] = ty * 32 + tx
-                            row_w: T.let[T.int32] = ty // wn_count * warp_m
-                            col_w: T.let[T.int32] = ty % wn_count * warp_n
-                            for i in T.unroll(mt_count * nt_count * 4):
-                                acc[i] = T.float32(0)
-                            for s in T.unroll(stages - 1):
-                                if s < k_tiles:
-                                    load_tile(a, b, a_sh, b_sh, s, s, bx, by, tid, m)
-                                T.evaluate(T.ptx["cp.async.commit_group"]())
-                            if frag_pipe:
-                                # tile 0 landed; its first fragments
-                                T.evaluate(T.ptx["cp.async.wait_group"](stages - 2))
-                                T.tvm_storage_sync("shared")
-                                load_frags(a_frag, b_frag, a_sh, b_sh, 0, 0, 0, tx, row_w, col_w)
-                            for kt in T.serial(k_tiles):
-                                stage: T.let[T.int32] = kt % stages
-                                if frag_pipe:
-                                    for kk in T.unroll(ksteps):
-                                        if kk == ksteps - 1:
-                                            # tile kt + 1 landed, and every warp has its last
-                                            # fragments of tile kt (the copy at kk 0 of tile
-                                            # kt + 1 overwrites stage kt)
-                                            T.evaluate(T.ptx["cp.async.wait_group"](stages - 2))
-                                            T.tvm_storage_sync("shared")
-                                        # the next k16 step's fragments (the next tile's first
-                                        # at the last step) load while this step's mma run
-                                        if kk < ksteps - 1:
-                                            load_frags(
-                                                a_frag,
-                                                b_frag,
-                                                a_sh,
-                                                b_sh,
-                                                (kk + 1) % 2,
-                                                stage,
-                                                kk + 1,
-                                                tx,
-                                                row_w,
-                                                col_w,
-                                            )
-                                        elif kt + 1 < k_tiles:
-                                            load_frags(
-                                                a_frag,
-                                                b_frag,
-                                                a_sh,
-                                                b_sh,
-                                                0,
-                                                (kt + 1) % stages,
-                                                0,
-                                                tx,
-                                                row_w,
-                                                col_w,
-                                            )
-                                        if kk == 0:
-                                            # into stage kt - 1, retired at the last barrier
-                                            if kt + stages - 1 < k_tiles:
-                                                load_tile(
-                                                    a,
-                                                    b,
-                                                    a_sh,
-                                                    b_sh,
-                                                    (kt + stages - 1) % stages,
-                                                    kt + stages - 1,
-                                                    bx,
-                                                    by,
-                                                    tid,
-                                                    m,
-                                                )
-                                            T.evaluate(T.ptx["cp.async.commit_group"]())
-                                        mmas(a_frag, b_frag, acc, kk % 2)
-                                else:
-                                    # tile kt has landed once at most stages - 2 groups are
-                                    # pending; the barrier also retires the stage the next
-                                    # copy overwrites
-                                    T.evaluate(T.ptx["cp.async.wait_group"](stages - 2))
-                                    T.tvm_storage_sync("shared")
-                                    if kt + stages - 1 < k_tiles:
-                                        load_tile(
-                                            a,
-                                            b,
-                                            a_sh,
-                                            b_sh,
-                                            (kt + stages - 1) % stages,
-                                            kt + stages - 1,
-                                            bx,
-                                            by,
-                                            tid,
-                                            m,
-                                        )
-                                    T.evaluate(T.ptx["cp.async.commit_group"]())
-                                    for kk in T.unroll(ksteps):
-                                        load_frags(
-                                            a_frag,
-                                            b_frag,
-                                            a_sh,
-                                            b_sh,
-                                            kk,
-                                            stage,
-                                            kk,
-                                            tx,
-                                            row_w,
-                                            col_w,
-                                        )
-                                        mmas(a_frag, b_frag, acc, kk)
-                            for mt in T.unroll(mt_count):
-                                for nt in T.unroll(nt_count):
-                                    for eh in T.unroll(2):
-                                        # acc e = 2 eh + v: row half eh, column pair v
-                                        er, ec = T.meta_var(acc_coords(tx, eh * 2))
-                                        r: T.let[T.int32] = bx * bm + row_w + mt * 16 + er
-                                        c: T.let[T.int32] = by * bn + col_w + nt * 8 + ec
-                                        a_at: T.let[T.int32] = (mt * nt_count + nt) * 4 + eh * 2
-                                        if pair:
-                                            if r < m and c < n:
-                                                for v in T.vectorized(2):
-                                                    out[r, c + v] = epilogue(
-                                                        acc[a_at + v], r, c + v, extras
-                                                    )
-                                        else:
-                                            for v in T.unroll(2):
-                                                if r < m and c + v < n:
-                                                    out[r, c + v] = epilogue(
-                                                        acc[a_at + v], r, c + v, extras
-                                                    )
+                            smem = T.sblock_alloc_buffer((smem_elems,), DTYPE, scope=scope)
+                            tile(a, b, out, extras, m, smem, bx, by, ty, tx)
+
+    @T.macro
+    def body_with_wgmma(a, b, out, extras, m):
+        for bx in T.thread_binding(T.ceildiv(m, bm), thread="blockIdx.x"):
+            for by in T.thread_binding(n_tiles, thread="blockIdx.y"):
+                for ty in T.thread_binding(threads // 32, thread="threadIdx.y"):
+                    for tx in T.thread_binding(32, thread="threadIdx.x"):
+                        with T.sblock("gemm"):
+                            T.reads()
+                            T.writes()
+                            smem = T.sblock_alloc_buffer((smem_elems,), DTYPE, scope=scope)
+                            if is_sm90a():
+                                sm90_tile(a, b, out, extras, m, smem, bx, by, ty * 32 + tx)
+                            else:
+                                tile(a, b, out, extras, m, smem, bx, by, ty, tx)
 
     attrs = {"tirx.is_scheduled": True, "tirx.noalias": True}
-    return fused_gemm_func("gemm", body, n, k, extra_shapes, extra_dtypes, out_dtype, attrs)
+    kernel = body if wgmma is None else body_with_wgmma
+    return fused_gemm_func("gemm", kernel, n, k, extra_shapes, extra_dtypes, out_dtype, attrs)
 
 
-def gemm_for(func: tirx.PrimFunc, config: GemmConfig | None = None) -> tirx.PrimFunc | None:
+def shared_launch_config(wgmma: WgmmaConfig) -> GemmConfig:
+    """The mma.sync tiling that shares `wgmma`'s launch (128 x block_n, 8 warps), for the
+    arches without wgmma; 3 stages keep it within sm_80's 163 KB."""
+    warps_m = 2 if wgmma.block_n % 64 == 0 else 4
+    return GemmConfig(
+        block_n=wgmma.block_n,
+        block_k=BLOCK_K,
+        warps_m=warps_m,
+        warps_n=8 // warps_m,
+        pair_store=True,
+        frag_pipeline=True,
+    )
+
+
+def gemm_for(
+    func: tirx.PrimFunc,
+    config: GemmConfig | None = None,
+    wgmma: WgmmaConfig | Literal["default"] | None = None,
+) -> tirx.PrimFunc | None:
     """The tensor-core kernel standing in for `func`, parameters in `func`'s order; None if
-    `func` is not a fused bf16 GEMM this kernel covers. Without `config`, `default_config`."""
+    `func` is not a fused bf16 GEMM this kernel covers. Without `config`, `default_config`.
+    With `wgmma` ("default": `default_wgmma_config`), sm_90a runs wgmma and the other arches
+    `shared_launch_config` (k a multiple of 64; else `config` alone)."""
     match = match_gemm(func)
-    if match is not None and config is None:
-        config = default_config(match.n)
-    config = config or DEFAULT_CONFIG
-    if match is not None and match.k % config.block_k and match.k % 32 == 0:
+    if match is None:
+        return None
+    if wgmma is not None and match.k % BLOCK_K == 0:
+        wgmma = default_wgmma_config(match.n) if wgmma == "default" else wgmma
+        config = config or shared_launch_config(wgmma)
+    else:
+        wgmma = None
+    config = config or default_config(match.n)
+    if match.k % config.block_k and match.k % 32 == 0:
         config = replace(config, block_k=32)  # small k (tiny configs): the 32-deep tile
-    if match is None or match.k % config.block_k:
+    if match.k % config.block_k:
         return None
     kernel = gemm_kernel(
         match.n,
@@ -378,6 +433,7 @@ def gemm_for(func: tirx.PrimFunc, config: GemmConfig | None = None) -> tirx.Prim
         match.extra_dtypes,
         match.out_dtype,
         match.epilogue,
+        wgmma,
     )
     # the kernel's own order is (A, B, *extras, out); put each where `func` has it
     order = [match.a_param, match.b_param, *match.extra_params, match.out_param]
@@ -409,5 +465,7 @@ class MatmulMMA(GPUScheduleRule):
             return None
         if func.attrs.get(ROWS_ATTR) != self.rows:
             return None
-        kernel = gemm_for(func, self.config)
+        # prefill's tiles carry an sm_90a path; decode_wide's 64-row ones do not
+        dual = self.rows == "large" and self.config is None
+        kernel = gemm_for(func, self.config, "default" if dual else None)
         return None if kernel is None else s_tir.Schedule(kernel)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import tvm
 from tvm.script import tirx as T
 
+from .sm90a import SM90A_FN
+
 
 def mma_bf16(a, a_offset, b, b_offset, acc, acc_offset):
     """mma.sync m16n8k16, bf16 A (row) x bf16 B (col) + fp32 accumulator, in place: 8 A, 4 B
@@ -45,3 +47,30 @@ def cp_async_16(dst, dst_offset, src, src_offset, live=None):
     # a Select, not a Cast: TVM's codegen reads a Cast's `.value` as a constant predicate
     pred = T.Select(live, T.int32(1), T.int32(0))
     return tvm.ir.Call(call.op, [*call.args, pred], ret_ty=call.ty)
+
+
+# ---- sm_90a: wgmma ---------------------------------------------------------------------------
+
+
+def is_sm90a():
+    """True in the code nvcc builds for sm_90a (schedules/sm90a.py)."""
+    return T.call_pure_extern("bool", SM90A_FN)
+
+
+def wgmma_desc_sw128(address):
+    """The wgmma shared-memory descriptor of a K-major bf16 tile stored in 128-byte rows with
+    the 128-byte swizzle, from the 32-bit shared address of its first row (1,024-byte aligned,
+    plus 32 bytes per k16 step): 8-row groups 1,024 bytes apart (the stride offset), the
+    leading offset unused by swizzled K-major tiles (1, as CUTLASS sets it)."""
+    hi = T.uint64((1024 >> 4) | (1 << 30))  # stride offset; layout type 1 (128B) at bit 62
+    lo = T.bitwise_or(
+        T.uint32(1 << 16), T.bitwise_and(T.shift_right(address, T.uint32(4)), T.uint32(0x3FFF))
+    )
+    return T.bitwise_or(T.shift_left(hi, T.uint64(32)), T.Cast("uint64", lo))
+
+
+def wgmma_bf16(acc, a_desc, b_desc, n: int):
+    """wgmma.mma_async m64n{n}k16, bf16 A and B from shared memory (descriptors), fp32
+    accumulators acc[0 : n / 2] of this thread, D += A·B."""
+    op = getattr(T.ptx.wgmma.mma_async.sync.aligned, f"m64n{n}k16").f32.bf16.bf16
+    return op(*[acc[i] for i in range(n // 2)], a_desc, b_desc, T.bool(True), 1, 1, 0, 0)

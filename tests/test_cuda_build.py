@@ -108,7 +108,7 @@ def test_nvcc_command_flags() -> None:
     gencode = [cmd[i + 1] for i, a in enumerate(cmd) if a == "-gencode"]
     assert gencode == [
         "arch=compute_80,code=sm_80",
-        "arch=compute_90,code=sm_90",
+        "arch=compute_90a,code=sm_90a",  # wgmma: schedules/matmul_wgmma.py
         "arch=compute_80,code=compute_80",
     ]
     assert "--fatbin" in cmd

@@ -178,6 +178,10 @@ def _emulate(a: np.ndarray, b: np.ndarray, cfg: mm.GemmConfig) -> np.ndarray:
         (mm.GemmConfig(frag_pipeline=True), 130, 200, 160),
         (mm.GemmConfig(frag_pipeline=True, block_k=64, warps_n=4), 129, 136, 384),
         (mm.GemmConfig(frag_pipeline=True, block_n=64, stages=2), 64, 72, 128),
+        # the 8-warp tilings sharing the sm_90a path's launch (160: 4 x 2 warps of 32 x 80)
+        (mm.shared_launch_config(mm.default_wgmma_config(2560)), 130, 330, 192),
+        (mm.shared_launch_config(mm.default_wgmma_config(12352)), 129, 200, 128),
+        (mm.shared_launch_config(mm.default_wgmma_config(4096)), 1, 136, 64),
     ],
 )
 def test_emulated_kernel_computes_a_times_b_transposed(cfg, m, n, k) -> None:

@@ -1,0 +1,165 @@
+"""The sm_90a path of the prefill GEMM (schedules/matmul.py): the same C = epilogue(A · Bᵀ) tile
+of 128 rows x block_n columns, computed by wgmma instead of mma.sync.
+
+Two warpgroups each own 64 rows of the tile and issue wgmma.mma_async m64n{block_n}k16 straight
+from shared memory, with fp32 accumulators in registers (block_n / 2 a thread). k is consumed 64
+at a time through a `stages`-deep ring of shared-memory tiles that every thread fills by cp.async:
+a tile row is 64 bf16 = 128 bytes, its 16-byte chunks XOR-swizzled by the row's place among 8
+(the 128-byte swizzle wgmma's descriptors name), each tile 1,024-byte aligned.
+
+One wgmma group stays in flight while the next tile's copies are issued: at tile kt a thread
+waits for its own group kt - 1 only, and the copy into a stage starts two tiles after the group
+that read it (a barrier apart), so `stages` - 2 tiles of copies are in flight. No TMA and no
+warp specialisation: every thread copies and every warpgroup computes.
+
+Where nvcc compiles for another arch the branch that calls this is dead code (ptx.is_sm90a), so
+one kernel carries both paths and each GPU runs its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tvm.script import tirx as T
+
+from .gemm_layout import acc_coords, copy_coords, tile_offset
+from .gemm_match import DTYPE, Epilogue
+from .ptx import wgmma_bf16, wgmma_desc_sw128
+
+BLOCK_M = 128  # two warpgroups of m64
+BLOCK_K = 64  # one 128-byte swizzle row of bf16
+THREADS = 256
+_ROW_BYTES = BLOCK_K * 2
+_ALIGN = 1024  # the 128-byte swizzle repeats every 8 rows: tiles start on 1,024 bytes
+# the launch is shared with the sm_80 path, so its shared memory must fit sm_80's opt-in limit
+SM80_SHARED_BYTES = 163 * 1024
+
+
+@dataclass(frozen=True)
+class WgmmaConfig:
+    block_n: int = 192
+    stages: int = 4
+
+    @property
+    def stage_bytes(self) -> int:
+        return (BLOCK_M + self.block_n) * _ROW_BYTES
+
+    @property
+    def shared_bytes(self) -> int:
+        # slack to move the ring onto a 1,024-byte boundary, wherever the buffer starts
+        return self.stages * self.stage_bytes + _ALIGN
+
+    def check(self) -> None:
+        if self.block_n % 8 or not 8 <= self.block_n <= 256:
+            raise ValueError(f"block_n {self.block_n}: wgmma takes n in 8..256, a multiple of 8")
+        if self.block_n * BLOCK_K // 8 % THREADS or self.stages < 3:
+            raise ValueError(f"{self}: the B tile's chunks must split over {THREADS} threads")
+        if self.shared_bytes > SM80_SHARED_BYTES:
+            raise ValueError(f"{self}: {self.shared_bytes} bytes: over sm_80's 163 KB")
+
+
+def default_wgmma_config(n: int) -> WgmmaConfig:
+    """The tiling by output width, from the H200 sweep (docs/results/gemm_kernel_wgmma.json,
+    10 4B/9B shapes at m = 1,024 and 4,096). n = 2,560 in 16 tiles of 160 makes 128 blocks at
+    m = 1,024 for 132 SMs; 4,096 runs best in 128-column tiles five deep, 10,240 in 160-column
+    ones, wider outputs in 192-column ones. 256 columns fit only 3 stages: slower everywhere."""
+    if n <= 2560 and n % 160 == 0 or 4096 < n <= 10240:
+        return WgmmaConfig(block_n=160, stages=4)
+    if n <= 4096:
+        return WgmmaConfig(block_n=128, stages=5)
+    return WgmmaConfig(block_n=192, stages=4)
+
+
+def wgmma_tile(n: int, k: int, cfg: WgmmaConfig, epilogue: Epilogue, pair: bool):
+    """A macro computing the tile (bx, by) with THREADS threads (`tid`), its ring in `smem` (a
+    bf16 shared buffer of at least cfg.shared_bytes). Rows of A past m (B past n) are clamped
+    to the last row: they feed only accumulators that are never stored."""
+    cfg.check()
+    bn, stages = cfg.block_n, cfg.stages
+    chunks = BLOCK_K // 8
+    a_copies, b_copies = BLOCK_M * chunks // THREADS, bn * chunks // THREADS
+    k_tiles = k // BLOCK_K
+    stage_elems = cfg.stage_bytes // 2
+    b_at = BLOCK_M * BLOCK_K  # elements from a stage's start to its B tile
+    ahead = stages - 2
+
+    @T.macro
+    def load(a, b, smem, pad, s, kt, bx, by, tid, m):
+        for it in T.unroll(a_copies):
+            row, chunk = T.meta_var(copy_coords(it * THREADS + tid, chunks))
+            T.evaluate(
+                T.s_tir.cp_async_raw.legacy(
+                    smem.data,
+                    pad + s * stage_elems + tile_offset(row, chunk, chunks),
+                    a.data,
+                    T.min(bx * BLOCK_M + row, m - 1) * k + kt * BLOCK_K + chunk * 8,
+                    16,
+                    dtype=DTYPE,
+                )
+            )
+        for it in T.unroll(b_copies):
+            row, chunk = T.meta_var(copy_coords(it * THREADS + tid, chunks))
+            T.evaluate(
+                T.s_tir.cp_async_raw.legacy(
+                    smem.data,
+                    pad + s * stage_elems + b_at + tile_offset(row, chunk, chunks),
+                    b.data,
+                    T.min(by * bn + row, n - 1) * k + kt * BLOCK_K + chunk * 8,
+                    16,
+                    dtype=DTYPE,
+                )
+            )
+
+    @T.macro
+    def tile(a, b, out, extras, m, smem, bx, by, tid):
+        acc = T.alloc_local((bn // 2,), "float32")
+        base: T.let[T.uint32] = T.cuda.cvta_generic_to_shared(smem.data)
+        pad_bytes: T.let[T.uint32] = (T.uint32(_ALIGN) - base % T.uint32(_ALIGN)) % T.uint32(_ALIGN)
+        pad: T.let[T.int32] = T.Cast("int32", pad_bytes) // 2
+        ring: T.let[T.uint32] = base + pad_bytes
+        wg: T.let[T.int32] = tid // 128
+        for i in T.unroll(bn // 2):
+            acc[i] = T.float32(0)
+        for s in T.unroll(ahead):
+            if s < k_tiles:
+                load(a, b, smem, pad, s, s, bx, by, tid, m)
+            T.evaluate(T.ptx["cp.async.commit_group"]())
+        for kt in T.serial(k_tiles):
+            # tile kt has landed once `ahead` - 1 newer groups may still be pending; the
+            # barrier also retires stage kt - 2, whose wgmma every thread waited for at kt - 1
+            T.evaluate(T.ptx["cp.async.wait_group"](ahead - 1))
+            T.evaluate(T.ptx.fence.proxy.async_.shared__cta())  # cp.async writes -> wgmma reads
+            T.tvm_storage_sync("shared.dyn")
+            if kt + ahead < k_tiles:
+                load(a, b, smem, pad, (kt + ahead) % stages, kt + ahead, bx, by, tid, m)
+            T.evaluate(T.ptx["cp.async.commit_group"]())
+            stage: T.let[T.uint32] = ring + T.Cast("uint32", kt % stages * cfg.stage_bytes)
+            T.evaluate(T.ptx.wgmma.fence.sync.aligned())
+            for kk in T.unroll(BLOCK_K // 16):
+                T.evaluate(
+                    wgmma_bf16(
+                        acc,
+                        wgmma_desc_sw128(stage + T.uint32(wg * 64 * _ROW_BYTES + kk * 32)),
+                        wgmma_desc_sw128(stage + T.uint32(BLOCK_M * _ROW_BYTES + kk * 32)),
+                        bn,
+                    )
+                )
+            T.evaluate(T.ptx.wgmma.commit_group.sync.aligned())
+            T.evaluate(T.ptx.wgmma.wait_group.sync.aligned(1))
+        T.evaluate(T.ptx.wgmma.wait_group.sync.aligned(0))
+        # wgmma's accumulator layout is mma.sync's m16n8 one, a 16-row slab per warp
+        for nt in T.unroll(bn // 8):
+            for eh in T.unroll(2):
+                er, ec = T.meta_var(acc_coords(tid % 32, eh * 2))
+                r: T.let[T.int32] = bx * BLOCK_M + tid // 32 * 16 + er
+                c: T.let[T.int32] = by * bn + nt * 8 + ec
+                if pair:
+                    if r < m and c < n:
+                        for v in T.vectorized(2):
+                            out[r, c + v] = epilogue(acc[nt * 4 + eh * 2 + v], r, c + v, extras)
+                else:
+                    for v in T.unroll(2):
+                        if r < m and c + v < n:
+                            out[r, c + v] = epilogue(acc[nt * 4 + eh * 2 + v], r, c + v, extras)
+
+    return tile

@@ -1,0 +1,161 @@
+"""The sm_90a path of the prefill GEMM (schedules/matmul_wgmma.py), checked without a GPU.
+
+A numpy emulation runs the kernel's data movement: cp.async writes each 16-byte chunk where
+the kernel puts it, at a shared-memory base that is not 1,024-byte aligned; wgmma reads A and B
+through the descriptors the kernel builds (decoded from their bits), with the 128-byte swizzle
+as the PTX ISA defines it on absolute shared addresses (bits 4-6 XOR bits 7-9); the fp32
+accumulators go out through the kernel's epilogue mapping. It must reproduce A · Bᵀ, edge tiles
+(m and n not multiples of the tile) included, and it fails if the layout loses its swizzle.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from tvm.script import tirx as T
+
+from qwen35_tvm.schedules import matmul as mm
+from qwen35_tvm.schedules import matmul_wgmma as mw
+from qwen35_tvm.schedules.gemm_layout import acc_coords, copy_coords
+from qwen35_tvm.schedules.ptx import wgmma_desc_sw128
+
+_ROW_BYTES = mw.BLOCK_K * 2
+
+
+_OPS = {
+    "BitwiseOr": lambda x, y: x | y,
+    "BitwiseAnd": lambda x, y: x & y,
+    "LShift": lambda x, y: x << y,
+    "RShift": lambda x, y: x >> y,
+}
+
+
+def _evaluate(e) -> int:
+    """The value of a constant integer expression (TVM's simplifier leaves 64-bit bit ops)."""
+    bits = int(str(e.ty).removeprefix("u").removeprefix("int"))
+    name = type(e).__name__
+    if name == "IntImm":
+        value = int(e.value)
+    elif name == "Cast":
+        value = _evaluate(e.value)
+    else:
+        value = _OPS[name](_evaluate(e.a), _evaluate(e.b))
+    return value & (2**bits - 1)
+
+
+def _descriptor(address: int) -> dict[str, int]:
+    """The fields of the kernel's descriptor for a tile at shared `address` (PTX ISA,
+    matrix descriptor: start >> 4 in bits 0-13, leading offset >> 4 in 16-29, stride offset
+    >> 4 in 32-45, layout type in 62-63, 1 being the 128-byte swizzle)."""
+    bits = _evaluate(wgmma_desc_sw128(T.uint32(address)))
+    return {
+        "start": (bits & 0x3FFF) << 4,
+        "leading": (bits >> 16 & 0x3FFF) << 4,
+        "stride": (bits >> 32 & 0x3FFF) << 4,
+        "layout": bits >> 62,
+    }
+
+
+def _read_k_major(smem: np.ndarray, base: int, address: int, rows: int) -> np.ndarray:
+    """[rows, 16] bf16 that wgmma reads for one k16 step of a K-major operand whose descriptor
+    names `address`: row r, k j at start + (r // 8) * stride + (r % 8) * 128 + 2 j, swizzled."""
+    d = _descriptor(address)
+    assert d["layout"] == 1 and d["start"] == address & 0x3FFF0
+    r, j = np.arange(rows)[:, None], np.arange(16)[None, :]
+    logical = address + r // 8 * d["stride"] + r % 8 * 128 + 2 * j
+    physical = logical ^ ((logical >> 7 & 7) << 4)
+    return smem[(physical - base) // 2]
+
+
+def _emulate(a: np.ndarray, b: np.ndarray, cfg: mw.WgmmaConfig, base: int) -> np.ndarray:
+    (m, k), n = a.shape, b.shape[0]
+    bn, stages, ahead = cfg.block_n, cfg.stages, cfg.stages - 2
+    chunks, k_tiles = mw.BLOCK_K // 8, k // mw.BLOCK_K
+    out = np.full((m, n), np.nan)
+    pad = (1024 - base % 1024) % 1024
+    ring = base + pad
+    for bx in range(-(-m // mw.BLOCK_M)):
+        for by in range(-(-n // bn)):
+            smem = np.full(cfg.shared_bytes // 2, np.nan)
+
+            def load(s: int, kt: int, bx: int = bx, by: int = by, smem: np.ndarray = smem) -> None:
+                for src, rows, first, at in (
+                    (a, mw.BLOCK_M, bx * mw.BLOCK_M, 0),
+                    (b, bn, by * bn, mw.BLOCK_M * mw.BLOCK_K),
+                ):
+                    for index in range(rows * chunks):  # every (iteration, thread) pair
+                        row, chunk = copy_coords(index, chunks)
+                        dst = pad // 2 + s * cfg.stage_bytes // 2 + at
+                        dst += mw.tile_offset(row, chunk, chunks)
+                        col = kt * mw.BLOCK_K + chunk * 8
+                        smem[dst : dst + 8] = src[min(first + row, len(src) - 1), col : col + 8]
+
+            for s in range(min(ahead, k_tiles)):
+                load(s, s)
+            d = np.zeros((mw.BLOCK_M, bn))
+            for kt in range(k_tiles):
+                target = (kt + ahead) % stages
+                # never a stage whose wgmma may still run (tile kt, or kt - 1 not yet waited)
+                assert target not in (kt % stages, (kt - 1) % stages)
+                if kt + ahead < k_tiles:
+                    load(target, kt + ahead)
+                stage = ring + kt % stages * cfg.stage_bytes
+                for wg in range(2):
+                    for kk in range(mw.BLOCK_K // 16):
+                        at = stage + wg * 64 * _ROW_BYTES + kk * 32
+                        a_op = _read_k_major(smem, base, at, 64)
+                        at = stage + mw.BLOCK_M * _ROW_BYTES + kk * 32
+                        b_op = _read_k_major(smem, base, at, bn)
+                        d[wg * 64 : wg * 64 + 64] += a_op @ b_op.T
+            # accumulator fragments as the PTX ISA lays out wgmma's D (m64nNk16, fp32): warp w
+            # of the warpgroup rows 16w + lane / 4 (+ 8), columns 8i + 2 (lane % 4) (+ 1)
+            for tid in range(mw.THREADS):
+                lane, w = tid % 32, tid // 32
+                frag = np.empty(bn // 2)
+                for i in range(bn // 8):
+                    for v in range(4):
+                        frag[4 * i + v] = d[
+                            16 * w + lane // 4 + 8 * (v // 2), 8 * i + 2 * (lane % 4) + v % 2
+                        ]
+                # ... and out through the kernel's epilogue mapping
+                for nt in range(bn // 8):
+                    for e in range(4):
+                        er, ec = acc_coords(lane, e)
+                        r, c = bx * mw.BLOCK_M + w * 16 + er, by * bn + nt * 8 + ec
+                        if r < m and c < n:
+                            out[r, c] = frag[nt * 4 + e]
+    return out
+
+
+CONFIGS = [mw.WgmmaConfig(160, 4), mw.WgmmaConfig(128, 5), mw.WgmmaConfig(192, 3)]
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=str)
+@pytest.mark.parametrize(
+    "m, n, k, base", [(130, 200, 192, 16 * 37), (1, 96, 64, 1024), (128, 160, 320, 48)]
+)
+def test_emulated_wgmma_path_computes_a_times_b_transposed(cfg, m, n, k, base) -> None:
+    rng = np.random.default_rng(m + n + k)
+    a = rng.integers(-3, 4, (m, k)).astype(np.float64)  # exact in any summation order
+    b = rng.integers(-3, 4, (n, k)).astype(np.float64)
+    np.testing.assert_array_equal(_emulate(a, b, cfg, base), a @ b.T)
+
+
+def test_an_unswizzled_layout_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutation check: chunks written in row order (what the descriptor does not read)."""
+    monkeypatch.setattr(mw, "tile_offset", lambda row, chunk, chunks: row * chunks * 8 + chunk * 8)
+    a = np.arange(130 * 128, dtype=np.float64).reshape(130, 128) % 7
+    b = np.arange(96 * 128, dtype=np.float64).reshape(96, 128) % 5
+    assert not np.array_equal(_emulate(a, b, mw.WgmmaConfig(160, 4), 16), a @ b.T)
+
+
+def test_configs_fit_sm80_and_share_its_launch() -> None:
+    for n in (64, 2560, 4096, 10240, 12352, 18432, 24576):
+        wg = mw.default_wgmma_config(n)
+        wg.check()
+        sm80 = mm.shared_launch_config(wg)
+        sm80.check()
+        assert (sm80.block_m, sm80.block_n, sm80.threads) == (mw.BLOCK_M, wg.block_n, mw.THREADS)
+        assert max(sm80.shared_bytes, wg.shared_bytes) <= mw.SM80_SHARED_BYTES
+    with pytest.raises(ValueError):
+        mw.WgmmaConfig(256, 4).check()  # 197 KB: over sm_80's 163 KB
