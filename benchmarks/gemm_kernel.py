@@ -74,6 +74,12 @@ WGMMA_VARIANTS = {
     "wg_160s4": {"block_n": 160, "stages": 4},
     "wg_128s5": {"block_n": 128, "stages": 5},
     "wg_128s4": {"block_n": 128, "stages": 4},
+    # TMA loads and mbarriers instead of every thread's cp.async and a block barrier a k tile
+    "tma_256s3": {"block_n": 256, "stages": 3, "tma": True},
+    "tma_192s4": {"block_n": 192, "stages": 4, "tma": True},
+    "tma_160s4": {"block_n": 160, "stages": 4, "tma": True},
+    "tma_128s5": {"block_n": 128, "stages": 5, "tma": True},
+    "tma_128s4": {"block_n": 128, "stages": 4, "tma": True},
 }
 MANIFEST = "gemm_bench.json"
 

@@ -45,6 +45,7 @@ from .matmul_wgmma import (
     THREADS,
     WgmmaConfig,
     default_wgmma_config,
+    tensor_maps,
     wgmma_tile,
 )
 from .ptx import is_sm90a, ldmatrix_x4, mma_bf16
@@ -165,6 +166,7 @@ def gemm_kernel(
     pair = config.pair_store and n % 2 == 0  # c even and n even: c + 1 < n too
     if wgmma is not None:
         sm90_tile = wgmma_tile(n, k, wgmma, epilogue, n % 2 == 0)
+        maps, encode = tensor_maps(n, k, wgmma)
     frag_pipe = config.frag_pipeline
     frag_sets = 2 if frag_pipe else ksteps
 
@@ -371,6 +373,8 @@ def gemm_kernel(
 
     @T.macro
     def body_with_wgmma(a, b, out, extras, m):
+        if wgmma.tma:
+            encode(a, b, m)  # on the host, before the launch
         for bx in T.thread_binding(T.ceildiv(m, bm), thread="blockIdx.x"):
             for by in T.thread_binding(n_tiles, thread="blockIdx.y"):
                 for ty in T.thread_binding(threads // 32, thread="threadIdx.y"):
@@ -380,7 +384,7 @@ def gemm_kernel(
                             T.writes()
                             smem = T.sblock_alloc_buffer((smem_elems,), DTYPE, scope=scope)
                             if is_sm90a():
-                                sm90_tile(a, b, out, extras, m, smem, bx, by, ty * 32 + tx)
+                                sm90_tile(a, b, out, extras, m, smem, bx, by, ty * 32 + tx, maps)
                             else:
                                 tile(a, b, out, extras, m, smem, bx, by, ty, tx)
 

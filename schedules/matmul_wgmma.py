@@ -39,6 +39,9 @@ SM80_SHARED_BYTES = 163 * 1024
 class WgmmaConfig:
     block_n: int = 192
     stages: int = 4
+    # TMA loads (one thread issues a stage, mbarriers in place of block barriers); else every
+    # thread copies its chunks by cp.async
+    tma: bool = False
 
     @property
     def stage_bytes(self) -> int:
@@ -46,8 +49,9 @@ class WgmmaConfig:
 
     @property
     def shared_bytes(self) -> int:
-        # slack to move the ring onto a 1,024-byte boundary, wherever the buffer starts
-        return self.stages * self.stage_bytes + _ALIGN
+        # slack to move the ring onto a 1,024-byte boundary, wherever the buffer starts; after
+        # the ring, a full and an empty mbarrier a stage (8 bytes each)
+        return self.stages * self.stage_bytes + _ALIGN + 16 * self.stages
 
     def check(self) -> None:
         if self.block_n % 8 or not 8 <= self.block_n <= 256:
@@ -59,15 +63,49 @@ class WgmmaConfig:
 
 
 def default_wgmma_config(n: int) -> WgmmaConfig:
-    """The tiling by output width, from the H200 sweep (docs/results/gemm_kernel_wgmma.json,
-    10 4B/9B shapes at m = 1,024 and 4,096). n = 2,560 in 16 tiles of 160 makes 128 blocks at
-    m = 1,024 for 132 SMs; 4,096 runs best in 128-column tiles five deep, 10,240 in 160-column
-    ones, wider outputs in 192-column ones. 256 columns fit only 3 stages: slower everywhere."""
-    if n <= 2560 and n % 160 == 0 or 4096 < n <= 10240:
-        return WgmmaConfig(block_n=160, stages=4)
+    """The tiling by output width, from the H200 sweep (docs/results/gemm_kernel_tma.json, 10
+    4B/9B shapes at m = 1,024 and 4,096; TMA beat cp.async by 4-8% geomean). n = 2,560 in 16
+    tiles of 160 makes 128 blocks at m = 1,024 for 132 SMs; 4,096 runs best in 256-column
+    tiles three deep, wider outputs in 192-column tiles four deep."""
+    if n <= 2560 and n % 160 == 0:
+        return WgmmaConfig(block_n=160, stages=4, tma=True)
     if n <= 4096:
-        return WgmmaConfig(block_n=128, stages=5)
-    return WgmmaConfig(block_n=192, stages=4)
+        return WgmmaConfig(block_n=256, stages=3, tma=True)
+    return WgmmaConfig(block_n=192, stages=4, tma=True)
+
+
+def tensor_maps(n: int, k: int, cfg: WgmmaConfig):
+    """The TMA descriptors of A [m, k] and B [n, k] (a stage's box each, 128-byte swizzle, rows
+    past the end read as zeros), and a macro that encodes them on the host before the launch
+    (TVM passes them to the kernel as parameters)."""
+    maps = tuple(T.Var(f"{name}_tensormap", T.handle("tensormap").ty) for name in ("a", "b"))
+
+    @T.macro
+    def encode_one(tmap, src, rows, box):
+        T.Bind(T.tvm_stack_alloca("tensormap", 1), var=tmap)
+        T.evaluate(
+            T.tensormap_encode_tiled(
+                tmap,
+                src.data,
+                k,
+                rows,
+                k * 2,
+                BLOCK_K,
+                box,
+                1,
+                1,
+                descriptor_dtype=DTYPE,
+                rank=2,
+                swizzle=3,  # CU_TENSOR_MAP_SWIZZLE_128B
+            )
+        )
+
+    @T.macro
+    def encode(a, b, m):
+        encode_one(maps[0], a, m, BLOCK_M)
+        encode_one(maps[1], b, n, cfg.block_n)
+
+    return maps, encode
 
 
 def wgmma_tile(n: int, k: int, cfg: WgmmaConfig, epilogue: Epilogue, pair: bool):
@@ -111,15 +149,21 @@ def wgmma_tile(n: int, k: int, cfg: WgmmaConfig, epilogue: Epilogue, pair: bool)
             )
 
     @T.macro
-    def tile(a, b, out, extras, m, smem, bx, by, tid):
-        acc = T.alloc_local((bn // 2,), "float32")
-        base: T.let[T.uint32] = T.cuda.cvta_generic_to_shared(smem.data)
-        pad_bytes: T.let[T.uint32] = (T.uint32(_ALIGN) - base % T.uint32(_ALIGN)) % T.uint32(_ALIGN)
-        pad: T.let[T.int32] = T.Cast("int32", pad_bytes) // 2
-        ring: T.let[T.uint32] = base + pad_bytes
-        wg: T.let[T.int32] = tid // 128
-        for i in T.unroll(bn // 2):
-            acc[i] = T.float32(0)
+    def mma_stage(acc, stage, wg):
+        T.evaluate(T.ptx.wgmma.fence.sync.aligned())
+        for kk in T.unroll(BLOCK_K // 16):
+            T.evaluate(
+                wgmma_bf16(
+                    acc,
+                    wgmma_desc_sw128(stage + T.uint32(wg * 64 * _ROW_BYTES + kk * 32)),
+                    wgmma_desc_sw128(stage + T.uint32(BLOCK_M * _ROW_BYTES + kk * 32)),
+                    bn,
+                )
+            )
+        T.evaluate(T.ptx.wgmma.commit_group.sync.aligned())
+
+    @T.macro
+    def mainloop_cp_async(a, b, acc, m, smem, pad, ring, bx, by, tid):
         for s in T.unroll(ahead):
             if s < k_tiles:
                 load(a, b, smem, pad, s, s, bx, by, tid, m)
@@ -133,19 +177,73 @@ def wgmma_tile(n: int, k: int, cfg: WgmmaConfig, epilogue: Epilogue, pair: bool)
             if kt + ahead < k_tiles:
                 load(a, b, smem, pad, (kt + ahead) % stages, kt + ahead, bx, by, tid, m)
             T.evaluate(T.ptx["cp.async.commit_group"]())
-            stage: T.let[T.uint32] = ring + T.Cast("uint32", kt % stages * cfg.stage_bytes)
-            T.evaluate(T.ptx.wgmma.fence.sync.aligned())
-            for kk in T.unroll(BLOCK_K // 16):
-                T.evaluate(
-                    wgmma_bf16(
-                        acc,
-                        wgmma_desc_sw128(stage + T.uint32(wg * 64 * _ROW_BYTES + kk * 32)),
-                        wgmma_desc_sw128(stage + T.uint32(BLOCK_M * _ROW_BYTES + kk * 32)),
-                        bn,
-                    )
-                )
-            T.evaluate(T.ptx.wgmma.commit_group.sync.aligned())
+            mma_stage(acc, ring + T.Cast("uint32", kt % stages * cfg.stage_bytes), tid // 128)
             T.evaluate(T.ptx.wgmma.wait_group.sync.aligned(1))
+
+    @T.macro
+    def tma_stage(maps, smem, pad, bars, s, kt, bx, by):
+        # thread 0: the stage's full barrier expects its bytes, then two TMA loads fill it
+        T.evaluate(T.ptx.mbarrier.arrive.expect_tx.shared.b64(bars(s), T.uint32(cfg.stage_bytes)))
+        T.evaluate(
+            T.ptx["cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"](
+                T.address_of(smem[pad + s * stage_elems]),
+                T.address_of(maps[0]),
+                kt * BLOCK_K,
+                bx * BLOCK_M,
+                bars(s),
+            )
+        )
+        T.evaluate(
+            T.ptx["cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"](
+                T.address_of(smem[pad + s * stage_elems + b_at]),
+                T.address_of(maps[1]),
+                kt * BLOCK_K,
+                by * bn,
+                bars(s),
+            )
+        )
+
+    @T.macro
+    def mainloop_tma(maps, acc, smem, pad, ring, bx, by, tid):
+        # mbarriers after the ring: full[s] (thread 0 arrives, TMA completes its bytes), then
+        # empty[s] (every thread arrives once its wgmma of the stage is done)
+        bar0: T.let[T.int32] = pad + stages * stage_elems
+        full = T.meta_var(lambda s: T.address_of(smem[bar0 + s * 4]))
+        empty = T.meta_var(lambda s: T.address_of(smem[bar0 + (stages + s) * 4]))
+        if tid == 0:
+            for s in T.unroll(stages):
+                T.evaluate(T.ptx.mbarrier.init.shared.b64(full(s), T.uint32(1)))
+                T.evaluate(T.ptx.mbarrier.init.shared.b64(empty(s), T.uint32(THREADS)))
+        T.tvm_storage_sync("shared.dyn")
+        if tid == 0:
+            for s in T.unroll(stages):
+                if s < k_tiles:
+                    tma_stage(maps, smem, pad, full, s, s, bx, by)
+        for kt in T.serial(k_tiles):
+            T.evaluate(T.cuda.mbarrier_wait(full(kt % stages), kt // stages % 2))
+            mma_stage(acc, ring + T.Cast("uint32", kt % stages * cfg.stage_bytes), tid // 128)
+            T.evaluate(T.ptx.wgmma.wait_group.sync.aligned(1))
+            if kt > 0:
+                # tile kt - 1's wgmma is done: its stage may take tile kt - 1 + stages
+                done: T.let[T.int32] = kt - 1
+                T.evaluate(T.ptx.mbarrier.arrive.shared.b64(empty(done % stages), T.uint32(1)))
+                if tid == 0 and done + stages < k_tiles:
+                    T.evaluate(T.cuda.mbarrier_wait(empty(done % stages), done // stages % 2))
+                    tma_stage(maps, smem, pad, full, done % stages, done + stages, bx, by)
+
+    @T.macro
+    def tile(a, b, out, extras, m, smem, bx, by, tid, maps):
+        acc = T.alloc_local((bn // 2,), "float32")
+        base: T.let[T.uint32] = T.cuda.cvta_generic_to_shared(smem.data)
+        pad_bytes: T.let[T.uint32] = (T.uint32(_ALIGN) - base % T.uint32(_ALIGN)) % T.uint32(_ALIGN)
+        pad: T.let[T.int32] = T.Cast("int32", pad_bytes) // 2
+        ring: T.let[T.uint32] = base + pad_bytes
+        for i in T.unroll(bn // 2):
+            acc[i] = T.float32(0)
+        if cfg.tma:
+            mainloop_tma(maps, acc, smem, pad, ring, bx, by, tid)
+        else:
+            mainloop_cp_async(a, b, acc, m, smem, pad, ring, bx, by, tid)
         T.evaluate(T.ptx.wgmma.wait_group.sync.aligned(0))
         # wgmma's accumulator layout is mma.sync's m16n8 one, a 16-row slab per warp
         for nt in T.unroll(bn // 8):

@@ -67,9 +67,17 @@ def _read_k_major(smem: np.ndarray, base: int, address: int, rows: int) -> np.nd
     return smem[(physical - base) // 2]
 
 
+def _swizzled(address: int) -> int:
+    """The 128-byte swizzle (PTX ISA; TMA's CU_TENSOR_MAP_SWIZZLE_128B applies the same)."""
+    return address ^ ((address >> 7 & 7) << 4)
+
+
 def _emulate(a: np.ndarray, b: np.ndarray, cfg: mw.WgmmaConfig, base: int) -> np.ndarray:
     (m, k), n = a.shape, b.shape[0]
-    bn, stages, ahead = cfg.block_n, cfg.stages, cfg.stages - 2
+    bn, stages = cfg.block_n, cfg.stages
+    # cp.async keeps `stages` - 2 tiles of copies in flight; TMA refills a stage once both
+    # warpgroups have released it, `stages` - 1 tiles ahead
+    ahead = stages - 1 if cfg.tma else stages - 2
     chunks, k_tiles = mw.BLOCK_K // 8, k // mw.BLOCK_K
     out = np.full((m, n), np.nan)
     pad = (1024 - base % 1024) % 1024
@@ -85,20 +93,27 @@ def _emulate(a: np.ndarray, b: np.ndarray, cfg: mw.WgmmaConfig, base: int) -> np
                 ):
                     for index in range(rows * chunks):  # every (iteration, thread) pair
                         row, chunk = copy_coords(index, chunks)
-                        dst = pad // 2 + s * cfg.stage_bytes // 2 + at
-                        dst += mw.tile_offset(row, chunk, chunks)
                         col = kt * mw.BLOCK_K + chunk * 8
-                        smem[dst : dst + 8] = src[min(first + row, len(src) - 1), col : col + 8]
+                        if cfg.tma:  # the box lands swizzled; rows past the tensor read zeros
+                            tile = ring + s * cfg.stage_bytes + at * 2
+                            dst = (_swizzled(tile + row * _ROW_BYTES + chunk * 16) - base) // 2
+                            got = src[first + row, col : col + 8] if first + row < len(src) else 0
+                        else:  # the kernel's own placement, edge rows clamped
+                            dst = pad // 2 + s * cfg.stage_bytes // 2 + at
+                            dst += mw.tile_offset(row, chunk, chunks)
+                            got = src[min(first + row, len(src) - 1), col : col + 8]
+                        smem[dst : dst + 8] = got
 
-            for s in range(min(ahead, k_tiles)):
+            for s in range(min(ahead if not cfg.tma else stages, k_tiles)):
                 load(s, s)
             d = np.zeros((mw.BLOCK_M, bn))
             for kt in range(k_tiles):
-                target = (kt + ahead) % stages
-                # never a stage whose wgmma may still run (tile kt, or kt - 1 not yet waited)
-                assert target not in (kt % stages, (kt - 1) % stages)
-                if kt + ahead < k_tiles:
-                    load(target, kt + ahead)
+                if not cfg.tma:
+                    target = (kt + ahead) % stages
+                    # never a stage whose wgmma may still run (tile kt, or kt - 1 not waited)
+                    assert target not in (kt % stages, (kt - 1) % stages)
+                    if kt + ahead < k_tiles:
+                        load(target, kt + ahead)
                 stage = ring + kt % stages * cfg.stage_bytes
                 for wg in range(2):
                     for kk in range(mw.BLOCK_K // 16):
@@ -107,6 +122,11 @@ def _emulate(a: np.ndarray, b: np.ndarray, cfg: mw.WgmmaConfig, base: int) -> np
                         at = stage + mw.BLOCK_M * _ROW_BYTES + kk * 32
                         b_op = _read_k_major(smem, base, at, bn)
                         d[wg * 64 : wg * 64 + 64] += a_op @ b_op.T
+                # TMA: after tile kt's wgmma, tile kt - 1's (waited for) frees its stage, which
+                # takes tile kt - 1 + stages; the stage of tile kt is not touched
+                if cfg.tma and kt > 0 and kt - 1 + stages < k_tiles:
+                    assert (kt - 1) % stages != kt % stages
+                    load((kt - 1) % stages, kt - 1 + stages)
             # accumulator fragments as the PTX ISA lays out wgmma's D (m64nNk16, fp32): warp w
             # of the warpgroup rows 16w + lane / 4 (+ 8), columns 8i + 2 (lane % 4) (+ 1)
             for tid in range(mw.THREADS):
@@ -127,7 +147,14 @@ def _emulate(a: np.ndarray, b: np.ndarray, cfg: mw.WgmmaConfig, base: int) -> np
     return out
 
 
-CONFIGS = [mw.WgmmaConfig(160, 4), mw.WgmmaConfig(128, 5), mw.WgmmaConfig(192, 3)]
+CONFIGS = [
+    mw.WgmmaConfig(160, 4),
+    mw.WgmmaConfig(128, 5),
+    mw.WgmmaConfig(192, 3),
+    mw.WgmmaConfig(160, 4, tma=True),
+    mw.WgmmaConfig(256, 3, tma=True),
+    mw.WgmmaConfig(192, 4, tma=True),
+]
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=str)
