@@ -5,6 +5,7 @@ torch.matmul (cuBLAS).
 
 Two steps, because the GPU server has no compiler:
   here (nvcc, no GPU):  python benchmarks/gemv_kernel.py build DIR [--arch sm_90] [--rows wide]
+                        [--proj gate_up_proj] [--only ours,*_rms,...]
   on the GPU server:    python benchmarks/gemv_kernel.py run DIR [--out docs/results]
 
 `build` takes each projection the way the model has it (bf16 x [batch, K] times W [N, K]ᵀ, cast
@@ -14,6 +15,9 @@ small, wide or both), as
   ours         DecodeGemv, the rule the pipeline applies (default_config / wide_buckets)
   small:  m?w?u?s?   the kernel at other configs (m_tiles, warps_k, unroll, stages)
           dlight     dlight's GEMV / LowBatchGEMV(4), the rules decode used before
+          *_rms      the kernel with the RMSNorm before it folded in (no residual only)
+          gate_up:   ours_swiglu, ours_rms_swiglu and swiglu, decode's SwiGLU folded into
+                     the GEMV, and the SwiGLU kernel alone (benchmarks/gemv_swiglu.py)
   wide:   regs       the 16-64 row buckets with the weight ring in registers
           m?         ... with that many m-tiles a warp
           half       ... with half the shared weight ring
@@ -49,60 +53,11 @@ MIN_CALLS = 24  # calls per timed graph
 RMS_EPS = 1e-6  # "ours_rms": the GEMV with the RMSNorm before it folded in (no residual only)
 
 
-def _variants(default) -> dict[str, object]:
-    """Configs around the default: warps_k halved/doubled, other ring depths and unrolls, the
-    other m-tile count."""
-    from dataclasses import replace
-
-    out = {}
-    for change in (
-        {"warps_k": max(1, default.warps_k // 2)},
-        {"warps_k": min(16, default.warps_k * 2)},
-        {"stages": 2},
-        {"stages": 4},
-        {"unroll": 1},
-        {"unroll": 4, "stages": 2},
-        {"m_tiles": 3 - default.m_tiles},
-    ):
-        cfg = replace(default, **change)
-        if cfg != default:
-            out[f"m{cfg.m_tiles}w{cfg.warps_k}u{cfg.unroll}s{cfg.stages}"] = cfg
-    return out
-
-
-def _wide_variants(n: int, k: int) -> dict[str, object]:
-    """Bucket plans around the default: the weight ring in registers, the other m-tile count,
-    half the shared ring."""
-    from dataclasses import replace
-
-    from qwen35_tvm.schedules.gemv_config import wide_buckets
-    from qwen35_tvm.schedules.gemv_rule import plan
-
-    default = plan(n, k, "wide")
-    other = 1 if default[-1][1].m_tiles == 2 else 2
-    half = tuple(
-        (limit, replace(cfg, stages=max(2, cfg.stages // 2)) if cfg.w_smem else cfg)
-        for limit, cfg in default
-    )
-    return {
-        "regs": wide_buckets(n, k, w_smem=False),
-        f"m{other}": wide_buckets(n, k, m_tiles=other),
-        "half": half,
-    }
-
-
-def _config_json(cfg) -> object:
-    import dataclasses
-
-    if cfg is None:
-        return None
-    if dataclasses.is_dataclass(cfg):
-        return dataclasses.asdict(cfg)
-    return [[limit, dataclasses.asdict(c)] for limit, c in cfg]  # buckets
-
-
-def _kernels(small, rows: str, target) -> tuple[dict, dict, dict]:
-    """{name: PrimFunc}, {name: config}, {name: why it failed} of one shape and row class."""
+def _kernels(small, rows: str, target, gate_up: bool = False) -> tuple[dict, dict, dict]:
+    """{name: PrimFunc}, {name: config}, {name: why it failed} of one shape and row class;
+    `gate_up`: also the SwiGLU's kernels (benchmarks/gemv_swiglu.py)."""
+    import gemv_swiglu
+    from gemv_variants import config_json, variants, wide_variants
     from tvm.s_tir import dlight as dl
 
     from qwen35_tvm.schedules.gemm_match import match_gemm
@@ -123,13 +78,13 @@ def _kernels(small, rows: str, target) -> tuple[dict, dict, dict]:
 
     if rows == "small":
         default = default_config(n, k)
-        configs = {"ours": default, **_variants(default)}
+        configs = {"ours": default, **variants(default)}
         makers = {"ours": lambda: rule(DecodeGemv())}
         if not match.extra_params:
             makers["ours_rms"] = lambda: gemv_for(func, target, rows="small", rms_eps=RMS_EPS)
         baseline = {"dlight": lambda: rule(dl.gpu.GEMV(), dl.gpu.LowBatchGEMV(4))}
     else:
-        configs = {"ours": plan(n, k, "wide"), **_wide_variants(n, k)}
+        configs = {"ours": plan(n, k, "wide"), **wide_variants(n, k)}
         makers = {"ours": lambda: rule(DecodeGemv(rows="wide"))}
         baseline = {"mma_wide": lambda: rule(MatmulMMA(WIDE_DECODE_CONFIG, rows="wide"))}
     for name, cfg in list(configs.items()):
@@ -138,6 +93,10 @@ def _kernels(small, rows: str, target) -> tuple[dict, dict, dict]:
             if "ours_rms" in makers:  # the same config with the norm folded in
                 configs[f"{name}_rms"] = cfg
                 makers[f"{name}_rms"] = lambda c=cfg: gemv_for(func, target, c, rms_eps=RMS_EPS)
+    if gate_up and rows == "small":  # the default config, the SwiGLU folded in; and alone
+        glu = gemv_swiglu.makers(func, target, RMS_EPS)
+        makers.update(glu)
+        configs.update({name: configs["ours"] for name in glu if name != gemv_swiglu.ALONE})
     kernels, errors = {}, {}
     for name, make in {**makers, **baseline}.items():
         try:
@@ -145,7 +104,7 @@ def _kernels(small, rows: str, target) -> tuple[dict, dict, dict]:
                 kernels[name] = make().with_attr("tirx.is_scheduled", True)
         except Exception as err:  # noqa: BLE001  keep building the others
             errors[name] = f"{type(err).__name__}: {err}"
-    return kernels, {nm: _config_json(configs.get(nm)) for nm in kernels}, errors
+    return kernels, {nm: config_json(configs.get(nm)) for nm in kernels}, errors
 
 
 def _picked(name: str, only: list[str]) -> bool:
@@ -153,9 +112,12 @@ def _picked(name: str, only: list[str]) -> bool:
     return any(name == o or (o[:1] == "*" and name.endswith(o[1:])) for o in only)
 
 
-def build(out: Path, arch: str, rows: str = "small", only: list[str] | None = None) -> None:
+def build(
+    out: Path, arch: str, rows: str = "small", only: list[str] | None = None, proj: str = ""
+) -> None:
     import tvm
     from gemm_kernel import _fused_pair, _roles, projections
+    from gemv_swiglu import is_gate_up
 
     from qwen35_tvm.compile.cuda_toolchain import prepare_cuda_codegen
     from qwen35_tvm.compile.targets import make_target
@@ -167,15 +129,19 @@ def build(out: Path, arch: str, rows: str = "small", only: list[str] | None = No
     entries = []
     classes = ("small", "wide") if rows == "both" else (rows,)
     for model in ("4b", "9b"):
-        for proj in projections((model,)):
-            n, k, residual = proj["n"], proj["k"], proj["residual"]
+        for shape in projections((model,)):
+            if not any(name.endswith(f".{proj}") for name in shape["names"]):
+                continue
+            n, k, residual = shape["n"], shape["k"], shape["residual"]
             _, small = _fused_pair(n, k, residual, target)
             small = small.with_attr("dlight.do_not_tensorize", True)
             for cls in classes:
-                kernels, configs, errors = _kernels(small, cls, target)
+                kernels, configs, errors = _kernels(small, cls, target, is_gate_up(shape["names"]))
                 if only:
                     kernels = {nm: f for nm, f in kernels.items() if _picked(nm, only)}
                     configs = {nm: c for nm, c in configs.items() if _picked(nm, only)}
+                if not kernels:
+                    continue
                 tag = "" if cls == "small" else "wide_"
                 file = f"gemv_{tag}{model}_{n}x{k}{'_res' if residual else ''}.so"
                 mod = tvm.IRModule(
@@ -185,7 +151,7 @@ def build(out: Path, arch: str, rows: str = "small", only: list[str] | None = No
                 entries.append(
                     {
                         "model": model,
-                        **proj,
+                        **shape,
                         "rows": cls,
                         "file": file,
                         "roles": _roles(small),
@@ -257,6 +223,7 @@ def _measure(out: Path, file: str) -> list[dict]:
     import tvm_ffi
     from common import copy_bandwidth
     from gemv_report import PREVIOUS
+    from gemv_swiglu import ALONE, bytes_moved, is_rms, out_cols, reference
 
     from qwen35_tvm.runtime.artifact import device_of
 
@@ -289,9 +256,8 @@ def _measure(out: Path, file: str) -> list[dict]:
         nw = 1 + 0.3 * torch.randn(k, device="cuda", generator=gen)
         normed = x.float() * torch.rsqrt(x.float().square().mean(1, keepdim=True) + RMS_EPS)
         ref_rms = (normed * nw).bfloat16().float() @ ws[0].float().T
+        gate_up = ref.bfloat16()  # the SwiGLU kernel's input (gemv_swiglu.py)
         scale = ref.abs().max().item()
-        moved = n * k * 2 + batch * k * 2 + batch * n * out_dtype.itemsize
-        moved += batch * n * 2 if "res" in roles else 0
         base = {
             "model": entry["model"],
             "names": entry["names"],
@@ -300,7 +266,6 @@ def _measure(out: Path, file: str) -> list[dict]:
             "residual": entry["residual"],
             "rows": entry["rows"],
             "batch": batch,
-            "bytes": moved,
             "copy_bw_tbs": bw / 1e12,
         }
         cublas = (x @ ws[0].T + res if "res" in roles else x @ ws[0].T).float()
@@ -309,18 +274,20 @@ def _measure(out: Path, file: str) -> list[dict]:
         kernels = [kn for kn in entry["kernels"] if timed or kn not in PREVIOUS]
         for kernel in ["torch", *kernels] if timed else kernels:
             row = {**base, "kernel": kernel, "config": entry["kernels"].get(kernel)}
-            rms = kernel.endswith("_rms")  # reads the norm's weight (fp32 [k]) too
-            if rms:
-                row["bytes"] = moved + k * 4
+            rms = is_rms(kernel)  # reads the norm's weight (fp32 [k]) too
+            row["bytes"] = bytes_moved(kernel, batch, n, k, out_dtype.itemsize, "res" in roles)
             try:
                 if kernel == "torch":
                     got = cublas
                     calls = [lambda w=w, x=x: torch.matmul(x, w.T) for w in ws * reps]
                 else:
                     fn = lib[kernel]
-                    res_out = torch.empty(batch, n, device="cuda", dtype=out_dtype)
-                    named = {"x": dl(x), "res": dl(res), "out": dl(res_out), "nw": dl(nw)}
+                    res_out = torch.empty(batch, out_cols(kernel, n), device="cuda",
+                                          dtype=out_dtype)  # fmt: skip
+                    named = {"x": dl(x), "res": dl(res), "out": dl(res_out), "nw": dl(nw),
+                             "gate_up": dl(gate_up)}  # fmt: skip
                     order = sorted(roles, key=roles.get) + (["nw"] if rms else [])
+                    order = ["gate_up", "out"] if kernel == ALONE else order
                     if rms:  # the norm's weight goes where the output was, the output last
                         order.remove("out")
                         order.append("out")
@@ -329,7 +296,7 @@ def _measure(out: Path, file: str) -> list[dict]:
                     torch.cuda.synchronize()
                     got = res_out.float()
                     calls = [lambda a=a, fn=fn: fn(*a) for a in argss * reps]
-                want = ref_rms if rms else ref
+                want = reference(torch, kernel, ref_rms if rms else ref)
                 row["max_rel_err"] = (got - want).abs().max().item() / want.abs().max().item()
                 row["cublas_rel_err"] = (cublas - ref).abs().max().item() / scale
                 if not timed:
@@ -421,11 +388,15 @@ def main() -> None:
     p.add_argument(
         "--only", default=None, help="build: these kernels only (names, *suffix; commas)"
     )
+    p.add_argument(
+        "--proj", default="", help="build: these projections only (a name, e.g. gate_up_proj)"
+    )
     p.add_argument("--out", type=Path, default=None, help="run: also write the JSON here")
     p.add_argument("--timeout", type=int, default=300, help="seconds per shape (run)")
     args = p.parse_args()
     if args.step == "build":
-        build(args.dir, args.arch, args.rows, args.only.split(",") if args.only else None)
+        only = args.only.split(",") if args.only else None
+        build(args.dir, args.arch, args.rows, only, args.proj)
     elif args.step == "run":
         run(args.dir, args.out, args.timeout)
     else:

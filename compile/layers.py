@@ -77,7 +77,11 @@ class MLP(nn.Module):
         self.down_proj = Linear(self.inter, cfg.hidden_size, dtype)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate_up = self.gate_up_proj(x)
+        return self.down_proj(self.activate(self.gate_up_proj(x)))
+
+    def activate(self, gate_up: Tensor) -> Tensor:
+        """silu(gate) · up (schedules/activation.py; decode's is folded into the gate_up GEMV
+        by compile/swiglu_fusion.py)."""
         *lead, width = gate_up.shape
         rows = functools.reduce(operator.mul, lead)
         act = op.tensor_ir_op(
@@ -86,7 +90,7 @@ class MLP(nn.Module):
             [op.reshape(gate_up, (rows, width))],
             out=Tensor.placeholder((rows, self.inter), gate_up.dtype),
         )
-        return self.down_proj(op.reshape(act, (*lead, self.inter)))
+        return op.reshape(act, (*lead, self.inter))
 
 
 class KVCache(NamedTuple):

@@ -9,6 +9,9 @@ and its output is read only by the next projection. This pass rewrites
 into one GEMV that reads x, sums its squares from the loads it makes anyway and applies the
 weight and 1/rms itself; the norm, now unused, is dropped. Only decode's ("small") GEMMs: in
 decode_wide's 64-row bucket the extra registers spill, and prefill's GEMMs stay tiled.
+
+`GemvFolder` is shared with compile/swiglu_fusion.py, which folds the SwiGLU after decode's
+gate_up GEMV into it (and that GEMV's norm with it).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ FUSED_ROWS = "small"
 CALL_TIR = tvm.ir.Op.get("relax.call_tir")
 
 
-def _callee(mod: tvm.IRModule, expr) -> tuple[str, tvm.tirx.PrimFunc] | None:
+def callee(mod: tvm.IRModule, expr) -> tuple[str, tvm.tirx.PrimFunc] | None:
     """(name, PrimFunc) of a call_tir, else None."""
     if not (isinstance(expr, relax.Call) and expr.op.same_as(CALL_TIR)):
         return None
@@ -35,7 +38,7 @@ def _callee(mod: tvm.IRModule, expr) -> tuple[str, tvm.tirx.PrimFunc] | None:
     return (gv.name_hint, func) if isinstance(func, tvm.tirx.PrimFunc) else None
 
 
-def _same_shape(a: relax.Expr, b: relax.Expr) -> bool:
+def same_shape(a: relax.Expr, b: relax.Expr) -> bool:
     sa, sb = a.ty, b.ty
     return (
         isinstance(sa, relax.TensorType)
@@ -46,73 +49,112 @@ def _same_shape(a: relax.Expr, b: relax.Expr) -> bool:
     )
 
 
-@relax.expr_functor.mutator
-class _FoldNorms(relax.PyExprMutator):
+def decode_gemm(func: tvm.tirx.PrimFunc):
+    """gemm_match's GemmMatch of a fused GEMM marked for decode's GEMV, else None."""
+    if func.attrs is None or func.attrs.get(ROWS_ATTR) != FUSED_ROWS:
+        return None
+    return match_gemm(func)
+
+
+class GemvFolder(relax.PyExprMutator):
+    """A mutator (decorate subclasses with relax.expr_functor.mutator) that turns a decode
+    GEMM's call_tir into one of our GEMV with the GEMM's neighbours folded in (`gemv_call`)."""
+
     def __init__(self, mod: tvm.IRModule, target: tvm.target.Target):
         super().__init__(mod)
         self.mod_ = mod
         self.target = target
-        self.kernels: dict[tuple[str, float], tvm.ir.GlobalVar] = {}
+        self.kernels: dict[tuple[str, float | None, bool], tvm.ir.GlobalVar] = {}
+
+    def producer(self, arg: relax.Expr) -> tuple[relax.Var, relax.Call, tvm.tirx.PrimFunc]:
+        """(the var it binds, the call_tir, its PrimFunc) that computes `arg`, through identity
+        reshapes (`arg` itself where it is no call_tir's output; the call then None)."""
+        while isinstance(arg, relax.Var):
+            bound = self.lookup_binding(arg)
+            called = callee(self.mod_, bound)
+            if called is None:
+                break
+            name, func = called
+            tensors = list(bound.args[1].fields)
+            reshape = name.startswith("reshape") and len(tensors) == 1
+            if not (reshape and same_shape(tensors[0], bound)):
+                return arg, bound, func
+            arg = tensors[0]
+        return arg, None, None
 
     def _norm_input(self, arg: relax.Expr) -> tuple[relax.Expr, relax.Expr, float] | None:
         """(x, weight, eps) if `arg` is an RMSNorm's output, through identity reshapes."""
-        while isinstance(arg, relax.Var):
-            bound = self.lookup_binding(arg)
-            called = _callee(self.mod_, bound)
-            if called is None:
+        _, call, func = self.producer(arg)
+        if call is None or func.attrs is None or EPS_ATTR not in func.attrs:
+            return None
+        tensors = list(call.args[1].fields)
+        return tensors[0], tensors[1], float(func.attrs[EPS_ATTR])
+
+    def gemv_call(self, call: relax.Call, swiglu_ty=None) -> relax.Call | None:
+        """`call`, a decode GEMM's call_tir, as a call of our GEMV with the RMSNorm folded in
+        where the GEMM's A is a norm's output, and with `swiglu_ty` (the SwiGLU's out type)
+        the SwiGLU after it. None where there is nothing to fold or the kernel cannot."""
+        name, func = callee(self.mod_, call)
+        match = decode_gemm(func)
+        if match is None:
+            return None
+        args = list(call.args[1].fields)
+        norm = self._norm_input(args[match.a_param])
+        if norm is not None and not same_shape(norm[0], args[match.a_param]):
+            norm = None
+        swiglu = swiglu_ty is not None
+        if norm is None and not swiglu:
+            return None
+        eps = None if norm is None else norm[2]
+        key = (name, eps, swiglu)
+        if key not in self.kernels:
+            kernel = gemv_for(func, self.target, rows=FUSED_ROWS, rms_eps=eps, swiglu=swiglu)
+            if kernel is None:
                 return None
-            name, func = called
-            tensors = list(bound.args[1].fields)
-            if func.attrs is not None and EPS_ATTR in func.attrs:
-                return tensors[0], tensors[1], float(func.attrs[EPS_ATTR])
-            if not (name.startswith("reshape") and len(tensors) == 1):
-                return None
-            if not _same_shape(tensors[0], bound):
-                return None
-            arg = tensors[0]
-        return None
+            symbol = name + ("_rms_norm" if norm else "") + ("_swiglu" if swiglu else "")
+            kernel = kernel.with_attr("global_symbol", symbol)
+            self.kernels[key] = self.builder_.add_func(kernel, symbol)
+        if norm is not None:
+            args[match.a_param] = norm[0]
+            args.append(norm[1])  # gemv_for: the norm's weight just before the output
+        out_ty = [swiglu_ty] if swiglu else call.ty_args
+        return relax.Call(CALL_TIR, [self.kernels[key], relax.Tuple(args)], call.attrs, out_ty)
+
+    def begin(self, func: relax.Function) -> None:
+        """Called before each Relax function is visited."""
+
+    def fold_module(self) -> tvm.IRModule:
+        """Every Relax function visited, unused bindings dropped."""
+        for gv, func in list(self.mod_.functions_items()):
+            if isinstance(func, relax.Function):
+                self.begin(func)
+                self.builder_.update_func(gv, self.visit_expr(func))
+        return relax.transform.DeadCodeElimination()(self.builder_.get())
+
+
+@relax.expr_functor.mutator
+class NormFolder(GemvFolder):
+    """The pass's mutator: each decode GEMM fed by a norm (`fold_module()` for a module)."""
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         call = super().visit_call_(call)
-        called = _callee(self.mod_, call)
-        if called is None:
+        if callee(self.mod_, call) is None:
             return call
-        name, func = called
-        if func.attrs is None or func.attrs.get(ROWS_ATTR) != FUSED_ROWS:
-            return call
-        match = match_gemm(func)
-        args = list(call.args[1].fields)
-        norm = None if match is None else self._norm_input(args[match.a_param])
-        if norm is None:
-            return call
-        x, weight, eps = norm
-        if not _same_shape(x, args[match.a_param]):
-            return call
-        key = (name, eps)
-        if key not in self.kernels:
-            kernel = gemv_for(func, self.target, rows=FUSED_ROWS, rms_eps=eps)
-            if kernel is None:
-                return call
-            symbol = f"{name}_rms_norm"
-            kernel = kernel.with_attr("global_symbol", symbol)
-            self.kernels[key] = self.builder_.add_func(kernel, symbol)
-        args[match.a_param] = x
-        return relax.Call(
-            CALL_TIR, [self.kernels[key], relax.Tuple([*args, weight])], call.attrs, call.ty_args
-        )
+        folded = self.gemv_call(call)
+        return call if folded is None else folded
+
+
+def gemv_fold_pass(name: str, folder: type[GemvFolder], target) -> tvm.transform.Pass:
+    """The module pass running `folder` for `target` (a no-op below sm_80, where decode's
+    GEMMs are dlight's)."""
+
+    @tvm.transform.module_pass(opt_level=0, name=name)
+    def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        return folder(mod, target).fold_module() if has_tensor_cores(target) else mod
+
+    return _pass
 
 
 def fold_norms_into_gemv(target: tvm.target.Target) -> tvm.transform.Pass:
-    """The pass, for `target` (a no-op below sm_80, where decode's GEMMs are dlight's)."""
-
-    @tvm.transform.module_pass(opt_level=0, name="FoldNormsIntoGemv")
-    def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        if not has_tensor_cores(target):
-            return mod
-        mutator = _FoldNorms(mod, target)
-        for gv, func in list(mod.functions_items()):
-            if isinstance(func, relax.Function):
-                mutator.builder_.update_func(gv, mutator.visit_expr(func))
-        return relax.transform.DeadCodeElimination()(mutator.builder_.get())
-
-    return _pass
+    """The pass, for `target`."""
+    return gemv_fold_pass("FoldNormsIntoGemv", NormFolder, target)

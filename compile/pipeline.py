@@ -24,6 +24,7 @@ from ..schedules.gemv_rule import DecodeGemv
 from ..schedules.matmul import ROWS_ATTR, WIDE_DECODE_CONFIG, MatmulMMA
 from ..schedules.pdl import WAIT_CALL
 from .norm_fusion import fold_norms_into_gemv
+from .swiglu_fusion import fold_swiglu_into_gemv
 
 # Exported Relax functions by how many rows their projections see: prefill a whole prompt
 # chunk ("large"), decode_wide 8-64 sequences ("wide"), decode fewer ("small").
@@ -137,6 +138,8 @@ def fusion_passes(target: tvm.target.Target) -> list[tvm.transform.Pass]:
         relax.transform.FuseOps(),
         relax.transform.FuseTIR(),
         _split_gemms_by_rows,
+        # the SwiGLU first: it takes gate_up's norm along; the norm fold takes the rest
+        fold_swiglu_into_gemv(target),
         fold_norms_into_gemv(target),
         _mark_no_tensorize,
     ]

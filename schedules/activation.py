@@ -4,20 +4,43 @@
 Relax's split + silu + multiply fuses into one kernel too, but that kernel is TVM's: it cannot
 take part in programmatic dependent launch (schedules/pdl.py), so it held the down projection
 back behind its own launch in each of a decode step's 32 MLPs. Here each thread takes `vec`
-consecutive columns (128-bit loads and stores where `inter` allows).
+consecutive columns (128-bit loads and stores where `inter` allows). Decode's gate_up GEMV
+computes the same in its epilogue instead (`swiglu_of`, compile/swiglu_fusion.py).
 """
 
 from __future__ import annotations
 
+from tvm import tirx
 from tvm.script import tirx as T
 from tvm.target import Target
 from tvm.tirx import PrimFunc
 
+from .gdn_prep import _rounded
 from .loops import block_loop, thread_loop
 from .pdl import release_dependents, wait_for_producers
 
 GPU_THREADS = 256
 NAME = "swiglu"
+INTER_ATTR = "qwen35.swiglu_inter"  # on the kernel: compile/swiglu_fusion.py finds it by this
+
+
+def silu_mul(gate: tirx.Expr, up: tirx.Expr) -> tirx.Expr:
+    """silu(gate) · up of float32 values: this kernel's math and the fused GEMV's, written
+    once so that both round alike."""
+    return gate / (T.float32(1) + T.exp(-gate)) * up
+
+
+def swiglu_of(gate: tirx.Expr, up: tirx.Expr, dtype: str, gpu: bool) -> tirx.Expr:
+    """What the kernel stores for gate and up values as gate_up holds them (expressions of
+    its dtype): silu_mul in float32, rounded once to `dtype`. On the CPU the values are rounded
+    by hand: TVM's CPU bf16 legalisation drops a cast to bf16 and back (gdn_prep._rounded),
+    where the kernel's gate_up went through memory."""
+
+    def value(v: tirx.Expr) -> tirx.Expr:
+        wide = T.Cast("float32", v)
+        return wide if gpu else _rounded(wide, str(v.ty))
+
+    return T.Cast(dtype, silu_mul(value(gate), value(up)))
 
 
 def swiglu(inter: int, dtype: str, target: Target) -> PrimFunc:
@@ -59,10 +82,10 @@ def swiglu(inter: int, dtype: str, target: Target) -> PrimFunc:
                             up[v] = T.Cast(stage, x[row, inter + c + v])
                         for v in T.unroll(vec):
                             g: T.let[T.float32] = T.Cast("float32", gate[v])
-                            res[v] = T.Cast(
-                                stage, g / (T.float32(1) + T.exp(-g)) * T.Cast("float32", up[v])
-                            )
+                            res[v] = T.Cast(stage, silu_mul(g, T.Cast("float32", up[v])))
                         for v in T.vectorized(vec):
                             out[row, c + v] = T.Cast(dtype, res[v])
 
-    return swiglu_fn.with_attr("global_symbol", f"{NAME}_{dtype}_{inter}")
+    return swiglu_fn.with_attr("global_symbol", f"{NAME}_{dtype}_{inter}").with_attr(
+        INTER_ATTR, inter
+    )

@@ -240,10 +240,12 @@ def fused_gemm_func(
     extra_dtypes: tuple[str, ...],
     out_dtype: str,
     attrs: dict,
+    out_n: int | None = None,
 ) -> tirx.PrimFunc:
-    """The PrimFunc `name` (A [m, k], B [n, k] bf16, *extras, out [m, n] `out_dtype`), m
-    symbolic, whose body is the macro `body(a, b, out, extras, m)`. Extras are indexed [m, n],
+    """The PrimFunc `name` (A [m, k], B [n, k] bf16, *extras, out [m, out_n or n] `out_dtype`),
+    m symbolic, whose body is the macro `body(a, b, out, extras, m)`. Extras are indexed [m, n],
     [n], [m] or [k] (`extra_shapes` "mn", "n", "m", "k"), at most MAX_EXTRA_INPUTS of them."""
+    cols = out_n or n
     if len(extra_shapes) > MAX_EXTRA_INPUTS or len(extra_shapes) != len(extra_dtypes):
         raise ValueError(f"at most {MAX_EXTRA_INPUTS} extra inputs, each with a dtype")
 
@@ -258,7 +260,7 @@ def fused_gemm_func(
             m = T.int32()
             a = T.match_buffer(a_h, (m, k), DTYPE)
             b = T.match_buffer(b_h, (n, k), DTYPE)
-            out = T.match_buffer(o_h, (m, n), out_dtype)
+            out = T.match_buffer(o_h, (m, cols), out_dtype)
             body(a, b, out, (), m)
 
     elif len(extra_shapes) == 1:
@@ -270,7 +272,7 @@ def fused_gemm_func(
             a = T.match_buffer(a_h, (m, k), DTYPE)
             b = T.match_buffer(b_h, (n, k), DTYPE)
             e0 = T.match_buffer(e0_h, extra_shape(0, m), extra_dtypes[0])
-            out = T.match_buffer(o_h, (m, n), out_dtype)
+            out = T.match_buffer(o_h, (m, cols), out_dtype)
             body(a, b, out, (e0,), m)
 
     else:
@@ -283,7 +285,7 @@ def fused_gemm_func(
             b = T.match_buffer(b_h, (n, k), DTYPE)
             e0 = T.match_buffer(e0_h, extra_shape(0, m), extra_dtypes[0])
             e1 = T.match_buffer(e1_h, extra_shape(1, m), extra_dtypes[1])
-            out = T.match_buffer(o_h, (m, n), out_dtype)
+            out = T.match_buffer(o_h, (m, cols), out_dtype)
             body(a, b, out, (e0, e1), m)
 
     return fused.with_attr("global_symbol", name)

@@ -1,8 +1,8 @@
 """Decode GEMV for batches of 1-64: out = epilogue(X · Wᵀ), X [batch, k] bf16 (batch symbolic),
 W [n, k] bf16 as stored, fp32 accumulation, then the elementwise epilogue gemm_match extracted
 (the cast to bf16, a residual add, an activation, ...). The kernel of one config:
-gemv_body.py; configs: gemv_config.py; index maps: gemv_layout.py; the pipeline's rule:
-gemv_rule.py.
+gemv_body.py, its rows and epilogue store: gemv_store.py; configs: gemv_config.py; index maps:
+gemv_layout.py; the pipeline's rule: gemv_rule.py.
 
 A decode step is a weight stream: every weight element is read once and applied to all rows
 of the batch. On the GPU the product runs on mma.sync m16n8k16 with the weight as A (16 rows a
@@ -27,6 +27,12 @@ each lane also sums the squares of the X it loads and multiplies X by the norm's
 before mma; the warps' squares meet in shared memory beside the partial sums, and the
 epilogue scales each row's sum by its 1/rms.
 
+Decode's SwiGLU after the gate_up projection can be folded in too (`swiglu`,
+compile/swiglu_fusion.py): each m16 tile takes the gate rows of 8 output columns and their up
+rows (gemv_layout.paired_row; the weight stays [gate; up]), and the epilogue stores
+silu(gate) · up, so gate_up never reaches memory. decode_wide keeps its SwiGLU kernel, as it
+keeps its norms (see compile/swiglu_fusion.py).
+
 The CPU variant is the same loop nest, except that a lane computes its accumulators from
 memory instead of from mma fragments: CPU tests check every index but the data movement, which
 tests/test_gemv_emulated.py checks by emulating the rings and mma in numpy.
@@ -40,6 +46,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 from tvm.target import Target
 
+from .activation import swiglu_of
 from .gemm_match import Epilogue, fused_gemm_func, plain_epilogue
 from .gemv_body import pass_kernel
 from .gemv_config import VEC, Buckets, GemvConfig, default_config
@@ -47,16 +54,15 @@ from .gemv_config import VEC, Buckets, GemvConfig, default_config
 KERNEL_ATTR = "qwen35.kernel"  # set to "gemv" on the kernel, so tests can tell it is ours
 
 
-def _dispatch(
-    n: int, k: int, buckets: Buckets, gpu: bool, epilogue: Epilogue, rms_eps: float | None
-):
+def _dispatch(n: int, k: int, buckets: Buckets, gpu: bool, *fold):
     """A macro choosing, by the batch at run time, the kernel of the first bucket holding it
-    (each bucket its own kernel, with its own registers and launch bounds)."""
+    (each bucket its own kernel, with its own registers and launch bounds). `fold`: the
+    epilogue, rms_eps and pair of gemv_body.pass_kernel."""
     (limit, cfg), rest = buckets[0], buckets[1:]
-    first = pass_kernel(n, k, cfg, gpu, epilogue, rms_eps)
+    first = pass_kernel(n, k, cfg, gpu, *fold)
     if not rest:
         return first
-    other = _dispatch(n, k, rest, gpu, epilogue, rms_eps)
+    other = _dispatch(n, k, rest, gpu, *fold)
 
     @T.macro
     def pick(x, w, out, extras, batch):
@@ -78,6 +84,7 @@ def gemv_kernel(
     out_dtype: str = "float32",
     epilogue: Epilogue = plain_epilogue,
     rms_eps: float | None = None,
+    swiglu: bool = False,
 ) -> tirx.PrimFunc:
     """The kernel with parameters (X [batch, k], W [n, k], *extras, out [batch, n]); extras are
     indexed [batch, n], [n], [batch] or [k] (`extra_shapes` "mn", "n", "m", "k"). `epilogue(acc,
@@ -87,13 +94,22 @@ def gemv_kernel(
     `rms_eps`: X is the input of an RMSNorm whose weight [k] fp32 is the last extra (the
     epilogue gets the others): out = epilogue(rsqrt(mean_k(X²) + eps) · Σ_k bf16(X · weight)
     · W), the norm folded in. Each block sums the squares of the X it loads anyway, so the
-    norm costs no kernel and no pass over X of its own."""
+    norm costs no kernel and no pass over X of its own.
+
+    `swiglu`: W is [gate; up] (n = 2 I) and out [batch, I] holds silu(gate) · up of the
+    epilogue's values, in float32 rounded once to `out_dtype` (activation.swiglu_of), as the
+    SwiGLU kernel computes from the stored gate_up."""
     config = config or default_config(n, k)
     buckets = ((1 << 30, config),) if isinstance(config, GemvConfig) else tuple(config)
     if k % VEC:
         raise ValueError(f"k {k} must be a multiple of {VEC} (128-bit loads)")
     if rms_eps is not None and extra_shapes[-1:] != ("k",):
         raise ValueError("an RMSNorm'd X needs the norm's weight, shape 'k', as the last extra")
-    body = _dispatch(n, k, buckets, target.kind.name == "cuda", epilogue, rms_eps)
+    if swiglu and n % 2:
+        raise ValueError(f"n {n} must be even with swiglu: gate and up rows")
+    gpu = target.kind.name == "cuda"
+    pair = (lambda gate, up: swiglu_of(gate, up, out_dtype, gpu)) if swiglu else None
+    body = _dispatch(n, k, buckets, gpu, epilogue, rms_eps, pair)
     attrs = {"tirx.is_scheduled": True, "tirx.noalias": True, KERNEL_ATTR: "gemv"}
-    return fused_gemm_func("gemv", body, n, k, extra_shapes, extra_dtypes, out_dtype, attrs)
+    return fused_gemm_func("gemv", body, n, k, extra_shapes, extra_dtypes, out_dtype, attrs,
+                           n // 2 if swiglu else n)  # fmt: skip

@@ -18,11 +18,11 @@ from .gemv_layout import (
     lane_coords,
     load_k,
     load_row,
-    out_row,
     ring_offset,
     warp_step,
     x_row,
 )
+from .gemv_store import Pair, block_rows
 from .matmul import acc_coords
 from .pdl import prefetch_l2, release_dependents, wait_for_producers
 from .ptx import cp_async_16, mma_bf16
@@ -32,22 +32,29 @@ LINE = 64  # bf16 elements of a 128-byte cache line
 
 
 def pass_kernel(
-    n: int, k: int, cfg: GemvConfig, gpu: bool, epilogue: Epilogue, rms_eps: float | None
+    n: int,
+    k: int,
+    cfg: GemvConfig,
+    gpu: bool,
+    epilogue: Epilogue,
+    rms_eps: float | None,
+    pair: Pair | None = None,
 ):
     """A macro (x, w, out, extras, batch) that launches the kernel of one config: row tiles
     on blockIdx.x, passes of cfg.cols batch rows on blockIdx.y. With `rms_eps` the last extra
-    is an RMSNorm's weight [k]: X's rows are normalised on the fly (see gemv_kernel)."""
+    is an RMSNorm's weight [k]: X's rows are normalised on the fly (see gemv_kernel). With
+    `pair`, out [batch, n / 2] column c is pair(epilogue of row c, epilogue of row n / 2 + c):
+    a block takes both rows of its columns (gemv_store.block_rows)."""
     cfg.check()
     mt, wks, unroll, stages, rb, step = (
         cfg.m_tiles, cfg.warps_k, cfg.unroll, cfg.stages, cfg.rows, cfg.step
     )  # fmt: skip
     nt, xr, cols, n_acc = cfg.n_tiles, cfg.x_ring, cfg.cols, 4 * cfg.m_tiles * cfg.n_tiles
-    min_blocks = min_blocks_per_sm(n, cfg)
+    tiles, weight_row, store = block_rows(n, k, cfg, epilogue, rms_eps, pair)
+    min_blocks = min_blocks_per_sm(tiles * rb, cfg)
     n_steps = cdiv(k, step)
     per_warp = cdiv(n_steps, wks)
     iters = cdiv(per_warp, stages)
-    outs = rb * TILE_COLS  # outputs of a block per n-tile
-    store_iters = cdiv(outs, cfg.threads)
     same = xr == stages  # both rings equally deep: a step's loads go together
     ring_elems = cfg.warps_k * cfg.stages * cfg.unroll * 2 * cfg.m_tiles * 32 * VEC
     ring_scope = "shared" if cfg.shared_bytes <= 48 * 1024 else "shared.dyn"
@@ -61,9 +68,6 @@ def pass_kernel(
 
     def norm_weight(extras):
         return extras[-1] if rms else None
-
-    def row_squares(sq_sh, c):
-        return sum((sq_sh[w2, c] for w2 in range(1, wks)), sq_sh[0, c])
 
     def x_value(x, nw, b, kk):
         # X, or X times the norm's weight (which the GPU rounds to bf16 for mma; TVM's CPU
@@ -100,7 +104,7 @@ def pass_kernel(
                     if with_w:
                         for h in T.unroll(2 * mt):
                             for v in T.vectorized(VEC):
-                                w_reg[d, u, h, v] = w[T.min(load_row(tile, h, g, mt), n - 1),
+                                w_reg[d, u, h, v] = w[weight_row(load_row(tile, h, g, mt)),
                                                       k0 + v]  # fmt: skip
                     if with_x:
                         for j in T.unroll(nt):
@@ -182,7 +186,7 @@ def pass_kernel(
             for u in T.unroll(unroll):
                 k0: T.let[T.int32] = load_k(ks, u, q, step)
                 for h in T.unroll(2 * mt):
-                    row: T.let[T.int32] = T.min(load_row(tile, h, g, mt), n - 1)
+                    row: T.let[T.int32] = weight_row(load_row(tile, h, g, mt))
                     at: T.let[T.int32] = ring_offset(wk, d, u, h, tx, cfg)
                     T.evaluate(cp_async_16(w_sh.data, at, w.data, row * k + k0, live(k0)))
         T.evaluate(T.ptx["cp.async.commit_group"]())  # every step a group, loads or not
@@ -230,7 +234,7 @@ def pass_kernel(
                     for t in T.serial(nt):
                         for e in T.serial(4):
                             er, ec = T.meta_var(acc_coords(tx, e))
-                            row: T.let[T.int32] = T.min(tile * rb + m * 16 + er, n - 1)
+                            row: T.let[T.int32] = weight_row(tile * rb + m * 16 + er)
                             b: T.let[T.int32] = T.min(x_row(col, t, ec), batch - 1)
                             i: T.let[T.int32] = base + acc_index(m, t, e, nt)
                             for kk in T.serial(step):
@@ -246,24 +250,6 @@ def pass_kernel(
                 part[wk, ec, m * 16 + er] = acc[base + acc_index(m, t, e, nt)]
 
     @T.macro
-    def store(out, extras, part, wk, tx, tile, col, t, batch, sq_sh):
-        total = T.sblock_alloc_buffer((1,), "float32", scope="local")
-        for i in T.unroll(store_iters):
-            # consecutive threads take consecutive rows: coalesced
-            o: T.let[T.int32] = i * cfg.threads + wk * 32 + tx
-            r: T.let[T.int32] = o % rb
-            row: T.let[T.int32] = tile * rb + r
-            b: T.let[T.int32] = out_row(col, t, o // rb)
-            if o < outs and row < n and b < batch:
-                total[0] = part[0, o // rb, r]
-                for w2 in T.unroll(1, wks):
-                    total[0] = total[0] + part[w2, o // rb, r]
-                if rms:  # the row's 1 / rms, from every warp's squares of it
-                    ss = T.meta_var(row_squares(sq_sh, t * TILE_COLS + o // rb))
-                    total[0] = total[0] * T.rsqrt(ss / T.float32(k) + T.float32(rms_eps))
-                out[b, row] = epilogue(total[0], b, row, extras[:-1] if rms else extras)
-
-    @T.macro
     def prefetch_weights(w, tile, wk, tx):
         # the first steps' weight lines into L2 while the producer of X still runs: the weight
         # is constant, so this may precede the wait (schedules/pdl.py)
@@ -275,7 +261,7 @@ def pass_kernel(
                     for h in T.unroll(2 * mt):
                         for c in T.unroll(lines):
                             T.evaluate(prefetch_l2(gpu, T.address_of(
-                                w[T.min(load_row(tile, h, g, mt), n - 1),
+                                w[weight_row(load_row(tile, h, g, mt)),
                                   T.min(ks * step + c * LINE, k - 1)])))  # fmt: skip
 
     @T.macro
@@ -370,7 +356,7 @@ def pass_kernel(
     def launch(x, w, out, extras, batch):
         # batches past cols take more blocks (a loop would let nvcc keep the first loads live)
         for p in passes(T.ceildiv(batch, cols)):
-            for tile in blocks(cdiv(n, rb)):
+            for tile in blocks(tiles):
                 with T.sblock("tile"):
                     T.reads()
                     T.writes()

@@ -1,7 +1,7 @@
 """Where the decode GEMV (schedules/gemv.py) puts things: which k, weight rows and batch rows a
 lane loads, how loaded elements become mma fragments, where accumulators, ring slots and
 outputs go. The kernel uses these with TIR expressions, tests/test_gemv_emulated.py with ints;
-tests mutate them through schedules.gemv_body, whose names the kernel reads."""
+tests mutate them through schedules.gemv_body and gemv_store, whose names the kernel reads."""
 
 from __future__ import annotations
 
@@ -70,3 +70,16 @@ def acc_index(m: Index, j: Index, e: Index, n_tiles: int) -> Index:
     """A lane's accumulator element e of m-tile m and n-tile j: four a (m, j) tile, n-tiles of
     an m-tile adjacent."""
     return (m * n_tiles + j) * 4 + e
+
+
+def paired_row(v: Index) -> tuple[Index, Index]:
+    """(output column, 0 gate / 1 up) of a block's virtual row v when it pairs the gate and up
+    rows of a gated activation (gemv_kernel's `swiglu`): in each m16 tile rows 0-7 are the gate
+    rows of 8 output columns and rows 8-15 their up rows, so the weight's layout stays [gate;
+    up] and a column's two sums meet in one block. The weight row is column + 1/0 x half."""
+    return v // 16 * 8 + v % 8, v % 16 // 8
+
+
+def pair_rows(c: Index) -> tuple[Index, Index]:
+    """(gate, up) virtual rows of a block's output column c: paired_row's inverse."""
+    return c // 8 * 16 + c % 8, c // 8 * 16 + c % 8 + 8

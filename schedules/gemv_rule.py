@@ -25,11 +25,13 @@ def gemv_for(
     config: GemvConfig | Buckets | None = None,
     rows: str = "small",
     rms_eps: float | None = None,
+    swiglu: bool = False,
 ) -> tirx.PrimFunc | None:
     """The GEMV standing in for the fused bf16 GEMM `func`, parameters in `func`'s order; None
     if `func` is not one this kernel covers. Without `config`, `plan(n, k, rows)`. With
     `rms_eps`, `func`'s A is the input of an RMSNorm folded into the kernel, whose weight [k]
-    becomes a parameter just before the output (gemv_kernel's `rms_eps`)."""
+    becomes a parameter just before the output (gemv_kernel's `rms_eps`). With `swiglu`, the
+    output is silu(gate) · up of `func`'s [gate | up] output (gemv_kernel's `swiglu`)."""
     match = match_gemm(func)
     if match is None or match.k % VEC:
         return None
@@ -38,7 +40,7 @@ def gemv_for(
     kernel = gemv_kernel(match.n, match.k, target, config,
                          match.extra_shapes + (("k",) if norm else ()),
                          match.extra_dtypes + (("float32",) if norm else ()),
-                         match.out_dtype, match.epilogue, rms_eps)  # fmt: skip
+                         match.out_dtype, match.epilogue, rms_eps, swiglu)  # fmt: skip
     # the kernel's own order is (X, W, *extras[, norm weight], out); put each where `func`
     # has it, the norm weight where `func` has its output and the output last
     n_params = len(func.params)

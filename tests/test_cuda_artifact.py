@@ -47,6 +47,9 @@ def test_tiny_random_cuda_library_carries_sass_for_each_arch(model_root, monkeyp
     lib = (out / "model.so").read_bytes()
     assert b"__global__" not in lib
     assert b"_small_rms_norm" in lib
+    # decode's gate_up GEMV with its norm and the SwiGLU folded in (compile/swiglu_fusion.py);
+    # decode_wide and prefill keep the SwiGLU kernel
+    assert b"_small_rms_norm_swiglu" in lib and b"swiglu_bfloat16" in lib
     # our attention and our KV cache only: none of TVM's kernels or KV-cache builtins
     assert b"attn_paged" in lib and b"attn_append_kv" in lib
     for name in (b"batch_decode_paged_kv", b"batch_prefill_", b"kv_state", b"attention_kv_cache"):

@@ -14,7 +14,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from qwen35_tvm.schedules import gemv_body
+from qwen35_tvm.schedules import gemv_body, gemv_store
 from qwen35_tvm.schedules.gemv_config import TILE_COLS, GemvConfig, cdiv
 from qwen35_tvm.schedules.matmul import acc_coords
 
@@ -144,7 +144,7 @@ def _emulate_gpu(x: np.ndarray, w: np.ndarray, cfg: GemvConfig) -> np.ndarray:
                     er, ec = acc_coords(lane, e)
                     part[wk, ec, m * 16 + er] = accs[wk][lane, gemv_body.acc_index(m, t, e, nt)]
                 for o in range(rb * TILE_COLS):  # every thread's o in the store loop
-                    r, b = o % rb, gemv_body.out_row(p * cfg.cols, t, o // rb)
+                    r, b = o % rb, gemv_store.out_row(p * cfg.cols, t, o // rb)
                     if tile * rb + r < n and b < batch:
                         out[b, tile * rb + r] = part[:, o // rb, r].sum()
     return out

@@ -1,0 +1,82 @@
+"""Decode's SwiGLU folded into the gate_up GEMV before it (schedules/gemv.py, `swiglu`).
+
+Each MLP of a decode step runs gate_up = GEMV(x, W [2 I, H]), then the SwiGLU kernel
+(schedules/activation.py: silu(gate_up[:, j]) · gate_up[:, I + j]), then the down projection.
+This pass rewrites
+
+    gu = gemm(x, W_gate_up, ...)       (a fused bf16 GEMM marked for decode's GEMV)
+    a = swiglu(gu)                     (identity reshapes between them)
+
+into one GEMV whose blocks take both gate row j and up row I + j of the weight as stored and
+store silu(gate) · up: gate_up never reaches memory and the SwiGLU's launch goes. Where x is
+an RMSNorm's output, the norm is folded in too (compile/norm_fusion.py's GemvFolder), so this
+pass runs before fold_norms_into_gemv, which takes the other GEMMs. A gate_up read by anything
+else stays as it is.
+
+Only decode's ("small") GEMMs, as for the norms; prefill's GEMMs stay tiled. ptxas -v (sm_90,
+the 4B and 9B gate_up): decode's kernel takes 152 registers with the SwiGLU (150 without), 168
+with the norm too (168 with the norm alone), no spills. decode_wide keeps its SwiGLU kernel:
+there the fold would carry the norm along, and with both one bucket spills 16 bytes (4 with
+the norm alone, at 4B: why decode_wide's norms are not folded); the SwiGLU alone does not
+spill there, but is untried on the GPU.
+"""
+
+from __future__ import annotations
+
+import tvm
+from tvm import relax
+
+from ..schedules.activation import INTER_ATTR
+from .norm_fusion import GemvFolder, callee, decode_gemm, gemv_fold_pass
+
+
+def _readers(func: relax.Function) -> dict[relax.Var, int]:
+    """How many times each variable is read in `func` (its definitions not counted)."""
+    count: dict[relax.Var, int] = {}
+
+    def visit(expr) -> None:
+        if isinstance(expr, relax.Var):
+            count[expr] = count.get(expr, 0) + 1
+
+    relax.analysis.post_order_visit(func.body, visit)
+    return count
+
+
+@relax.expr_functor.mutator
+class SwigluFolder(GemvFolder):
+    """The pass's mutator: each SwiGLU after a decode GEMM (`fold_module()` for a module)."""
+
+    def begin(self, func: relax.Function) -> None:
+        self.readers = _readers(func)
+
+    def _sole_gate_up(self, arg: relax.Expr, inter: int) -> relax.Call | None:
+        """The decode GEMM call that computes `arg` (through identity reshapes) if it is a
+        gate_up of 2 `inter` columns in the SwiGLU's dtype that nothing else reads."""
+        var, call, func = self.producer(arg)
+        if call is None:
+            return None
+        match = decode_gemm(func)
+        if match is None or match.n != 2 * inter or match.out_dtype != str(call.ty.dtype):
+            return None
+        while True:  # every variable from the GEMM's output to `arg`: this one reader
+            if self.readers.get(arg, 0) != 1:
+                return None
+            if arg.same_as(var):
+                return call
+            arg = self.lookup_binding(arg).args[1].fields[0]  # an identity reshape's input
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        call = super().visit_call_(call)
+        called = callee(self.mod_, call)
+        if called is None or called[1].attrs is None or INTER_ATTR not in called[1].attrs:
+            return call
+        gate_up = self._sole_gate_up(call.args[1].fields[0], int(called[1].attrs[INTER_ATTR]))
+        if gate_up is None or str(gate_up.ty.dtype) != str(call.ty.dtype):
+            return call
+        folded = self.gemv_call(gate_up, swiglu_ty=call.ty_args[0])
+        return call if folded is None else folded
+
+
+def fold_swiglu_into_gemv(target: tvm.target.Target) -> tvm.transform.Pass:
+    """The pass, for `target` (a no-op below sm_80, where decode's GEMMs are dlight's)."""
+    return gemv_fold_pass("FoldSwigluIntoGemv", SwigluFolder, target)

@@ -1,0 +1,80 @@
+"""The decode GEMV's rows (the kernel: schedules/gemv_body.py): which weight row each row of a
+block reads, and the epilogue store, which sums a row's partial sums over the warps (times its
+1/rms where a norm is folded in) and stores epilogue(sum); or, where the block pairs the gate
+and up rows of a gated activation, pair(epilogue(gate), epilogue(up)) for their output column.
+The store reads the index maps by these names, so tests mutate them here."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from .gemm_match import Epilogue
+from .gemv_config import TILE_COLS, GemvConfig, cdiv
+from .gemv_layout import Index, out_row, pair_rows, paired_row
+
+Pair = Callable[[tirx.Expr, tirx.Expr], tirx.Expr]  # (gate, up) epilogue values -> stored value
+
+
+class Rows(NamedTuple):
+    tiles: int  # row tiles: blocks a pass
+    weight_row: Callable[[Index], Index]  # a block's row tile * rows + r -> its weight row
+    store: Any  # macro (out, extras, part, wk, tx, tile, col, t, batch, sq_sh)
+
+
+def block_rows(
+    n: int, k: int, cfg: GemvConfig, epilogue: Epilogue, rms_eps: float | None, pair: Pair | None
+) -> Rows:
+    """The rows of the kernel of one config over a weight of n rows: n outputs, or n / 2 with
+    `pair` (gemv_kernel's `swiglu`)."""
+    wks, rb, rms = cfg.warps_k, cfg.rows, rms_eps is not None
+    paired = pair is not None
+    n_out, ob = (n // 2, rb // 2) if paired else (n, rb)  # output columns: all, a block's
+    outs = ob * TILE_COLS  # outputs of a block per n-tile
+    store_iters = cdiv(outs, cfg.threads)
+
+    def weight_row(v):
+        # rows past n are clamped: they feed only accumulators that are never stored
+        if not paired:
+            return T.min(v, n - 1)
+        c, up = paired_row(v)
+        return T.min(c, n_out - 1) + up * n_out
+
+    def row_squares(sq_sh, c):
+        return sum((sq_sh[w2, c] for w2 in range(1, wks)), sq_sh[0, c])
+
+    @T.macro
+    def row_sum(total, i, part, c, r, t, sq_sh):
+        # total[i]: row r's sums over the warps for batch column c, times the row's 1 / rms
+        total[i] = part[0, c, r]
+        for w2 in T.unroll(1, wks):
+            total[i] = total[i] + part[w2, c, r]
+        if rms:  # from every warp's squares of it
+            ss = T.meta_var(row_squares(sq_sh, t * TILE_COLS + c))
+            total[i] = total[i] * T.rsqrt(ss / T.float32(k) + T.float32(rms_eps))
+
+    @T.macro
+    def store(out, extras, part, wk, tx, tile, col, t, batch, sq_sh):
+        total = T.sblock_alloc_buffer((1 + paired,), "float32", scope="local")
+        ex = extras[:-1] if rms else extras
+        for i in T.unroll(store_iters):
+            # consecutive threads take consecutive outputs: coalesced
+            o: T.let[T.int32] = i * cfg.threads + wk * 32 + tx
+            r: T.let[T.int32] = o % ob
+            row: T.let[T.int32] = tile * ob + r  # the output's column
+            b: T.let[T.int32] = out_row(col, t, o // ob)
+            if o < outs and row < n_out and b < batch:
+                if paired:
+                    gate, up = T.meta_var(pair_rows(r))
+                    row_sum(total, 0, part, o // ob, gate, t, sq_sh)
+                    row_sum(total, 1, part, o // ob, up, t, sq_sh)
+                    out[b, row] = pair(epilogue(total[0], b, row, ex),
+                                       epilogue(total[1], b, n_out + row, ex))  # fmt: skip
+                else:
+                    row_sum(total, 0, part, o // ob, r, t, sq_sh)
+                    out[b, row] = epilogue(total[0], b, row, ex)
+
+    return Rows(cdiv(n_out, ob), weight_row, store)
