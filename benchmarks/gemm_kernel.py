@@ -160,7 +160,8 @@ def _variants(
     """{kernel name: scheduled PrimFunc}, {kernel name: why it failed}, parameter roles."""
     from tvm.s_tir import dlight as dl
 
-    from qwen35_tvm.schedules.matmul import GemmConfig, MatmulMMA, default_config, gemm_for
+    from qwen35_tvm.schedules.matmul import GemmConfig, default_config
+    from qwen35_tvm.schedules.matmul_rule import MatmulMMA, gemm_for
     from qwen35_tvm.schedules.matmul_wgmma import WgmmaConfig
 
     large, small = _fused_pair(n, k, residual, target)

@@ -9,7 +9,7 @@ installed apache-tvm-ffi (0.1.15) that serializer segfaults on any node with a d
 (`tvm.ir.save_json(tvm.tirx.IntImm("int32", 3))` is enough); apache-tvm 0.27.0.post1 works with
 apache-tvm-ffi 0.1.14.post0. TVM's mma/wmma intrinsics are fp16/int8-only anyway. So, like
 schedules/logits.py, this kernel is plain TIR with the PTX instructions written out, and it
-replaces the fused PrimFunc whole (`MatmulMMA` below, a dlight rule).
+replaces the fused PrimFunc whole (`MatmulMMA` in matmul_rule.py, a dlight rule).
 
 Kernel: a thread block computes a block_m x block_n tile of C with warps_m x warps_n warps, each
 owning a (block_m / warps_m) x (block_n / warps_n) sub-tile. k is consumed block_k at a time
@@ -24,10 +24,8 @@ through L2 and the weight is streamed from DRAM about once.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Literal
 
-from tvm import s_tir, tirx
-from tvm.s_tir.dlight.gpu.base import GPUScheduleRule
+from tvm import tirx
 from tvm.script import tirx as T
 from tvm.target import Target
 
@@ -38,13 +36,12 @@ from .gemm_layout import (
     ldmatrix_b_coords,
     tile_offset,
 )
-from .gemm_match import DTYPE, Epilogue, fused_gemm_func, match_gemm, plain_epilogue
+from .gemm_match import DTYPE, Epilogue, fused_gemm_func, plain_epilogue
 from .matmul_wgmma import (
     BLOCK_K,
     BLOCK_M,
     THREADS,
     WgmmaConfig,
-    default_wgmma_config,
     tensor_maps,
     wgmma_tile,
 )
@@ -391,85 +388,3 @@ def gemm_kernel(
     attrs = {"tirx.is_scheduled": True, "tirx.noalias": True}
     kernel = body if wgmma is None else body_with_wgmma
     return fused_gemm_func("gemm", kernel, n, k, extra_shapes, extra_dtypes, out_dtype, attrs)
-
-
-def shared_launch_config(wgmma: WgmmaConfig) -> GemmConfig:
-    """The mma.sync tiling that shares `wgmma`'s launch (128 x block_n, 8 warps), for the
-    arches without wgmma; 3 stages keep it within sm_80's 163 KB."""
-    warps_m = 2 if wgmma.block_n % 64 == 0 else 4
-    return GemmConfig(
-        block_n=wgmma.block_n,
-        block_k=BLOCK_K,
-        warps_m=warps_m,
-        warps_n=8 // warps_m,
-        pair_store=True,
-        frag_pipeline=True,
-    )
-
-
-def gemm_for(
-    func: tirx.PrimFunc,
-    config: GemmConfig | None = None,
-    wgmma: WgmmaConfig | Literal["default"] | None = None,
-) -> tirx.PrimFunc | None:
-    """The tensor-core kernel standing in for `func`, parameters in `func`'s order; None if
-    `func` is not a fused bf16 GEMM this kernel covers. Without `config`, `default_config`.
-    With `wgmma` ("default": `default_wgmma_config`), sm_90a runs wgmma and the other arches
-    `shared_launch_config` (k a multiple of 64; else `config` alone)."""
-    match = match_gemm(func)
-    if match is None:
-        return None
-    if wgmma is not None and match.k % BLOCK_K == 0:
-        wgmma = default_wgmma_config(match.n) if wgmma == "default" else wgmma
-        config = config or shared_launch_config(wgmma)
-    else:
-        wgmma = None
-    config = config or default_config(match.n)
-    if match.k % config.block_k and match.k % 32 == 0:
-        config = replace(config, block_k=32)  # small k (tiny configs): the 32-deep tile
-    if match.k % config.block_k:
-        return None
-    kernel = gemm_kernel(
-        match.n,
-        match.k,
-        config,
-        match.extra_shapes,
-        match.extra_dtypes,
-        match.out_dtype,
-        match.epilogue,
-        wgmma,
-    )
-    # the kernel's own order is (A, B, *extras, out); put each where `func` has it
-    order = [match.a_param, match.b_param, *match.extra_params, match.out_param]
-    params = [None] * len(order)
-    for kernel_pos, func_pos in enumerate(order):
-        params[func_pos] = kernel.params[kernel_pos]
-    out = tirx.PrimFunc(params, kernel.body, attrs=kernel.attrs)
-    for key, value in (func.attrs or {}).items():
-        if key not in kernel.attrs:
-            out = out.with_attr(key, value)
-    return out
-
-
-class MatmulMMA(GPUScheduleRule):
-    """dlight rule: the fused bf16 GEMMs the pipeline marked with `rows` ("large": prefill,
-    "wide": wide decode) become the tensor-core kernel on sm_80+; everything else falls through
-    to the next rule."""
-
-    def __init__(self, config: GemmConfig | None = None, rows: str = "large"):
-        if config is not None:
-            config.check()
-        self.config = config
-        self.rows = rows
-
-    def apply(self, func: tirx.PrimFunc, target: Target, _tunable: bool) -> s_tir.Schedule | None:
-        if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
-            return None
-        if not has_tensor_cores(target) or func.attrs is None:
-            return None
-        if func.attrs.get(ROWS_ATTR) != self.rows:
-            return None
-        # prefill's tiles carry an sm_90a path; decode_wide's 64-row ones do not
-        dual = self.rows == "large" and self.config is None
-        kernel = gemm_for(func, self.config, "default" if dual else None)
-        return None if kernel is None else s_tir.Schedule(kernel)

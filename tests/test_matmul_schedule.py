@@ -23,8 +23,11 @@ from qwen35_tvm.compile.random_model import SHAPES
 from qwen35_tvm.compile.targets import make_target
 from qwen35_tvm.compile.vocab import VocabWidths
 from qwen35_tvm.schedules import matmul as mm
+from qwen35_tvm.schedules import matmul_rule as rule
 from qwen35_tvm.schedules.gemm_match import match_gemm
 from qwen35_tvm.schedules.gemv import KERNEL_ATTR
+from qwen35_tvm.schedules.matmul_wgmma import default_wgmma_config
+from qwen35_tvm.schedules.sm90a import SM90A_FN
 
 MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
 
@@ -179,9 +182,9 @@ def _emulate(a: np.ndarray, b: np.ndarray, cfg: mm.GemmConfig) -> np.ndarray:
         (mm.GemmConfig(frag_pipeline=True, block_k=64, warps_n=4), 129, 136, 384),
         (mm.GemmConfig(frag_pipeline=True, block_n=64, stages=2), 64, 72, 128),
         # the 8-warp tilings sharing the sm_90a path's launch (160: 4 x 2 warps of 32 x 80)
-        (mm.shared_launch_config(mm.default_wgmma_config(2560)), 130, 330, 192),
-        (mm.shared_launch_config(mm.default_wgmma_config(12352)), 129, 200, 128),
-        (mm.shared_launch_config(mm.default_wgmma_config(4096)), 1, 136, 64),
+        (rule.shared_launch_config(default_wgmma_config(2560)), 130, 330, 192),
+        (rule.shared_launch_config(default_wgmma_config(12352)), 129, 200, 128),
+        (rule.shared_launch_config(default_wgmma_config(4096)), 1, 136, 64),
     ],
 )
 def test_emulated_kernel_computes_a_times_b_transposed(cfg, m, n, k) -> None:
@@ -337,7 +340,7 @@ def test_epilogue_and_parameter_order_survive() -> None:
     func = mod[large[0]]
     match = match_gemm(func)
     assert match is not None and match.extra_shapes == ("mn",)
-    kernel = mm.gemm_for(func)
+    kernel = rule.gemm_for(func)
     assert [str(p.dtype) for p in kernel.params] == [str(p.dtype) for p in func.params]
     text = kernel.script()
     assert "ptx_legacy.mma" in text
@@ -349,14 +352,15 @@ def test_unsupported_shapes_fall_back() -> None:
     # k not a multiple of 32: dlight keeps it
     mod = _fused(_Proj(40, 64))
     large = [f for _, f in mod.functions_items() if f.attrs.get(mm.ROWS_ATTR) == "large"]
-    assert large and mm.gemm_for(large[0]) is None
-    assert mm.MatmulMMA().apply(large[0], TARGET, False) is None
+    assert large and rule.gemm_for(large[0]) is None
+    assert rule.MatmulMMA().apply(large[0], TARGET, False) is None
 
 
 @pytest.mark.parametrize("n, k, residual", [(12352, 2560, False), (2560, 9216, True)])
 def test_4b_gemm_builds_mma_sass_for_sm80_and_sm90(tmp_path, n, k, residual) -> None:
     """4B-shaped projections (in_proj; down_proj with its residual add) through the whole
-    pipeline and nvcc: the prefill kernel is mma.sync + ldmatrix + cp.async, SASS for both."""
+    pipeline and nvcc: the prefill kernel is mma.sync + ldmatrix + cp.async, with a wgmma + TMA
+    path for sm_90a, SASS for both."""
     from qwen35_tvm.compile.cuda_toolchain import fatbin_arches, prepare_cuda_codegen
 
     prepare_cuda_codegen(ARCHES)
@@ -382,6 +386,8 @@ def test_4b_gemm_builds_mma_sass_for_sm80_and_sm90(tmp_path, n, k, residual) -> 
     prefill = [s for s in prefill if s not in decode and s not in wide]
     assert len(prefill) == 2 and len(decode) == 2 and len(wide) == 8
     assert all(MMA in s and "ldmatrix" in s and "cp_async" in s for s in prefill[1:])
+    # ... and beside it the sm_90a path (schedules/matmul_wgmma.py): wgmma fed by TMA
+    assert all(f"{SM90A_FN}()" in s and "wgmma" in s and "bulk_tensor" in s for s in prefill[1:])
     # decode: our GEMV (schedules/gemv.py), mma from registers, no shared-memory tiles;
     # decode_wide: a kernel a batch bucket (8, 16, 32, 64 rows a pass), the 8-row one decode's,
     # the 16-row one's weight ring in registers (4B shapes: gemv_config.ring_in_registers),

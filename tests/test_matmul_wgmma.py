@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from tvm.script import tirx as T
 
-from qwen35_tvm.schedules import matmul as mm
+from qwen35_tvm.schedules import matmul_rule as rule
 from qwen35_tvm.schedules import matmul_wgmma as mw
 from qwen35_tvm.schedules.gemm_layout import acc_coords, copy_coords
 from qwen35_tvm.schedules.ptx import wgmma_desc_sw128
@@ -180,7 +180,7 @@ def test_configs_fit_sm80_and_share_its_launch() -> None:
     for n in (64, 2560, 4096, 10240, 12352, 18432, 24576):
         wg = mw.default_wgmma_config(n)
         wg.check()
-        sm80 = mm.shared_launch_config(wg)
+        sm80 = rule.shared_launch_config(wg)
         sm80.check()
         assert (sm80.block_m, sm80.block_n, sm80.threads) == (mw.BLOCK_M, wg.block_n, mw.THREADS)
         assert max(sm80.shared_bytes, wg.shared_bytes) <= mw.SM80_SHARED_BYTES
