@@ -13,7 +13,8 @@ an RMSNorm's output, the norm is folded in too (compile/norm_fusion.py's GemvFol
 pass runs before fold_norms_into_gemv, which takes the other GEMMs. A gate_up read by anything
 else stays as it is.
 
-Only decode's ("small") GEMMs, as for the norms; prefill's GEMMs stay tiled. ptxas -v (sm_90,
+Prefill's gate_up GEMM ("large") can take its SwiGLU too, as the tensor-core GEMM's epilogue
+(`PREFILL_GEMM_SWIGLU`, off until a GPU has checked it). ptxas -v (sm_90,
 the 4B and 9B gate_up): decode's kernel takes 152 registers with the SwiGLU (150 without), 168
 with the norm too (168 with the norm alone), no spills. decode_wide keeps its SwiGLU kernel:
 there the fold would carry the norm along, and with both one bucket spills 16 bytes (4 with
@@ -27,7 +28,15 @@ import tvm
 from tvm import relax
 
 from ..schedules.activation import INTER_ATTR
-from .norm_fusion import GemvFolder, callee, decode_gemm, gemv_fold_pass
+from ..schedules.gemm_match import match_gemm
+from ..schedules.matmul import ROWS_ATTR
+from ..schedules.matmul_rule import gemm_for
+from .norm_fusion import CALL_TIR, GemvFolder, callee, gemv_fold_pass
+
+# Prefill's SwiGLU into its gate_up GEMM (schedules/matmul.py `swiglu`): emulated in the tests
+# and built for both arches, but not yet run on a GPU (session 4 had no device time left). On
+# once benchmarks/gemm_kernel.py's `prefill_swiglu` rows and the bf16 GPU parity pass with it.
+PREFILL_GEMM_SWIGLU = False
 
 
 def _readers(func: relax.Function) -> dict[relax.Var, int]:
@@ -44,36 +53,61 @@ def _readers(func: relax.Function) -> dict[relax.Var, int]:
 
 @relax.expr_functor.mutator
 class SwigluFolder(GemvFolder):
-    """The pass's mutator: each SwiGLU after a decode GEMM (`fold_module()` for a module)."""
+    """The pass's mutator: each SwiGLU after a decode GEMM, or a prefill GEMM with
+    PREFILL_GEMM_SWIGLU (`fold_module()` for a module)."""
+
+    def __init__(self, mod: tvm.IRModule, target: tvm.target.Target):
+        super().__init__(mod, target)
+        self.gemms: dict[str, tvm.ir.GlobalVar] = {}
 
     def begin(self, func: relax.Function) -> None:
         self.readers = _readers(func)
 
-    def _sole_gate_up(self, arg: relax.Expr, inter: int) -> relax.Call | None:
-        """The decode GEMM call that computes `arg` (through identity reshapes) if it is a
-        gate_up of 2 `inter` columns in the SwiGLU's dtype that nothing else reads."""
+    def _sole_gate_up(self, arg: relax.Expr, inter: int) -> tuple[relax.Call, str] | None:
+        """The GEMM call that computes `arg` (through identity reshapes), with its rows
+        ("small" decode, "large" prefill), if it is a gate_up of 2 `inter` columns in the
+        SwiGLU's dtype that nothing else reads."""
         var, call, func = self.producer(arg)
-        if call is None:
+        if call is None or func.attrs is None:
             return None
-        match = decode_gemm(func)
+        rows = str(func.attrs.get(ROWS_ATTR, ""))
+        match = match_gemm(func) if rows in ("small", "large") else None
         if match is None or match.n != 2 * inter or match.out_dtype != str(call.ty.dtype):
             return None
         while True:  # every variable from the GEMM's output to `arg`: this one reader
             if self.readers.get(arg, 0) != 1:
                 return None
             if arg.same_as(var):
-                return call
+                return call, rows
             arg = self.lookup_binding(arg).args[1].fields[0]  # an identity reshape's input
+
+    def _gemm_call(self, call: relax.Call, swiglu_ty) -> relax.Call | None:
+        """Prefill's gate_up GEMM `call` as one tensor-core GEMM storing its SwiGLU."""
+        name, func = callee(self.mod_, call)
+        symbol = name + "_swiglu"
+        if symbol not in self.gemms:
+            kernel = gemm_for(func, None, "default", swiglu=True)
+            if kernel is None:
+                return None
+            kernel = kernel.with_attr("global_symbol", symbol)
+            self.gemms[symbol] = self.builder_.add_func(kernel, symbol)
+        return relax.Call(CALL_TIR, [self.gemms[symbol], call.args[1]], call.attrs, [swiglu_ty])
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         call = super().visit_call_(call)
         called = callee(self.mod_, call)
         if called is None or called[1].attrs is None or INTER_ATTR not in called[1].attrs:
             return call
-        gate_up = self._sole_gate_up(call.args[1].fields[0], int(called[1].attrs[INTER_ATTR]))
-        if gate_up is None or str(gate_up.ty.dtype) != str(call.ty.dtype):
+        found = self._sole_gate_up(call.args[1].fields[0], int(called[1].attrs[INTER_ATTR]))
+        if found is None or str(found[0].ty.dtype) != str(call.ty.dtype):
             return call
-        folded = self.gemv_call(gate_up, swiglu_ty=call.ty_args[0])
+        gate_up, rows = found
+        if rows == "small":
+            folded = self.gemv_call(gate_up, swiglu_ty=call.ty_args[0])
+        elif PREFILL_GEMM_SWIGLU:
+            folded = self._gemm_call(gate_up, call.ty_args[0])
+        else:
+            folded = None
         return call if folded is None else folded
 
 

@@ -40,3 +40,14 @@ def ldmatrix_b_coords(lane: Index, kk: Index) -> tuple[Index, Index]:
 def acc_coords(lane: Index, e: Index) -> tuple[Index, Index]:
     """(row, column) within an m16 x n8 tile of accumulator element e (0..3) of `lane`."""
     return lane // 4 + e // 2 * 8, lane % 4 * 2 + e % 2
+
+
+def paired_weight_row(row: Index, group: int, first_col: Index, inter: int) -> Index:
+    """The weight row that B-tile row `row` holds when the GEMM's epilogue is a SwiGLU (gate_up
+    [2 inter, k] as stored, gate rows then up rows): each `group` tile rows are group / 2 gate
+    rows of consecutive output columns, then the up rows of the same columns, so a thread holds
+    both halves of its columns in n8 tiles group / 16 apart. `first_col`: the tile's first
+    output column."""
+    half = group // 2
+    col = first_col + row // group * half + row % group % half
+    return col + row % group // half * inter

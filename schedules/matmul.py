@@ -34,6 +34,7 @@ from .gemm_layout import (
     copy_coords,
     ldmatrix_a_coords,
     ldmatrix_b_coords,
+    paired_weight_row,
     tile_offset,
 )
 from .gemm_match import DTYPE, Epilogue, fused_gemm_func, plain_epilogue
@@ -42,6 +43,7 @@ from .matmul_wgmma import (
     BLOCK_M,
     THREADS,
     WgmmaConfig,
+    pair_store,
     tensor_maps,
     wgmma_tile,
 )
@@ -132,6 +134,7 @@ def gemm_kernel(
     out_dtype: str = "float32",
     epilogue: Epilogue = plain_epilogue,
     wgmma: WgmmaConfig | None = None,
+    swiglu: bool = False,
 ) -> tirx.PrimFunc:
     """The kernel with parameters (A [m, k], B [n, k], *extras, out [m, n]); each extra input
     is indexed [m, n], [n] or [m] (`extra_shapes` "mn", "n", "m"). `epilogue(acc, row, col,
@@ -139,8 +142,14 @@ def gemm_kernel(
 
     With `wgmma`, the code nvcc builds for sm_90a computes the same tiles with wgmma
     (schedules/matmul_wgmma.py): `config` must then tile like it (128 x wgmma.block_n, 8 warps,
-    k a multiple of 64), since the two paths share one launch."""
+    k a multiple of 64), since the two paths share one launch.
+
+    With `swiglu`, B is a gate_up weight [n = 2 inter, k] and out [m, inter] takes
+    silu(gate) · up of the epilogue's values (rounded as the SwiGLU kernel rounds them): each
+    block's B tile pairs its output columns' gate and up rows (gemm_layout.paired_weight_row)."""
     config.check()
+    if swiglu and (extra_shapes or n % 2 or wgmma is not None and not wgmma.tma):
+        raise ValueError("a SwiGLU epilogue takes no extra inputs, an even n and TMA on sm_90a")
     if wgmma is not None and (
         (config.block_m, config.block_n, config.threads) != (BLOCK_M, wgmma.block_n, THREADS)
         or k % BLOCK_K
@@ -156,16 +165,30 @@ def gemm_kernel(
     chunks = bk // 8
     a_copies, b_copies = bm * chunks // threads, bn * chunks // threads
     k_tiles, n_tiles = k // bk, -(-n // bn)
+    inter = n // 2
+    n_out = inter if swiglu else n
     smem_bytes = max(config.shared_bytes, wgmma.shared_bytes if wgmma else 0)
     smem_elems = smem_bytes // 2
     b_at = stages * bm * bk  # B's ring follows A's
     scope = "shared" if smem_bytes <= 48 * 1024 else "shared.dyn"
-    pair = config.pair_store and n % 2 == 0  # c even and n even: c + 1 < n too
+    pair = config.pair_store and n_out % 2 == 0  # c even and n even: c + 1 < n too
+    store = pair_store(epilogue, out_dtype if swiglu else None)
     if wgmma is not None:
-        sm90_tile = wgmma_tile(n, k, wgmma, epilogue, n % 2 == 0)
-        maps, encode = tensor_maps(n, k, wgmma)
+        sm90_tile = wgmma_tile(n, k, wgmma, epilogue, n_out % 2 == 0, swiglu, out_dtype)
+        maps, encode = tensor_maps(n, k, wgmma, swiglu)
     frag_pipe = config.frag_pipeline
     frag_sets = 2 if frag_pipe else ksteps
+
+    def b_row(row, by):
+        # a SwiGLU pairs gate and up rows within each warp's columns
+        if swiglu:
+            return paired_weight_row(row, warp_n, by * (bn // 2), inter)
+        return by * bn + row
+
+    out_tiles = nt_count // 2 if swiglu else nt_count
+
+    def out_col(by, col_w):
+        return by * (bn // 2) + col_w // 2 if swiglu else by * bn + col_w
 
     @T.macro
     def load_tile(a, b, smem, stage, kt, bx, by, tid, m):
@@ -189,7 +212,7 @@ def gemm_kernel(
                     smem.data,
                     b_at + stage * bn * bk + tile_offset(row, chunk, chunks),
                     b.data,
-                    T.min(by * bn + row, n - 1) * k + kt * bk + chunk * 8,
+                    T.min(b_row(row, by), n - 1) * k + kt * bk + chunk * 8,
                     16,
                     dtype=DTYPE,
                 )
@@ -339,22 +362,16 @@ def gemm_kernel(
                         col_w,
                     )
                     mmas(a_frag, b_frag, acc, kk)
+        # with a SwiGLU, a warp's n8 tiles nt and nt + out_tiles hold gate and up of a column
         for mt in T.unroll(mt_count):
-            for nt in T.unroll(nt_count):
+            for nt in T.unroll(out_tiles):
                 for eh in T.unroll(2):
                     # acc e = 2 eh + v: row half eh, column pair v
                     er, ec = T.meta_var(acc_coords(tx, eh * 2))
                     r: T.let[T.int32] = bx * bm + row_w + mt * 16 + er
-                    c: T.let[T.int32] = by * bn + col_w + nt * 8 + ec
+                    c: T.let[T.int32] = out_col(by, col_w) + nt * 8 + ec
                     a_at: T.let[T.int32] = (mt * nt_count + nt) * 4 + eh * 2
-                    if pair:
-                        if r < m and c < n:
-                            for v in T.vectorized(2):
-                                out[r, c + v] = epilogue(acc[a_at + v], r, c + v, extras)
-                    else:
-                        for v in T.unroll(2):
-                            if r < m and c + v < n:
-                                out[r, c + v] = epilogue(acc[a_at + v], r, c + v, extras)
+                    store(out, extras, acc, a_at, a_at + out_tiles * 4, r, c, m, n_out, pair)
 
     @T.macro
     def body(a, b, out, extras, m):
@@ -387,4 +404,6 @@ def gemm_kernel(
 
     attrs = {"tirx.is_scheduled": True, "tirx.noalias": True}
     kernel = body if wgmma is None else body_with_wgmma
-    return fused_gemm_func("gemm", kernel, n, k, extra_shapes, extra_dtypes, out_dtype, attrs)
+    return fused_gemm_func(
+        "gemm", kernel, n, k, extra_shapes, extra_dtypes, out_dtype, attrs, out_n=n_out
+    )

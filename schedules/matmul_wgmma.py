@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from tvm.script import tirx as T
 
+from .activation import swiglu_of
 from .gemm_layout import acc_coords, copy_coords, tile_offset
 from .gemm_match import DTYPE, Epilogue
 from .ptx import wgmma_bf16, wgmma_desc_sw128
@@ -74,9 +75,35 @@ def default_wgmma_config(n: int) -> WgmmaConfig:
     return WgmmaConfig(block_n=192, stages=4, tma=True)
 
 
-def tensor_maps(n: int, k: int, cfg: WgmmaConfig):
+def pair_store(epilogue: Epilogue, swiglu_dtype: str | None):
+    """A macro storing one lane's column pair, acc[at : at + 2], at out[r, c : c + 2] through
+    the epilogue (`pair`: as one vector); with `swiglu_dtype`, silu(gate) · up of the pair at
+    `at` (gate) and at `up_at`, rounded as the SwiGLU kernel rounds it. Both GEMM paths'."""
+
+    def value(acc, at, up_at, r, c, extras):
+        if swiglu_dtype is None:
+            return epilogue(acc[at], r, c, extras)
+        gate, up = epilogue(acc[at], r, c, extras), epilogue(acc[up_at], r, c, extras)
+        return swiglu_of(gate, up, swiglu_dtype, gpu=True)
+
+    @T.macro
+    def store(out, extras, acc, at, up_at, r, c, m, n, pair):
+        if pair:
+            if r < m and c < n:
+                for v in T.vectorized(2):
+                    out[r, c + v] = value(acc, at + v, up_at + v, r, c + v, extras)
+        else:
+            for v in T.unroll(2):
+                if r < m and c + v < n:
+                    out[r, c + v] = value(acc, at + v, up_at + v, r, c + v, extras)
+
+    return store
+
+
+def tensor_maps(n: int, k: int, cfg: WgmmaConfig, swiglu: bool = False):
     """The TMA descriptors of A [m, k] and B [n, k] (a stage's box each, 128-byte swizzle, rows
-    past the end read as zeros), and a macro that encodes them on the host before the launch
+    past the end read as zeros; with `swiglu`, B's box is half a tile, loaded twice: the gate
+    rows, then their up rows), and a macro that encodes them on the host before the launch
     (TVM passes them to the kernel as parameters)."""
     maps = tuple(T.Var(f"{name}_tensormap", T.handle("tensormap").ty) for name in ("a", "b"))
 
@@ -103,12 +130,20 @@ def tensor_maps(n: int, k: int, cfg: WgmmaConfig):
     @T.macro
     def encode(a, b, m):
         encode_one(maps[0], a, m, BLOCK_M)
-        encode_one(maps[1], b, n, cfg.block_n)
+        encode_one(maps[1], b, n, cfg.block_n // 2 if swiglu else cfg.block_n)
 
     return maps, encode
 
 
-def wgmma_tile(n: int, k: int, cfg: WgmmaConfig, epilogue: Epilogue, pair: bool):
+def wgmma_tile(
+    n: int,
+    k: int,
+    cfg: WgmmaConfig,
+    epilogue: Epilogue,
+    pair: bool,
+    swiglu: bool = False,
+    out_dtype: str = DTYPE,
+):
     """A macro computing the tile (bx, by) with THREADS threads (`tid`), its ring in `smem` (a
     bf16 shared buffer of at least cfg.shared_bytes). Rows of A past m (B past n) are clamped
     to the last row: they feed only accumulators that are never stored."""
@@ -118,6 +153,12 @@ def wgmma_tile(n: int, k: int, cfg: WgmmaConfig, epilogue: Epilogue, pair: bool)
     a_copies, b_copies = BLOCK_M * chunks // THREADS, bn * chunks // THREADS
     k_tiles = k // BLOCK_K
     stage_elems = cfg.stage_bytes // 2
+    if swiglu and (not cfg.tma or bn % 16):
+        raise ValueError(f"{cfg}: a SwiGLU epilogue needs TMA and block_n a multiple of 16")
+    inter = n // 2
+    n_out, out_tiles = (inter, bn // 16) if swiglu else (n, bn // 8)
+    b_boxes, b_box = (2, bn // 2) if swiglu else (1, bn)  # B's TMA boxes a stage, their rows
+    store = pair_store(epilogue, out_dtype if swiglu else None)
     b_at = BLOCK_M * BLOCK_K  # elements from a stage's start to its B tile
     ahead = stages - 2
 
@@ -182,7 +223,7 @@ def wgmma_tile(n: int, k: int, cfg: WgmmaConfig, epilogue: Epilogue, pair: bool)
 
     @T.macro
     def tma_stage(maps, smem, pad, bars, s, kt, bx, by):
-        # thread 0: the stage's full barrier expects its bytes, then two TMA loads fill it
+        # thread 0: the stage's full barrier expects its bytes, then TMA loads fill it
         T.evaluate(T.ptx.mbarrier.arrive.expect_tx.shared.b64(bars(s), T.uint32(cfg.stage_bytes)))
         T.evaluate(
             T.ptx["cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"](
@@ -193,15 +234,19 @@ def wgmma_tile(n: int, k: int, cfg: WgmmaConfig, epilogue: Epilogue, pair: bool)
                 bars(s),
             )
         )
-        T.evaluate(
-            T.ptx["cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"](
-                T.address_of(smem[pad + s * stage_elems + b_at]),
-                T.address_of(maps[1]),
-                kt * BLOCK_K,
-                by * bn,
-                bars(s),
+        for half in T.unroll(b_boxes):
+            T.evaluate(
+                T.ptx[
+                    "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+                ](
+                    T.address_of(smem[pad + s * stage_elems + b_at + half * b_box * BLOCK_K]),
+                    T.address_of(maps[1]),
+                    kt * BLOCK_K,
+                    # a SwiGLU's tile: its columns' gate rows, then their up rows
+                    by * b_box + half * inter,
+                    bars(s),
+                )
             )
-        )
 
     @T.macro
     def mainloop_tma(maps, acc, smem, pad, ring, bx, by, tid):
@@ -245,19 +290,14 @@ def wgmma_tile(n: int, k: int, cfg: WgmmaConfig, epilogue: Epilogue, pair: bool)
         else:
             mainloop_cp_async(a, b, acc, m, smem, pad, ring, bx, by, tid)
         T.evaluate(T.ptx.wgmma.wait_group.sync.aligned(0))
-        # wgmma's accumulator layout is mma.sync's m16n8 one, a 16-row slab per warp
-        for nt in T.unroll(bn // 8):
+        # wgmma's accumulator layout is mma.sync's m16n8 one, a 16-row slab per warp; with a
+        # SwiGLU, n8 tiles nt and nt + out_tiles hold gate and up of the same columns
+        for nt in T.unroll(out_tiles):
             for eh in T.unroll(2):
                 er, ec = T.meta_var(acc_coords(tid % 32, eh * 2))
                 r: T.let[T.int32] = bx * BLOCK_M + tid // 32 * 16 + er
-                c: T.let[T.int32] = by * bn + nt * 8 + ec
-                if pair:
-                    if r < m and c < n:
-                        for v in T.vectorized(2):
-                            out[r, c + v] = epilogue(acc[nt * 4 + eh * 2 + v], r, c + v, extras)
-                else:
-                    for v in T.unroll(2):
-                        if r < m and c + v < n:
-                            out[r, c + v] = epilogue(acc[nt * 4 + eh * 2 + v], r, c + v, extras)
+                c: T.let[T.int32] = by * b_box + nt * 8 + ec
+                at: T.let[T.int32] = nt * 4 + eh * 2
+                store(out, extras, acc, at, at + out_tiles * 4, r, c, m, n_out, pair)
 
     return tile

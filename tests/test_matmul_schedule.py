@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 import tvm
@@ -24,6 +26,7 @@ from qwen35_tvm.compile.targets import make_target
 from qwen35_tvm.compile.vocab import VocabWidths
 from qwen35_tvm.schedules import matmul as mm
 from qwen35_tvm.schedules import matmul_rule as rule
+from qwen35_tvm.schedules.gemm_layout import paired_weight_row
 from qwen35_tvm.schedules.gemm_match import match_gemm
 from qwen35_tvm.schedules.gemv import KERNEL_ATTR
 from qwen35_tvm.schedules.matmul_wgmma import default_wgmma_config
@@ -62,14 +65,16 @@ def _mma(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> None:
     c += (am @ bm)[_C_ROW, _C_COL]
 
 
-def _emulate(a: np.ndarray, b: np.ndarray, cfg: mm.GemmConfig) -> np.ndarray:
-    """The kernel's data movement, one thread block and warp at a time."""
+def _emulate(a: np.ndarray, b: np.ndarray, cfg: mm.GemmConfig, swiglu: bool = False) -> np.ndarray:
+    """The kernel's data movement, one thread block and warp at a time. With `swiglu`, b is a
+    gate_up weight and the result silu(gate) · up [m, n / 2], exact (no bf16 rounding)."""
     (m, k), n = a.shape, b.shape[0]
     bm_, bn_, bk, stages = cfg.block_m, cfg.block_n, cfg.block_k, cfg.stages
     chunks, threads = bk // 8, cfg.threads
     warp_m, warp_n = bm_ // cfg.warps_m, bn_ // cfg.warps_n
     mtc, ntc, k_tiles = warp_m // 16, warp_n // 8, k // bk
-    out = np.full((m, n), np.nan)
+    n_out = n // 2 if swiglu else n
+    out = np.full((m, n_out), np.nan)
     for bx in range(-(-m // bm_)):
         for by in range(-(-n // bn_)):
             tiles = {
@@ -85,9 +90,10 @@ def _emulate(a: np.ndarray, b: np.ndarray, cfg: mm.GemmConfig) -> np.ndarray:
                             row, chunk = mm.copy_coords(it * threads + tid, chunks)
                             dst = stage * rows * bk + mm.tile_offset(row, chunk, chunks)
                             col = kt * bk + chunk * 8
-                            tiles[name][dst : dst + 8] = src[min(first + row, len(src) - 1)][
-                                col : col + 8
-                            ]
+                            at = first + row
+                            if name == "b" and swiglu:
+                                at = paired_weight_row(row, warp_n, by * bn_ // 2, n // 2)
+                            tiles[name][dst : dst + 8] = src[min(at, len(src) - 1)][col : col + 8]
 
             for s in range(stages - 1):
                 if s < k_tiles:
@@ -145,18 +151,28 @@ def _emulate(a: np.ndarray, b: np.ndarray, cfg: mm.GemmConfig) -> np.ndarray:
                     for w in warps:
                         for kk in range(ksteps):
                             mma(w, frags(w, kt % stages, kk))
+            # a SwiGLU's lane holds gate in n8 tile nt and up in nt + ntc / 2
+            half = 2 if swiglu else 1
             for w in range(threads // 32):
                 row_w, col_w = w // cfg.warps_n * warp_m, w % cfg.warps_n * warp_n
                 for lane in range(32):
                     for mt in range(mtc):
-                        for nt in range(ntc):
+                        for nt in range(ntc // half):
                             for e in range(4):
                                 er, ec = mm.acc_coords(lane, e)
                                 r = bx * bm_ + row_w + mt * 16 + er
-                                c = by * bn_ + col_w + nt * 8 + ec
-                                if r < m and c < n:
-                                    out[r, c] = acc[w, lane, (mt * ntc + nt) * 4 + e]
+                                c = (by * bn_ + col_w) // half + nt * 8 + ec
+                                got = acc[w, lane, (mt * ntc + nt) * 4 + e]
+                                if swiglu:
+                                    up = acc[w, lane, (mt * ntc + nt + ntc // 2) * 4 + e]
+                                    got = _silu(got) * up
+                                if r < m and c < n_out:
+                                    out[r, c] = got
     return out
+
+
+def _silu(x):
+    return x / (1 + np.exp(-x))
 
 
 @pytest.mark.parametrize(
@@ -193,6 +209,39 @@ def test_emulated_kernel_computes_a_times_b_transposed(cfg, m, n, k) -> None:
     a = rng.integers(-8, 9, (m, k)) / 8
     b = rng.integers(-8, 9, (n, k)) / 8
     np.testing.assert_array_equal(_emulate(a, b, cfg), a @ b.T)
+
+
+@pytest.mark.parametrize(
+    "cfg, m, inter, k",
+    [
+        (rule.shared_launch_config(default_wgmma_config(18432)), 130, 200, 128),  # 2 x 4 warps
+        (rule.shared_launch_config(default_wgmma_config(2560)), 1, 96, 64),  # 4 x 2 warps
+        (mm.DEFAULT_CONFIG, 129, 72, 192),  # 4 warps of 64 x 64
+        (mm.GemmConfig(block_n=64, stages=4), 17, 40, 96),
+    ],
+)
+def test_emulated_swiglu_epilogue_pairs_gate_and_up(cfg, m, inter, k) -> None:
+    """gemm_kernel's `swiglu`: each B tile holds its columns' gate and up rows, and a lane
+    holds both halves of a column; inter not a multiple of the tile's columns."""
+    rng = np.random.default_rng(m + inter)
+    a = rng.integers(-8, 9, (m, k)) / 8
+    b = rng.integers(-8, 9, (2 * inter, k)) / 8
+    gate, up = a @ b[:inter].T, a @ b[inter:].T
+    np.testing.assert_allclose(_emulate(a, b, cfg, swiglu=True), _silu(gate) * up, rtol=1e-12)
+
+
+def test_swiglu_rows_swapped_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutation check: gate and up rows swapped in the tile."""
+    real = paired_weight_row
+    monkeypatch.setattr(
+        sys.modules[__name__],
+        "paired_weight_row",
+        lambda row, group, first, inter: real(row + group // 2, group, first, inter),
+    )
+    rng = np.random.default_rng(1)
+    a, b = rng.integers(-8, 9, (33, 64)) / 8, rng.integers(-8, 9, (2 * 96, 64)) / 8
+    got = _emulate(a, b, mm.DEFAULT_CONFIG, swiglu=True)
+    assert not np.allclose(got, _silu(a @ b[:96].T) * (a @ b[96:].T))
 
 
 def test_swizzle_is_a_permutation_and_conflict_free() -> None:

@@ -72,14 +72,19 @@ def _swizzled(address: int) -> int:
     return address ^ ((address >> 7 & 7) << 4)
 
 
-def _emulate(a: np.ndarray, b: np.ndarray, cfg: mw.WgmmaConfig, base: int) -> np.ndarray:
+def _emulate(
+    a: np.ndarray, b: np.ndarray, cfg: mw.WgmmaConfig, base: int, swiglu: bool = False
+) -> np.ndarray:
+    """The kernel at shared base address `base`; with `swiglu` (TMA only), b is a gate_up
+    weight and the result silu(gate) · up [m, n / 2], exact (no bf16 rounding)."""
     (m, k), n = a.shape, b.shape[0]
     bn, stages = cfg.block_n, cfg.stages
     # cp.async keeps `stages` - 2 tiles of copies in flight; TMA refills a stage once both
     # warpgroups have released it, `stages` - 1 tiles ahead
     ahead = stages - 1 if cfg.tma else stages - 2
     chunks, k_tiles = mw.BLOCK_K // 8, k // mw.BLOCK_K
-    out = np.full((m, n), np.nan)
+    n_out, out_tiles = (n // 2, bn // 16) if swiglu else (n, bn // 8)
+    out = np.full((m, n_out), np.nan)
     pad = (1024 - base % 1024) % 1024
     ring = base + pad
     for bx in range(-(-m // mw.BLOCK_M)):
@@ -97,7 +102,11 @@ def _emulate(a: np.ndarray, b: np.ndarray, cfg: mw.WgmmaConfig, base: int) -> np
                         if cfg.tma:  # the box lands swizzled; rows past the tensor read zeros
                             tile = ring + s * cfg.stage_bytes + at * 2
                             dst = (_swizzled(tile + row * _ROW_BYTES + chunk * 16) - base) // 2
-                            got = src[first + row, col : col + 8] if first + row < len(src) else 0
+                            at_row = first + row
+                            if swiglu and src is b:  # two boxes: the gate rows, then the up rows
+                                box = bn // 2
+                                at_row = by * box + row % box + row // box * (n // 2)
+                            got = src[at_row, col : col + 8] if at_row < len(src) else 0
                         else:  # the kernel's own placement, edge rows clamped
                             dst = pad // 2 + s * cfg.stage_bytes // 2 + at
                             dst += mw.tile_offset(row, chunk, chunks)
@@ -137,13 +146,17 @@ def _emulate(a: np.ndarray, b: np.ndarray, cfg: mw.WgmmaConfig, base: int) -> np
                         frag[4 * i + v] = d[
                             16 * w + lane // 4 + 8 * (v // 2), 8 * i + 2 * (lane % 4) + v % 2
                         ]
-                # ... and out through the kernel's epilogue mapping
-                for nt in range(bn // 8):
+                # ... and out through the kernel's epilogue mapping: with a SwiGLU, gate in n8
+                # tile nt, up in nt + out_tiles
+                for nt in range(out_tiles):
                     for e in range(4):
                         er, ec = acc_coords(lane, e)
-                        r, c = bx * mw.BLOCK_M + w * 16 + er, by * bn + nt * 8 + ec
-                        if r < m and c < n:
-                            out[r, c] = frag[nt * 4 + e]
+                        r, c = bx * mw.BLOCK_M + w * 16 + er, by * (n_out * bn // n) + nt * 8 + ec
+                        got = frag[nt * 4 + e]
+                        if swiglu:
+                            got = got / (1 + np.exp(-got)) * frag[(nt + out_tiles) * 4 + e]
+                        if r < m and c < n_out:
+                            out[r, c] = got
     return out
 
 
@@ -166,6 +179,17 @@ def test_emulated_wgmma_path_computes_a_times_b_transposed(cfg, m, n, k, base) -
     a = rng.integers(-3, 4, (m, k)).astype(np.float64)  # exact in any summation order
     b = rng.integers(-3, 4, (n, k)).astype(np.float64)
     np.testing.assert_array_equal(_emulate(a, b, cfg, base), a @ b.T)
+
+
+@pytest.mark.parametrize("cfg", [c for c in CONFIGS if c.tma], ids=str)
+@pytest.mark.parametrize("m, inter, k", [(130, 200, 128), (1, 40, 64)])
+def test_emulated_swiglu_epilogue_pairs_gate_and_up(cfg, m, inter, k) -> None:
+    rng = np.random.default_rng(m + inter)
+    a = rng.integers(-3, 4, (m, k)).astype(np.float64)
+    b = rng.integers(-3, 4, (2 * inter, k)).astype(np.float64)
+    gate, up = a @ b[:inter].T, a @ b[inter:].T
+    got = _emulate(a, b, cfg, 16 * 37, swiglu=True)
+    np.testing.assert_allclose(got, gate / (1 + np.exp(-gate)) * up, rtol=1e-12)
 
 
 def test_an_unswizzled_layout_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -27,6 +27,7 @@ from tvm import relax
 from tvm.relax.frontend import nn
 from tvm.script import tirx as T
 
+from qwen35_tvm.compile import swiglu_fusion
 from qwen35_tvm.compile.layers import MLP, RMSNorm
 from qwen35_tvm.compile.norm_fusion import NormFolder
 from qwen35_tvm.compile.pipeline import fusion_passes
@@ -200,6 +201,27 @@ def test_decode_swiglu_folds_into_gate_up(norm) -> None:
     assert ("norm_weight" in line) == norm, line
     for fn in ("decode_wide", "prefill"):
         assert len(_swiglus(mod, fn)) == 1, _calls(mod, fn)
+
+
+def test_prefill_swiglu_folds_into_the_gemm_when_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With PREFILL_GEMM_SWIGLU, prefill's gate_up GEMM becomes our tensor-core GEMM storing
+    [tokens, INTER], its SwiGLU gone; decode_wide keeps its own. Off, prefill keeps it."""
+    monkeypatch.setattr(swiglu_fusion, "PREFILL_GEMM_SWIGLU", True)
+    mod = _lowered(norm=True, shared=False)
+    prefill = _calls(mod, "prefill")
+    assert not _swiglus(mod, "prefill"), prefill
+    fused = [c for c in prefill if c.endswith("_swiglu")]
+    assert len(fused) == 1, prefill
+    kernel = mod[fused[0]]
+    assert kernel.attrs["tirx.is_scheduled"] and "wgmma" in kernel.script()
+    out, weight = kernel.params[-1], kernel.params[1]
+    assert [int(d) for d in out.shape[1:]] == [INTER] and out.dtype == "bfloat16"
+    assert [int(d) for d in weight.shape] == [2 * INTER, K]  # the weight as stored
+    assert len(_swiglus(mod, "decode_wide")) == 1
+    with_second_reader = _lowered(norm=True, shared=True)
+    assert len(_swiglus(with_second_reader, "prefill")) == 1
+    monkeypatch.setattr(swiglu_fusion, "PREFILL_GEMM_SWIGLU", False)
+    assert len(_swiglus(_lowered(norm=True, shared=False), "prefill")) == 1
 
 
 def test_gate_up_with_another_reader_stays() -> None:
