@@ -19,6 +19,11 @@ moves 16x16 A and 16(n)x16(k) B fragments to registers, mma.sync accumulates in 
 past m (and of B past n) are clamped to the last row: they only feed accumulator rows (columns)
 that are never stored. The grid runs m tiles fastest, so the blocks in flight share weight tiles
 through L2 and the weight is streamed from DRAM about once.
+
+Prefill's kernels also carry an sm_90a path on wgmma (schedules/matmul_wgmma.py), chosen per
+arch by nvcc; this mma.sync path then takes an 8-warp tiling of the same launch
+(matmul_rule.shared_launch_config). A SwiGLU epilogue (`swiglu`) stores silu(gate) · up of a
+gate_up weight's two halves, each B tile holding its columns' gate and up rows.
 """
 
 from __future__ import annotations

@@ -3,14 +3,21 @@ of 128 rows x block_n columns, computed by wgmma instead of mma.sync.
 
 Two warpgroups each own 64 rows of the tile and issue wgmma.mma_async m64n{block_n}k16 straight
 from shared memory, with fp32 accumulators in registers (block_n / 2 a thread). k is consumed 64
-at a time through a `stages`-deep ring of shared-memory tiles that every thread fills by cp.async:
-a tile row is 64 bf16 = 128 bytes, its 16-byte chunks XOR-swizzled by the row's place among 8
-(the 128-byte swizzle wgmma's descriptors name), each tile 1,024-byte aligned.
+at a time through a `stages`-deep ring of shared-memory tiles: a tile row is 64 bf16 = 128
+bytes, its 16-byte chunks XOR-swizzled by the row's place among 8 (the 128-byte swizzle that
+wgmma's descriptors and TMA name), each tile 1,024-byte aligned.
 
-One wgmma group stays in flight while the next tile's copies are issued: at tile kt a thread
-waits for its own group kt - 1 only, and the copy into a stage starts two tiles after the group
-that read it (a barrier apart), so `stages` - 2 tiles of copies are in flight. No TMA and no
-warp specialisation: every thread copies and every warpgroup computes.
+The ring is filled one of two ways (`WgmmaConfig.tma`):
+- TMA (the default tilings): the host encodes A's and B's tensor maps before the launch;
+  thread 0 loads a stage as two (A, B) boxes on the stage's full mbarrier and refills it once
+  every thread has arrived on its empty mbarrier, after the wgmma that read it. `stages` - 1
+  tiles load ahead; no block barrier runs per k tile.
+- cp.async: every thread copies its chunks; at tile kt a thread waits for its own wgmma group
+  kt - 1 only, and a stage is refilled two tiles after the group that read it (a block barrier
+  apart), so `stages` - 2 tiles load ahead.
+
+With a SwiGLU epilogue (gate_up weights, TMA only) B is loaded as two half boxes, the tile's
+columns' gate rows then their up rows, so each lane holds both halves of its columns.
 
 Where nvcc compiles for another arch the branch that calls this is dead code (ptx.is_sm90a), so
 one kernel carries both paths and each GPU runs its own.
