@@ -117,7 +117,7 @@ def build(
     out: Path, arch: str, rows: str = "small", only: list[str] | None = None, proj: str = ""
 ) -> None:
     import tvm
-    from gemm_kernel import _fused_pair, _roles, projections
+    from gemm_variants import fused_pair, param_roles, projections
     from gemv_swiglu import is_gate_up
 
     from qwen35_tvm.compile.cuda_toolchain import prepare_cuda_codegen
@@ -134,7 +134,7 @@ def build(
             if not any(name.endswith(f".{proj}") for name in shape["names"]):
                 continue
             n, k, residual = shape["n"], shape["k"], shape["residual"]
-            _, small = _fused_pair(n, k, residual, target)
+            _, small = fused_pair(n, k, residual, target)
             small = small.with_attr("dlight.do_not_tensorize", True)
             for cls in classes:
                 kernels, configs, errors = _kernels(small, cls, target, is_gate_up(shape["names"]))
@@ -155,7 +155,7 @@ def build(
                         **shape,
                         "rows": cls,
                         "file": file,
-                        "roles": _roles(small),
+                        "roles": param_roles(small),
                         "out_dtype": match_gemm(small).out_dtype,
                         "kernels": configs,
                         "batches": BATCHES[cls],
