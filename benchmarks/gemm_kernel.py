@@ -12,6 +12,8 @@ passes and compiles, per shape, the PrimFunc as:
   prefill  mma        our kernel as the pipeline builds it (wgmma on sm_90a, else mma.sync)
            mma_only   the mma.sync-only default (every arch; what prefill ran before wgmma)
            wg_*       the pipeline's kernel with other wgmma tilings (WGMMA_VARIANTS)
+           swiglu     the pipeline's kernel storing silu(first half) · second half [M, N / 2]
+                      (a gate_up's SwiGLU; checked against silu(bf16(gate)) · bf16(up))
            mma_*      the same kernel with other configs (VARIANTS), to pick the default
   (the tables and these kernels' construction: benchmarks/gemm_variants.py)
   with --baselines:
@@ -84,6 +86,7 @@ def _measure(out: Path, file: str, kernels: list[str]) -> None:
     import torch
     import tvm
     from common import cuda_time
+    from gemm_variants import SWIGLU
 
     from qwen35_tvm.runtime.artifact import device_of
 
@@ -107,18 +110,22 @@ def _measure(out: Path, file: str, kernels: list[str]) -> None:
         ref = x.float() @ w.float().T
         if "res" in roles:
             ref += res.float()
-        scale = ref.abs().max().item()
+        # the SwiGLU of the GEMM as gate_up reaches the SwiGLU kernel: bf16 halves
+        gate, up = ref[:, : n // 2].bfloat16().float(), ref[:, n // 2 :].bfloat16().float()
+        refs = {SWIGLU: torch.nn.functional.silu(gate) * up}
         for kernel in kernels:
             if m not in ms_of(kernel):
                 continue
             row = {"file": file, "kernel": kernel, "m": m, "n": n, "k": k}
+            want = refs.get(kernel, ref)
             try:
                 if kernel == "torch":
                     got = x @ w.T + res if "res" in roles else x @ w.T
                     seconds = cuda_time(torch, lambda x=x: torch.matmul(x, w.T))
                 else:
                     fn = lib[kernel]
-                    got = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+                    cols = want.shape[1]
+                    got = torch.full((m, cols), float("nan"), device="cuda", dtype=torch.bfloat16)
                     named = {"x": x, "w": w, "res": res, "out": got}
                     order = sorted(roles, key=roles.get)
                     args = [tvm.runtime.from_dlpack(named[r]) for r in order]
@@ -130,13 +137,13 @@ def _measure(out: Path, file: str, kernels: list[str]) -> None:
                     tflops=2 * m * n * k / seconds / 1e12,
                     weight_gbs=n * k * 2 / seconds / 1e9,
                     # NaN (an element never written) makes the error NaN
-                    max_rel_err=(got.float() - ref).abs().max().item() / scale,
+                    max_rel_err=(got.float() - want).abs().max().item() / want.abs().max().item(),
                 )
             except Exception as err:  # noqa: BLE001  report, go on with the next kernel
                 row["error"] = f"{type(err).__name__}: {err}"
                 traceback.print_exc(file=sys.stderr)
             print(json.dumps(row), flush=True)
-        del x, res, ref
+        del x, res, ref, refs
 
 
 def _child(out: Path, file: str, kernels: list[str], timeout: int) -> tuple[list[dict], str]:

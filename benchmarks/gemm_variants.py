@@ -55,6 +55,10 @@ WGMMA_VARIANTS = {
     "tma_128s4": {"block_n": 128, "stages": 4, "tma": True},
 }
 
+# the pipeline's kernel with the SwiGLU epilogue (off in the pipeline until checked here:
+# compile/swiglu_fusion.PREFILL_GEMM_SWIGLU); built for every projection without a residual
+SWIGLU = "prefill_swiglu"
+
 
 def projections(shapes: tuple[str, ...] = ("4b",)) -> list[dict]:
     """The models' distinct (N, K, residual) projections, with the names that have them."""
@@ -151,6 +155,8 @@ def variant_kernels(
             makers[f"prefill_{name}"] = lambda f=fields: gemm_for(large, GemmConfig(**f))
     for name, fields in WGMMA_VARIANTS.items():
         makers[f"prefill_{name}"] = lambda f=fields: gemm_for(large, None, WgmmaConfig(**f))
+    if not residual:  # the pipeline's kernel storing the SwiGLU of its two halves, [m, n / 2]
+        makers[SWIGLU] = lambda: gemm_for(large, None, "default", swiglu=True)
     if only:
         wanted = [name for name in makers if any(fnmatch(name, g) for g in only.split(","))]
         makers = {name: makers[name] for name in wanted}
