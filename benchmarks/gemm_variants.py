@@ -53,6 +53,11 @@ WGMMA_VARIANTS = {
     "tma_160s4": {"block_n": 160, "stages": 4, "tma": True},
     "tma_128s5": {"block_n": 128, "stages": 5, "tma": True},
     "tma_128s4": {"block_n": 128, "stages": 4, "tma": True},
+    # deeper rings than sm_80's 163 KB allows: for libraries built with --arch sm_90 only
+    "tma_256s4_90": {"block_n": 256, "stages": 4, "tma": True, "sm90_only": True},
+    "tma_192s5_90": {"block_n": 192, "stages": 5, "tma": True, "sm90_only": True},
+    "tma_160s6_90": {"block_n": 160, "stages": 6, "tma": True, "sm90_only": True},
+    "tma_128s7_90": {"block_n": 128, "stages": 7, "tma": True, "sm90_only": True},
 }
 
 # the pipeline's kernel with the SwiGLU epilogue (off in the pipeline until checked here:

@@ -41,6 +41,7 @@ _ROW_BYTES = BLOCK_K * 2
 _ALIGN = 1024  # the 128-byte swizzle repeats every 8 rows: tiles start on 1,024 bytes
 # the launch is shared with the sm_80 path, so its shared memory must fit sm_80's opt-in limit
 SM80_SHARED_BYTES = 163 * 1024
+SM90_SHARED_BYTES = 227 * 1024
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,9 @@ class WgmmaConfig:
     # TMA loads (one thread issues a stage, mbarriers in place of block barriers); else every
     # thread copies its chunks by cp.async
     tma: bool = False
+    # for a library without sm_80 code (`--arch sm_90`): the launch may take sm_90's 227 KB,
+    # room for deeper rings (benchmarks/gemm_variants.py's *_90 rows; the defaults keep 163 KB)
+    sm90_only: bool = False
 
     @property
     def stage_bytes(self) -> int:
@@ -66,8 +70,9 @@ class WgmmaConfig:
             raise ValueError(f"block_n {self.block_n}: wgmma takes n in 8..256, a multiple of 8")
         if self.block_n * BLOCK_K // 8 % THREADS or self.stages < 3:
             raise ValueError(f"{self}: the B tile's chunks must split over {THREADS} threads")
-        if self.shared_bytes > SM80_SHARED_BYTES:
-            raise ValueError(f"{self}: {self.shared_bytes} bytes: over sm_80's 163 KB")
+        limit = SM90_SHARED_BYTES if self.sm90_only else SM80_SHARED_BYTES
+        if self.shared_bytes > limit:
+            raise ValueError(f"{self}: {self.shared_bytes} bytes: over {limit // 1024} KB")
 
 
 def default_wgmma_config(n: int) -> WgmmaConfig:

@@ -210,3 +210,6 @@ def test_configs_fit_sm80_and_share_its_launch() -> None:
         assert max(sm80.shared_bytes, wg.shared_bytes) <= mw.SM80_SHARED_BYTES
     with pytest.raises(ValueError):
         mw.WgmmaConfig(256, 4).check()  # 197 KB: over sm_80's 163 KB
+    mw.WgmmaConfig(256, 4, sm90_only=True).check()  # a library without sm_80 code: 227 KB
+    with pytest.raises(ValueError):
+        mw.WgmmaConfig(256, 5, sm90_only=True).check()
