@@ -58,6 +58,11 @@ WGMMA_VARIANTS = {
     "tma_192s5_90": {"block_n": 192, "stages": 5, "tma": True, "sm90_only": True},
     "tma_160s6_90": {"block_n": 160, "stages": 6, "tma": True, "sm90_only": True},
     "tma_128s7_90": {"block_n": 128, "stages": 7, "tma": True, "sm90_only": True},
+    # persistent: 132 CTAs (the H200's SMs) loop over the tiles, the ring running across them
+    "tma_192s4_p": {"block_n": 192, "stages": 4, "tma": True, "ctas": 132},
+    "tma_160s4_p": {"block_n": 160, "stages": 4, "tma": True, "ctas": 132},
+    "tma_256s3_p": {"block_n": 256, "stages": 3, "tma": True, "ctas": 132},
+    "tma_256s4_90p": {"block_n": 256, "stages": 4, "tma": True, "sm90_only": True, "ctas": 132},
 }
 
 # the pipeline's kernel with the SwiGLU epilogue (off in the pipeline until checked here:
@@ -96,7 +101,7 @@ def fused_pair(n: int, k: int, residual: bool, target: Target) -> tuple[PrimFunc
 
     from qwen35_tvm.compile.layers import Linear
     from qwen35_tvm.compile.pipeline import fusion_passes
-    from qwen35_tvm.schedules.matmul import ROWS_ATTR
+    from qwen35_tvm.schedules.matmul_config import ROWS_ATTR
 
     class Proj(nn.Module):
         def __init__(self):
@@ -141,7 +146,7 @@ def variant_kernels(
     """{kernel name: scheduled PrimFunc}, {kernel name: why it failed}, parameter roles."""
     from tvm.s_tir import dlight as dl
 
-    from qwen35_tvm.schedules.matmul import GemmConfig, default_config
+    from qwen35_tvm.schedules.matmul_config import GemmConfig, default_config
     from qwen35_tvm.schedules.matmul_rule import MatmulMMA, gemm_for
     from qwen35_tvm.schedules.matmul_wgmma import WgmmaConfig
 

@@ -63,7 +63,7 @@ def _kernels(small, rows: str, target, gate_up: bool = False) -> tuple[dict, dic
     from qwen35_tvm.schedules.gemm_match import match_gemm
     from qwen35_tvm.schedules.gemv_config import default_config
     from qwen35_tvm.schedules.gemv_rule import DecodeGemv, gemv_for, plan
-    from qwen35_tvm.schedules.matmul import ROWS_ATTR, WIDE_DECODE_CONFIG
+    from qwen35_tvm.schedules.matmul_config import ROWS_ATTR, WIDE_DECODE_CONFIG
     from qwen35_tvm.schedules.matmul_rule import MatmulMMA
 
     match = match_gemm(small)

@@ -22,7 +22,7 @@ from tvm import relax
 
 from ..schedules.gemm_match import match_gemm
 from ..schedules.gemv_rule import gemv_for
-from ..schedules.matmul import ROWS_ATTR, has_tensor_cores
+from ..schedules.matmul_config import ROWS_ATTR, has_tensor_cores
 from ..schedules.norm import EPS_ATTR
 
 FUSED_ROWS = "small"

@@ -21,7 +21,7 @@ from tvm.s_tir.dlight.gpu.base import GPUScheduleRule
 
 from ..schedules.gemm_match import match_gemm
 from ..schedules.gemv_rule import DecodeGemv
-from ..schedules.matmul import ROWS_ATTR, WIDE_DECODE_CONFIG
+from ..schedules.matmul_config import ROWS_ATTR, WIDE_DECODE_CONFIG
 from ..schedules.matmul_rule import MatmulMMA
 from ..schedules.pdl import WAIT_CALL
 from .norm_fusion import fold_norms_into_gemv

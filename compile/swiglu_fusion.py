@@ -29,7 +29,7 @@ from tvm import relax
 
 from ..schedules.activation import INTER_ATTR
 from ..schedules.gemm_match import match_gemm
-from ..schedules.matmul import ROWS_ATTR
+from ..schedules.matmul_config import ROWS_ATTR
 from ..schedules.matmul_rule import gemm_for
 from .norm_fusion import CALL_TIR, GemvFolder, callee, gemv_fold_pass
 

@@ -10,7 +10,7 @@ from tvm.target import Target
 from .gemm_match import match_gemm
 from .gemv import gemv_kernel
 from .gemv_config import VEC, Buckets, GemvConfig, default_config, wide_buckets
-from .matmul import ROWS_ATTR, has_tensor_cores
+from .matmul_config import ROWS_ATTR, has_tensor_cores
 
 
 def plan(n: int, k: int, rows: str) -> GemvConfig | Buckets:

@@ -12,7 +12,8 @@ from tvm.s_tir.dlight.gpu.base import GPUScheduleRule
 from tvm.target import Target
 
 from .gemm_match import match_gemm
-from .matmul import ROWS_ATTR, GemmConfig, default_config, gemm_kernel, has_tensor_cores
+from .matmul import gemm_kernel
+from .matmul_config import ROWS_ATTR, GemmConfig, default_config, has_tensor_cores
 from .matmul_wgmma import BLOCK_K, WgmmaConfig, default_wgmma_config
 
 

@@ -54,6 +54,9 @@ class WgmmaConfig:
     # for a library without sm_80 code (`--arch sm_90`): the launch may take sm_90's 227 KB,
     # room for deeper rings (benchmarks/gemm_variants.py's *_90 rows; the defaults keep 163 KB)
     sm90_only: bool = False
+    # persistent (TMA only): this many CTAs loop over the tiles, the ring running on across
+    # them, so a tile's epilogue overlaps the next tile's first loads; 0: a CTA a tile
+    ctas: int = 0
 
     @property
     def stage_bytes(self) -> int:
@@ -70,6 +73,8 @@ class WgmmaConfig:
             raise ValueError(f"block_n {self.block_n}: wgmma takes n in 8..256, a multiple of 8")
         if self.block_n * BLOCK_K // 8 % THREADS or self.stages < 3:
             raise ValueError(f"{self}: the B tile's chunks must split over {THREADS} threads")
+        if self.ctas and not self.tma:
+            raise ValueError(f"{self}: a persistent tiling needs TMA")
         limit = SM90_SHARED_BYTES if self.sm90_only else SM80_SHARED_BYTES
         if self.shared_bytes > limit:
             raise ValueError(f"{self}: {self.shared_bytes} bytes: over {limit // 1024} KB")
@@ -173,6 +178,15 @@ def wgmma_tile(
     store = pair_store(epilogue, out_dtype if swiglu else None)
     b_at = BLOCK_M * BLOCK_K  # elements from a stage's start to its B tile
     ahead = stages - 2
+    n_tiles = -(-n // bn)
+
+    def bar(smem, bar0, i):
+        return T.address_of(smem[bar0 + i * 4])  # mbarrier i: 8 bytes, 4 bf16
+
+    def persistent_step(g, cta, m_tiles):
+        """(kt, bx, by) of a persistent CTA's ring step g."""
+        idx = cta + g // k_tiles * cfg.ctas
+        return g % k_tiles, idx % m_tiles, idx // m_tiles
 
     @T.macro
     def load(a, b, smem, pad, s, kt, bx, by, tid, m):
@@ -261,32 +275,58 @@ def wgmma_tile(
             )
 
     @T.macro
-    def mainloop_tma(maps, acc, smem, pad, ring, bx, by, tid):
-        # mbarriers after the ring: full[s] (thread 0 arrives, TMA completes its bytes), then
-        # empty[s] (every thread arrives once its wgmma of the stage is done)
-        bar0: T.let[T.int32] = pad + stages * stage_elems
-        full = T.meta_var(lambda s: T.address_of(smem[bar0 + s * 4]))
-        empty = T.meta_var(lambda s: T.address_of(smem[bar0 + (stages + s) * 4]))
+    def init_barriers(smem, bar0, tid):
+        # after the ring: full[s] (thread 0 arrives, TMA completes its bytes), then empty[s]
+        # (every thread arrives once its wgmma of the stage is done)
         if tid == 0:
             for s in T.unroll(stages):
-                T.evaluate(T.ptx.mbarrier.init.shared.b64(full(s), T.uint32(1)))
-                T.evaluate(T.ptx.mbarrier.init.shared.b64(empty(s), T.uint32(THREADS)))
+                T.evaluate(T.ptx.mbarrier.init.shared.b64(bar(smem, bar0, s), T.uint32(1)))
+                T.evaluate(
+                    T.ptx.mbarrier.init.shared.b64(bar(smem, bar0, stages + s), T.uint32(THREADS))
+                )
         T.tvm_storage_sync("shared.dyn")
+
+    @T.macro
+    def step_tma(maps, acc, smem, pad, ring, bar0, tid, g, iters, at):
+        # ring step g: wait for its stage, issue its wgmma, then release step g - 1's stage,
+        # which thread 0 refills with step g - 1 + stages (`at(step)`: its (kt, bx, by))
+        T.evaluate(T.cuda.mbarrier_wait(bar(smem, bar0, g % stages), g // stages % 2))
+        mma_stage(acc, ring + T.Cast("uint32", g % stages * cfg.stage_bytes), tid // 128)
+        T.evaluate(T.ptx.wgmma.wait_group.sync.aligned(1))
+        if g > 0:
+            done: T.let[T.int32] = g - 1
+            empty = T.meta_var(bar(smem, bar0, stages + done % stages))
+            T.evaluate(T.ptx.mbarrier.arrive.shared.b64(empty, T.uint32(1)))
+            if tid == 0 and done + stages < iters:
+                T.evaluate(T.cuda.mbarrier_wait(empty, done // stages % 2))
+                kt, bx, by = T.meta_var(at(done + stages))
+                full = T.meta_var(lambda s: bar(smem, bar0, s))
+                tma_stage(maps, smem, pad, full, done % stages, kt, bx, by)
+
+    @T.macro
+    def mainloop_tma(maps, acc, smem, pad, ring, bx, by, tid):
+        bar0: T.let[T.int32] = pad + stages * stage_elems
+        init_barriers(smem, bar0, tid)
+        full = T.meta_var(lambda s: bar(smem, bar0, s))
         if tid == 0:
             for s in T.unroll(stages):
                 if s < k_tiles:
                     tma_stage(maps, smem, pad, full, s, s, bx, by)
         for kt in T.serial(k_tiles):
-            T.evaluate(T.cuda.mbarrier_wait(full(kt % stages), kt // stages % 2))
-            mma_stage(acc, ring + T.Cast("uint32", kt % stages * cfg.stage_bytes), tid // 128)
-            T.evaluate(T.ptx.wgmma.wait_group.sync.aligned(1))
-            if kt > 0:
-                # tile kt - 1's wgmma is done: its stage may take tile kt - 1 + stages
-                done: T.let[T.int32] = kt - 1
-                T.evaluate(T.ptx.mbarrier.arrive.shared.b64(empty(done % stages), T.uint32(1)))
-                if tid == 0 and done + stages < k_tiles:
-                    T.evaluate(T.cuda.mbarrier_wait(empty(done % stages), done // stages % 2))
-                    tma_stage(maps, smem, pad, full, done % stages, done + stages, bx, by)
+            step_tma(maps, acc, smem, pad, ring, bar0, tid, kt, k_tiles, lambda g: (g, bx, by))
+
+    @T.macro
+    def store_tile(out, extras, acc, m, bx, by, tid):
+        T.evaluate(T.ptx.wgmma.wait_group.sync.aligned(0))
+        # wgmma's accumulator layout is mma.sync's m16n8 one, a 16-row slab per warp; with a
+        # SwiGLU, n8 tiles nt and nt + out_tiles hold gate and up of the same columns
+        for nt in T.unroll(out_tiles):
+            for eh in T.unroll(2):
+                er, ec = T.meta_var(acc_coords(tid % 32, eh * 2))
+                r: T.let[T.int32] = bx * BLOCK_M + tid // 32 * 16 + er
+                c: T.let[T.int32] = by * b_box + nt * 8 + ec
+                at: T.let[T.int32] = nt * 4 + eh * 2
+                store(out, extras, acc, at, at + out_tiles * 4, r, c, m, n_out, pair)
 
     @T.macro
     def tile(a, b, out, extras, m, smem, bx, by, tid, maps):
@@ -301,15 +341,36 @@ def wgmma_tile(
             mainloop_tma(maps, acc, smem, pad, ring, bx, by, tid)
         else:
             mainloop_cp_async(a, b, acc, m, smem, pad, ring, bx, by, tid)
-        T.evaluate(T.ptx.wgmma.wait_group.sync.aligned(0))
-        # wgmma's accumulator layout is mma.sync's m16n8 one, a 16-row slab per warp; with a
-        # SwiGLU, n8 tiles nt and nt + out_tiles hold gate and up of the same columns
-        for nt in T.unroll(out_tiles):
-            for eh in T.unroll(2):
-                er, ec = T.meta_var(acc_coords(tid % 32, eh * 2))
-                r: T.let[T.int32] = bx * BLOCK_M + tid // 32 * 16 + er
-                c: T.let[T.int32] = by * b_box + nt * 8 + ec
-                at: T.let[T.int32] = nt * 4 + eh * 2
-                store(out, extras, acc, at, at + out_tiles * 4, r, c, m, n_out, pair)
+        store_tile(out, extras, acc, m, bx, by, tid)
 
-    return tile
+    @T.macro
+    def tiles(a, b, out, extras, m, smem, cta, tid, maps):
+        # persistent: this CTA's tiles are cta, cta + ctas, ... (m fastest); the ring's steps
+        # run across them, so thread 0 loads the next tile's first stages during an epilogue
+        acc = T.alloc_local((bn // 2,), "float32")
+        base: T.let[T.uint32] = T.cuda.cvta_generic_to_shared(smem.data)
+        pad_bytes: T.let[T.uint32] = (T.uint32(_ALIGN) - base % T.uint32(_ALIGN)) % T.uint32(_ALIGN)
+        pad: T.let[T.int32] = T.Cast("int32", pad_bytes) // 2
+        ring: T.let[T.uint32] = base + pad_bytes
+        m_tiles: T.let[T.int32] = T.ceildiv(m, BLOCK_M)
+        mine: T.let[T.int32] = T.max(T.ceildiv(m_tiles * n_tiles - cta, cfg.ctas), 0)
+        iters: T.let[T.int32] = mine * k_tiles
+        at = T.meta_var(lambda g: persistent_step(g, cta, m_tiles))
+        bar0: T.let[T.int32] = pad + stages * stage_elems
+        init_barriers(smem, bar0, tid)
+        full = T.meta_var(lambda s: bar(smem, bar0, s))
+        if tid == 0:
+            for s in T.unroll(stages):
+                if s < iters:
+                    kt, bx, by = T.meta_var(at(s))
+                    tma_stage(maps, smem, pad, full, s, kt, bx, by)
+        for g in T.serial(iters):
+            if g % k_tiles == 0:
+                for i in T.unroll(bn // 2):
+                    acc[i] = T.float32(0)
+            step_tma(maps, acc, smem, pad, ring, bar0, tid, g, iters, at)
+            if g % k_tiles == k_tiles - 1:
+                _, bx, by = T.meta_var(at(g))
+                store_tile(out, extras, acc, m, bx, by, tid)
+
+    return tiles if cfg.ctas else tile

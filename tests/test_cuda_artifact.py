@@ -12,7 +12,7 @@ def test_tiny_random_cuda_library_carries_sass_for_each_arch(model_root, monkeyp
     # every decode ("small") and decode_wide ("wide") GEMM the build schedules must become our
     # GEMV (schedules/gemv.py)
     from qwen35_tvm.schedules.gemv_rule import DecodeGemv
-    from qwen35_tvm.schedules.matmul import ROWS_ATTR
+    from qwen35_tvm.schedules.matmul_config import ROWS_ATTR
 
     seen: dict[str, dict[str, bool]] = {"small": {}, "wide": {}}
     apply = DecodeGemv.apply

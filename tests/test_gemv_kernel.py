@@ -32,7 +32,7 @@ from qwen35_tvm.schedules import gemv, gemv_body, gemv_config
 from qwen35_tvm.schedules.gemm_match import match_gemm
 from qwen35_tvm.schedules.gemv import GemvConfig, gemv_kernel
 from qwen35_tvm.schedules.gemv_rule import DecodeGemv, gemv_for, plan
-from qwen35_tvm.schedules.matmul import ROWS_ATTR
+from qwen35_tvm.schedules.matmul_config import ROWS_ATTR
 
 LLVM = tvm.target.Target("llvm")
 CUDA, _ = make_target("cuda", "sm_80,sm_90")

@@ -25,6 +25,7 @@ from qwen35_tvm.compile.random_model import SHAPES
 from qwen35_tvm.compile.targets import make_target
 from qwen35_tvm.compile.vocab import VocabWidths
 from qwen35_tvm.schedules import matmul as mm
+from qwen35_tvm.schedules import matmul_config as mc
 from qwen35_tvm.schedules import matmul_rule as rule
 from qwen35_tvm.schedules.gemm_layout import paired_weight_row
 from qwen35_tvm.schedules.gemm_match import match_gemm
@@ -65,7 +66,7 @@ def _mma(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> None:
     c += (am @ bm)[_C_ROW, _C_COL]
 
 
-def _emulate(a: np.ndarray, b: np.ndarray, cfg: mm.GemmConfig, swiglu: bool = False) -> np.ndarray:
+def _emulate(a: np.ndarray, b: np.ndarray, cfg: mc.GemmConfig, swiglu: bool = False) -> np.ndarray:
     """The kernel's data movement, one thread block and warp at a time. With `swiglu`, b is a
     gate_up weight and the result silu(gate) · up [m, n / 2], exact (no bf16 rounding)."""
     (m, k), n = a.shape, b.shape[0]
@@ -178,25 +179,25 @@ def _silu(x):
 @pytest.mark.parametrize(
     "cfg, m, n, k",
     [
-        (mm.DEFAULT_CONFIG, 1, 136, 64),  # one k tile: fewer tiles than prologue stages
-        (mm.GemmConfig(), 1, 136, 32),  # the same, 32 deep
-        (mm.DEFAULT_CONFIG, 130, 200, 320),  # m and n off the tile, k through the ring twice
-        (mm.default_config(200), 130, 200, 320),  # the narrow-n default: 128 x 64 tiles
-        (mm.GemmConfig(), 130, 200, 160),
-        (mm.GemmConfig(block_k=64), 70, 128, 256),
-        (mm.GemmConfig(block_m=64, block_k=64, stages=4), 65, 72, 320),
-        (mm.GemmConfig(block_n=256, warps_n=4, stages=4), 17, 264, 96),
+        (mc.DEFAULT_CONFIG, 1, 136, 64),  # one k tile: fewer tiles than prologue stages
+        (mc.GemmConfig(), 1, 136, 32),  # the same, 32 deep
+        (mc.DEFAULT_CONFIG, 130, 200, 320),  # m and n off the tile, k through the ring twice
+        (mc.default_config(200), 130, 200, 320),  # the narrow-n default: 128 x 64 tiles
+        (mc.GemmConfig(), 130, 200, 160),
+        (mc.GemmConfig(block_k=64), 70, 128, 256),
+        (mc.GemmConfig(block_m=64, block_k=64, stages=4), 65, 72, 320),
+        (mc.GemmConfig(block_n=256, warps_n=4, stages=4), 17, 264, 96),
         # the sweep's shapes (benchmarks/gemm_kernel.py): 8 warps of 64x32, small-N tiles
-        (mm.GemmConfig(warps_n=4, block_k=64), 131, 136, 192),
-        (mm.GemmConfig(block_n=64, stages=4), 129, 72, 224),
-        (mm.GemmConfig(block_m=64, stages=4), 63, 136, 96),
-        (mm.GemmConfig(block_m=256, warps_m=4, stages=4), 257, 128, 160),
+        (mc.GemmConfig(warps_n=4, block_k=64), 131, 136, 192),
+        (mc.GemmConfig(block_n=64, stages=4), 129, 72, 224),
+        (mc.GemmConfig(block_m=64, stages=4), 63, 136, 96),
+        (mc.GemmConfig(block_m=256, warps_m=4, stages=4), 257, 128, 160),
         # frag_pipeline: one k tile, two (< stages - 1), and through the ring
-        (mm.GemmConfig(frag_pipeline=True), 5, 136, 32),
-        (mm.GemmConfig(frag_pipeline=True, stages=4), 33, 128, 64),
-        (mm.GemmConfig(frag_pipeline=True), 130, 200, 160),
-        (mm.GemmConfig(frag_pipeline=True, block_k=64, warps_n=4), 129, 136, 384),
-        (mm.GemmConfig(frag_pipeline=True, block_n=64, stages=2), 64, 72, 128),
+        (mc.GemmConfig(frag_pipeline=True), 5, 136, 32),
+        (mc.GemmConfig(frag_pipeline=True, stages=4), 33, 128, 64),
+        (mc.GemmConfig(frag_pipeline=True), 130, 200, 160),
+        (mc.GemmConfig(frag_pipeline=True, block_k=64, warps_n=4), 129, 136, 384),
+        (mc.GemmConfig(frag_pipeline=True, block_n=64, stages=2), 64, 72, 128),
         # the 8-warp tilings sharing the sm_90a path's launch (160: 4 x 2 warps of 32 x 80)
         (rule.shared_launch_config(default_wgmma_config(2560)), 130, 330, 192),
         (rule.shared_launch_config(default_wgmma_config(12352)), 129, 200, 128),
@@ -216,8 +217,8 @@ def test_emulated_kernel_computes_a_times_b_transposed(cfg, m, n, k) -> None:
     [
         (rule.shared_launch_config(default_wgmma_config(18432)), 130, 200, 128),  # 2 x 4 warps
         (rule.shared_launch_config(default_wgmma_config(2560)), 1, 96, 64),  # 4 x 2 warps
-        (mm.DEFAULT_CONFIG, 129, 72, 192),  # 4 warps of 64 x 64
-        (mm.GemmConfig(block_n=64, stages=4), 17, 40, 96),
+        (mc.DEFAULT_CONFIG, 129, 72, 192),  # 4 warps of 64 x 64
+        (mc.GemmConfig(block_n=64, stages=4), 17, 40, 96),
     ],
 )
 def test_emulated_swiglu_epilogue_pairs_gate_and_up(cfg, m, inter, k) -> None:
@@ -240,7 +241,7 @@ def test_swiglu_rows_swapped_are_caught(monkeypatch: pytest.MonkeyPatch) -> None
     )
     rng = np.random.default_rng(1)
     a, b = rng.integers(-8, 9, (33, 64)) / 8, rng.integers(-8, 9, (2 * 96, 64)) / 8
-    got = _emulate(a, b, mm.DEFAULT_CONFIG, swiglu=True)
+    got = _emulate(a, b, mc.DEFAULT_CONFIG, swiglu=True)
     assert not np.allclose(got, _silu(a @ b[:96].T) * (a @ b[96:].T))
 
 
@@ -270,7 +271,7 @@ def test_pair_store_lanes_own_adjacent_even_columns() -> None:
 
 @pytest.mark.parametrize("n, pair", [(200, True), (136, True), (201, False)])
 def test_pair_store_only_where_n_is_even(n, pair) -> None:
-    cfg = mm.GemmConfig(pair_store=True)
+    cfg = mc.GemmConfig(pair_store=True)
     func = mm.gemm_kernel(n, 64, cfg, out_dtype="bfloat16", epilogue=_cast_bf16)
     text = tvm.tirx.transform.VectorizeLoop()(tvm.IRModule({"main": func}))["main"].script()
     stores = [line.strip() for line in text.splitlines() if line.strip().startswith("out[")]
@@ -321,7 +322,7 @@ def test_prefill_gemms_run_on_tensor_cores(lowered_tiny) -> None:
     assert len(gemms) == 5, gemms
     for name in gemms:
         func = lowered_tiny[name]
-        assert func.attrs.get(mm.ROWS_ATTR) == "large", name
+        assert func.attrs.get(mc.ROWS_ATTR) == "large", name
         assert "ptx_legacy.mma" in func.script(), f"{name} is not on tensor cores"
         assert func.attrs.get(KERNEL_ATTR) is None, name
 
@@ -335,7 +336,7 @@ def test_decode_gemms_are_our_gemv(lowered_tiny, fn, rows) -> None:
     for name in gemms:
         func = lowered_tiny[name]
         script = func.script()
-        assert name not in prefill and func.attrs.get(mm.ROWS_ATTR) == rows, name
+        assert name not in prefill and func.attrs.get(mc.ROWS_ATTR) == rows, name
         # schedules/gemv.py, not dlight's GEMV (an rfactor schedule) nor the tiled GEMM
         assert func.attrs.get(KERNEL_ATTR) == "gemv", name
         assert "ptx_legacy.mma" in script and "_rf_local" not in script, name
@@ -384,7 +385,7 @@ def _fused(module: _Proj) -> tvm.IRModule:
 
 def test_epilogue_and_parameter_order_survive() -> None:
     mod = _fused(_Proj(256, 256, residual=True))
-    large = [gv for gv, f in mod.functions_items() if f.attrs.get(mm.ROWS_ATTR) == "large"]
+    large = [gv for gv, f in mod.functions_items() if f.attrs.get(mc.ROWS_ATTR) == "large"]
     assert len(large) == 1
     func = mod[large[0]]
     match = match_gemm(func)
@@ -400,7 +401,7 @@ def test_epilogue_and_parameter_order_survive() -> None:
 def test_unsupported_shapes_fall_back() -> None:
     # k not a multiple of 32: dlight keeps it
     mod = _fused(_Proj(40, 64))
-    large = [f for _, f in mod.functions_items() if f.attrs.get(mm.ROWS_ATTR) == "large"]
+    large = [f for _, f in mod.functions_items() if f.attrs.get(mc.ROWS_ATTR) == "large"]
     assert large and rule.gemm_for(large[0]) is None
     assert rule.MatmulMMA().apply(large[0], TARGET, False) is None
 

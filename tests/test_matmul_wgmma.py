@@ -76,88 +76,100 @@ def _emulate(
     a: np.ndarray, b: np.ndarray, cfg: mw.WgmmaConfig, base: int, swiglu: bool = False
 ) -> np.ndarray:
     """The kernel at shared base address `base`; with `swiglu` (TMA only), b is a gate_up
-    weight and the result silu(gate) · up [m, n / 2], exact (no bf16 rounding)."""
+    weight and the result silu(gate) · up [m, n / 2], exact (no bf16 rounding). A CTA runs
+    one tile, or with `cfg.ctas` (persistent) every ctas-th tile, its ring running on."""
     (m, k), n = a.shape, b.shape[0]
     bn, stages = cfg.block_n, cfg.stages
-    # cp.async keeps `stages` - 2 tiles of copies in flight; TMA refills a stage once both
-    # warpgroups have released it, `stages` - 1 tiles ahead
-    ahead = stages - 1 if cfg.tma else stages - 2
     chunks, k_tiles = mw.BLOCK_K // 8, k // mw.BLOCK_K
     n_out, out_tiles = (n // 2, bn // 16) if swiglu else (n, bn // 8)
     out = np.full((m, n_out), np.nan)
     pad = (1024 - base % 1024) % 1024
     ring = base + pad
-    for bx in range(-(-m // mw.BLOCK_M)):
-        for by in range(-(-n // bn)):
-            smem = np.full(cfg.shared_bytes // 2, np.nan)
+    m_tiles, tiles = -(-m // mw.BLOCK_M), -(-m // mw.BLOCK_M) * -(-n // bn)
+    ctas = cfg.ctas or tiles
+    for cta in range(ctas):
+        smem = np.full(cfg.shared_bytes // 2, np.nan)
+        # the CTA's ring steps: (bx, by, kt), tile by tile (m fastest), k tile by k tile
+        mine = [(i % m_tiles, i // m_tiles) for i in range(cta, tiles, ctas)]
+        steps = [(bx, by, kt) for bx, by in mine for kt in range(k_tiles)]
 
-            def load(s: int, kt: int, bx: int = bx, by: int = by, smem: np.ndarray = smem) -> None:
-                for src, rows, first, at in (
-                    (a, mw.BLOCK_M, bx * mw.BLOCK_M, 0),
-                    (b, bn, by * bn, mw.BLOCK_M * mw.BLOCK_K),
-                ):
-                    for index in range(rows * chunks):  # every (iteration, thread) pair
-                        row, chunk = copy_coords(index, chunks)
-                        col = kt * mw.BLOCK_K + chunk * 8
-                        if cfg.tma:  # the box lands swizzled; rows past the tensor read zeros
-                            tile = ring + s * cfg.stage_bytes + at * 2
-                            dst = (_swizzled(tile + row * _ROW_BYTES + chunk * 16) - base) // 2
-                            at_row = first + row
-                            if swiglu and src is b:  # two boxes: the gate rows, then the up rows
-                                box = bn // 2
-                                at_row = by * box + row % box + row // box * (n // 2)
-                            got = src[at_row, col : col + 8] if at_row < len(src) else 0
-                        else:  # the kernel's own placement, edge rows clamped
-                            dst = pad // 2 + s * cfg.stage_bytes // 2 + at
-                            dst += mw.tile_offset(row, chunk, chunks)
-                            got = src[min(first + row, len(src) - 1), col : col + 8]
-                        smem[dst : dst + 8] = got
+        def load(s: int, step: tuple, smem: np.ndarray = smem) -> None:
+            bx, by, kt = step
+            for src, rows, first, at in (
+                (a, mw.BLOCK_M, bx * mw.BLOCK_M, 0),
+                (b, bn, by * bn, mw.BLOCK_M * mw.BLOCK_K),
+            ):
+                for index in range(rows * chunks):  # every (iteration, thread) pair
+                    row, chunk = copy_coords(index, chunks)
+                    col = kt * mw.BLOCK_K + chunk * 8
+                    if cfg.tma:  # the box lands swizzled; rows past the tensor read zeros
+                        tile = ring + s * cfg.stage_bytes + at * 2
+                        dst = (_swizzled(tile + row * _ROW_BYTES + chunk * 16) - base) // 2
+                        at_row = first + row
+                        if swiglu and src is b:  # two boxes: the gate rows, then the up rows
+                            box = bn // 2
+                            at_row = by * box + row % box + row // box * (n // 2)
+                        got = src[at_row, col : col + 8] if at_row < len(src) else 0
+                    else:  # the kernel's own placement, edge rows clamped
+                        dst = pad // 2 + s * cfg.stage_bytes // 2 + at
+                        dst += mw.tile_offset(row, chunk, chunks)
+                        got = src[min(first + row, len(src) - 1), col : col + 8]
+                    smem[dst : dst + 8] = got
 
-            for s in range(min(ahead if not cfg.tma else stages, k_tiles)):
-                load(s, s)
-            d = np.zeros((mw.BLOCK_M, bn))
-            for kt in range(k_tiles):
-                if not cfg.tma:
-                    target = (kt + ahead) % stages
-                    # never a stage whose wgmma may still run (tile kt, or kt - 1 not waited)
-                    assert target not in (kt % stages, (kt - 1) % stages)
-                    if kt + ahead < k_tiles:
-                        load(target, kt + ahead)
-                stage = ring + kt % stages * cfg.stage_bytes
-                for wg in range(2):
-                    for kk in range(mw.BLOCK_K // 16):
-                        at = stage + wg * 64 * _ROW_BYTES + kk * 32
-                        a_op = _read_k_major(smem, base, at, 64)
-                        at = stage + mw.BLOCK_M * _ROW_BYTES + kk * 32
-                        b_op = _read_k_major(smem, base, at, bn)
-                        d[wg * 64 : wg * 64 + 64] += a_op @ b_op.T
-                # TMA: after tile kt's wgmma, tile kt - 1's (waited for) frees its stage, which
-                # takes tile kt - 1 + stages; the stage of tile kt is not touched
-                if cfg.tma and kt > 0 and kt - 1 + stages < k_tiles:
-                    assert (kt - 1) % stages != kt % stages
-                    load((kt - 1) % stages, kt - 1 + stages)
-            # accumulator fragments as the PTX ISA lays out wgmma's D (m64nNk16, fp32): warp w
-            # of the warpgroup rows 16w + lane / 4 (+ 8), columns 8i + 2 (lane % 4) (+ 1)
-            for tid in range(mw.THREADS):
-                lane, w = tid % 32, tid // 32
-                frag = np.empty(bn // 2)
-                for i in range(bn // 8):
-                    for v in range(4):
-                        frag[4 * i + v] = d[
-                            16 * w + lane // 4 + 8 * (v // 2), 8 * i + 2 * (lane % 4) + v % 2
-                        ]
-                # ... and out through the kernel's epilogue mapping: with a SwiGLU, gate in n8
-                # tile nt, up in nt + out_tiles
-                for nt in range(out_tiles):
-                    for e in range(4):
-                        er, ec = acc_coords(lane, e)
-                        r, c = bx * mw.BLOCK_M + w * 16 + er, by * (n_out * bn // n) + nt * 8 + ec
-                        got = frag[nt * 4 + e]
-                        if swiglu:
-                            got = got / (1 + np.exp(-got)) * frag[(nt + out_tiles) * 4 + e]
-                        if r < m and c < n_out:
-                            out[r, c] = got
+        # cp.async keeps `stages` - 2 steps of copies in flight; TMA refills a stage once both
+        # warpgroups have released it, `stages` - 1 steps ahead
+        ahead = stages if cfg.tma else stages - 2
+        for s in range(min(ahead, len(steps))):
+            load(s, steps[s])
+        for g, (bx, by, kt) in enumerate(steps):
+            if kt == 0:
+                d = np.zeros((mw.BLOCK_M, bn))
+            if not cfg.tma:
+                target = (g + ahead) % stages
+                # never a stage whose wgmma may still run (step g, or g - 1 not waited)
+                assert target not in (g % stages, (g - 1) % stages)
+                if g + ahead < len(steps):
+                    load(target, steps[g + ahead])
+            stage = ring + g % stages * cfg.stage_bytes
+            for wg in range(2):
+                for kk in range(mw.BLOCK_K // 16):
+                    at = stage + wg * 64 * _ROW_BYTES + kk * 32
+                    a_op = _read_k_major(smem, base, at, 64)
+                    at = stage + mw.BLOCK_M * _ROW_BYTES + kk * 32
+                    b_op = _read_k_major(smem, base, at, bn)
+                    d[wg * 64 : wg * 64 + 64] += a_op @ b_op.T
+            # TMA: after step g's wgmma, step g - 1's (waited for) frees its stage, which takes
+            # step g - 1 + stages, the next tile's where the CTA runs on; g's is not touched
+            if cfg.tma and g > 0 and g - 1 + stages < len(steps):
+                assert (g - 1) % stages != g % stages
+                load((g - 1) % stages, steps[g - 1 + stages])
+            if kt == k_tiles - 1:
+                _store(out, d, bx, by, swiglu, n_out, out_tiles, bn, m)
     return out
+
+
+def _store(out, d, bx, by, swiglu, n_out, out_tiles, bn, m) -> None:
+    """A tile's accumulators, laid out per thread as the PTX ISA lays out wgmma's D
+    (m64nNk16, fp32: warp w of the warpgroup rows 16w + lane / 4 (+ 8), columns 8i +
+    2 (lane % 4) (+ 1)), out through the kernel's epilogue mapping: with a SwiGLU, gate in n8
+    tile nt, up in nt + out_tiles."""
+    for tid in range(mw.THREADS):
+        lane, w = tid % 32, tid // 32
+        frag = np.empty(bn // 2)
+        for i in range(bn // 8):
+            for v in range(4):
+                frag[4 * i + v] = d[
+                    16 * w + lane // 4 + 8 * (v // 2), 8 * i + 2 * (lane % 4) + v % 2
+                ]
+        for nt in range(out_tiles):
+            for e in range(4):
+                er, ec = acc_coords(lane, e)
+                r, c = bx * mw.BLOCK_M + w * 16 + er, by * (bn // 2 if swiglu else bn) + nt * 8 + ec
+                got = frag[nt * 4 + e]
+                if swiglu:
+                    got = got / (1 + np.exp(-got)) * frag[(nt + out_tiles) * 4 + e]
+                if r < m and c < n_out:
+                    out[r, c] = got
 
 
 CONFIGS = [
@@ -167,6 +179,9 @@ CONFIGS = [
     mw.WgmmaConfig(160, 4, tma=True),
     mw.WgmmaConfig(256, 3, tma=True),
     mw.WgmmaConfig(192, 4, tma=True),
+    # persistent: 3 CTAs over the tiles (some with none), the ring across tile boundaries
+    mw.WgmmaConfig(160, 4, tma=True, ctas=3),
+    mw.WgmmaConfig(128, 5, tma=True, ctas=2),
 ]
 
 
