@@ -50,7 +50,7 @@ from .matmul_wgmma import (
     tensor_maps,
     wgmma_tile,
 )
-from .ptx import is_sm90a, ldmatrix_x4, mma_bf16
+from .ptx import cp_async_16, is_sm90a, ldmatrix_x4, mma_bf16
 
 # ---- the kernel ----------------------------------------------------------------------------
 
@@ -125,28 +125,14 @@ def gemm_kernel(
         # rows past m / n are clamped: they feed only accumulators that are never stored
         for it in T.unroll(a_copies):
             row, chunk = T.meta_var(copy_coords(it * threads + tid, chunks))
-            T.evaluate(
-                T.s_tir.cp_async_raw.legacy(
-                    smem.data,
-                    stage * bm * bk + tile_offset(row, chunk, chunks),
-                    a.data,
-                    T.min(bx * bm + row, m - 1) * k + kt * bk + chunk * 8,
-                    16,
-                    dtype=DTYPE,
-                )
-            )
+            at = T.meta_var(stage * bm * bk + tile_offset(row, chunk, chunks))
+            from_at = T.meta_var(T.min(bx * bm + row, m - 1) * k + kt * bk + chunk * 8)
+            T.evaluate(cp_async_16(smem.data, at, a.data, from_at))
         for it in T.unroll(b_copies):
             row, chunk = T.meta_var(copy_coords(it * threads + tid, chunks))
-            T.evaluate(
-                T.s_tir.cp_async_raw.legacy(
-                    smem.data,
-                    b_at + stage * bn * bk + tile_offset(row, chunk, chunks),
-                    b.data,
-                    T.min(b_row(row, by), n - 1) * k + kt * bk + chunk * 8,
-                    16,
-                    dtype=DTYPE,
-                )
-            )
+            at = T.meta_var(b_at + stage * bn * bk + tile_offset(row, chunk, chunks))
+            from_at = T.meta_var(T.min(b_row(row, by), n - 1) * k + kt * bk + chunk * 8)
+            T.evaluate(cp_async_16(smem.data, at, b.data, from_at))
 
     @T.macro
     def load_frags(a_frag, b_frag, smem, slot, stage, kk, tx, row_w, col_w):
@@ -305,19 +291,7 @@ def gemm_kernel(
 
     @T.macro
     def body(a, b, out, extras, m):
-        for bx in T.thread_binding(T.ceildiv(m, bm), thread="blockIdx.x"):
-            for by in T.thread_binding(n_tiles, thread="blockIdx.y"):
-                for ty in T.thread_binding(threads // 32, thread="threadIdx.y"):
-                    for tx in T.thread_binding(32, thread="threadIdx.x"):
-                        with T.sblock("gemm"):
-                            T.reads()
-                            T.writes()
-                            smem = T.sblock_alloc_buffer((smem_elems,), DTYPE, scope=scope)
-                            tile(a, b, out, extras, m, smem, bx, by, ty, tx)
-
-    @T.macro
-    def body_with_wgmma(a, b, out, extras, m):
-        if wgmma.tma:
+        if wgmma is not None and wgmma.tma:
             encode(a, b, m)  # on the host, before the launch
         for bx in T.thread_binding(T.ceildiv(m, bm), thread="blockIdx.x"):
             for by in T.thread_binding(n_tiles, thread="blockIdx.y"):
@@ -327,7 +301,9 @@ def gemm_kernel(
                             T.reads()
                             T.writes()
                             smem = T.sblock_alloc_buffer((smem_elems,), DTYPE, scope=scope)
-                            if is_sm90a():
+                            if wgmma is None:
+                                tile(a, b, out, extras, m, smem, bx, by, ty, tx)
+                            elif is_sm90a():
                                 sm90_tile(a, b, out, extras, m, smem, bx, by, ty * 32 + tx, maps)
                             else:
                                 tile(a, b, out, extras, m, smem, bx, by, ty, tx)
@@ -355,7 +331,7 @@ def gemm_kernel(
                                 T.tvm_storage_sync("shared")
 
     attrs = {"tirx.is_scheduled": True, "tirx.noalias": True}
-    kernel = body if wgmma is None else body_persistent if wgmma.ctas else body_with_wgmma
+    kernel = body_persistent if wgmma is not None and wgmma.ctas else body
     return fused_gemm_func(
         "gemm", kernel, n, k, extra_shapes, extra_dtypes, out_dtype, attrs, out_n=n_out
     )

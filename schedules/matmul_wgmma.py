@@ -32,7 +32,7 @@ from tvm.script import tirx as T
 from .activation import swiglu_of
 from .gemm_layout import acc_coords, copy_coords, tile_offset
 from .gemm_match import DTYPE, Epilogue
-from .ptx import wgmma_bf16, wgmma_desc_sw128
+from .ptx import cp_async_16, wgmma_bf16, wgmma_desc_sw128
 
 BLOCK_M = 128  # two warpgroups of m64
 BLOCK_K = 64  # one 128-byte swizzle row of bf16
@@ -189,31 +189,19 @@ def wgmma_tile(
         return g % k_tiles, idx % m_tiles, idx // m_tiles
 
     @T.macro
+    def copy_rows(smem, dst, src, copies, src_row, kt, tid):
+        for it in T.unroll(copies):
+            row, chunk = T.meta_var(copy_coords(it * THREADS + tid, chunks))
+            at = T.meta_var(dst + tile_offset(row, chunk, chunks))
+            from_at = T.meta_var(src_row(row) * k + kt * BLOCK_K + chunk * 8)
+            T.evaluate(cp_async_16(smem.data, at, src.data, from_at))
+
+    @T.macro
     def load(a, b, smem, pad, s, kt, bx, by, tid, m):
-        for it in T.unroll(a_copies):
-            row, chunk = T.meta_var(copy_coords(it * THREADS + tid, chunks))
-            T.evaluate(
-                T.s_tir.cp_async_raw.legacy(
-                    smem.data,
-                    pad + s * stage_elems + tile_offset(row, chunk, chunks),
-                    a.data,
-                    T.min(bx * BLOCK_M + row, m - 1) * k + kt * BLOCK_K + chunk * 8,
-                    16,
-                    dtype=DTYPE,
-                )
-            )
-        for it in T.unroll(b_copies):
-            row, chunk = T.meta_var(copy_coords(it * THREADS + tid, chunks))
-            T.evaluate(
-                T.s_tir.cp_async_raw.legacy(
-                    smem.data,
-                    pad + s * stage_elems + b_at + tile_offset(row, chunk, chunks),
-                    b.data,
-                    T.min(by * bn + row, n - 1) * k + kt * BLOCK_K + chunk * 8,
-                    16,
-                    dtype=DTYPE,
-                )
-            )
+        a_row = T.meta_var(lambda row: T.min(bx * BLOCK_M + row, m - 1))
+        copy_rows(smem, pad + s * stage_elems, a, a_copies, a_row, kt, tid)
+        b_row = T.meta_var(lambda row: T.min(by * bn + row, n - 1))
+        copy_rows(smem, pad + s * stage_elems + b_at, b, b_copies, b_row, kt, tid)
 
     @T.macro
     def mma_stage(acc, stage, wg):
@@ -304,14 +292,20 @@ def wgmma_tile(
                 tma_stage(maps, smem, pad, full, done % stages, kt, bx, by)
 
     @T.macro
-    def mainloop_tma(maps, acc, smem, pad, ring, bx, by, tid):
-        bar0: T.let[T.int32] = pad + stages * stage_elems
+    def fill_ring(maps, smem, pad, bar0, tid, iters, at):
+        # the barriers, then thread 0 loads the ring's first `stages` steps
         init_barriers(smem, bar0, tid)
         full = T.meta_var(lambda s: bar(smem, bar0, s))
         if tid == 0:
             for s in T.unroll(stages):
-                if s < k_tiles:
-                    tma_stage(maps, smem, pad, full, s, s, bx, by)
+                if s < iters:
+                    kt, bx, by = T.meta_var(at(s))
+                    tma_stage(maps, smem, pad, full, s, kt, bx, by)
+
+    @T.macro
+    def mainloop_tma(maps, acc, smem, pad, ring, bx, by, tid):
+        bar0: T.let[T.int32] = pad + stages * stage_elems
+        fill_ring(maps, smem, pad, bar0, tid, k_tiles, lambda g: (g, bx, by))
         for kt in T.serial(k_tiles):
             step_tma(maps, acc, smem, pad, ring, bar0, tid, kt, k_tiles, lambda g: (g, bx, by))
 
@@ -357,13 +351,7 @@ def wgmma_tile(
         iters: T.let[T.int32] = mine * k_tiles
         at = T.meta_var(lambda g: persistent_step(g, cta, m_tiles))
         bar0: T.let[T.int32] = pad + stages * stage_elems
-        init_barriers(smem, bar0, tid)
-        full = T.meta_var(lambda s: bar(smem, bar0, s))
-        if tid == 0:
-            for s in T.unroll(stages):
-                if s < iters:
-                    kt, bx, by = T.meta_var(at(s))
-                    tma_stage(maps, smem, pad, full, s, kt, bx, by)
+        fill_ring(maps, smem, pad, bar0, tid, iters, at)
         for g in T.serial(iters):
             if g % k_tiles == 0:
                 for i in T.unroll(bn // 2):
