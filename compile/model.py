@@ -104,14 +104,27 @@ class Qwen35LM(nn.Module):
         rec_pool: Tensor,
     ) -> tuple[Tensor, ...]:
         """Any number of tokens of any number of sequences: logits [len(logit_positions),
-        selection] at the given token positions. The pools come back only because they are
-        updated in place."""
+        selection] at the given token positions, and each row's greedy pick, so a greedy
+        request's first token costs the host 8 bytes rather than a 1 MB row and a softmax. The
+        pools come back only because they are updated in place."""
         kv = KVCache(k_pool, v_pool, page_table)
         x, kv, conv_pool, rec_pool = self._stack(
             input_ids, indptr, slots, positions, kv, conv_pool, rec_pool, chunked=True
         )
         hidden = self.norm(op.take(x, logit_positions, axis=0))
-        return self.lm_head(hidden), kv.k_pool, kv.v_pool, conv_pool, rec_pool
+        logits_rows = self.lm_head(hidden)
+        rows = logits_rows.shape[0]
+        best, best_logprob, _, _ = op.tensor_ir_op(
+            greedy.greedy_pick(self.widths.decodable, self.widths.selection, Target.current()),
+            "greedy_pick",
+            [logits_rows],
+            out=[
+                Tensor.placeholder((rows,), "int32"),
+                Tensor.placeholder((rows,), F32),
+                *_pick_workspaces(rows),
+            ],
+        )
+        return logits_rows, best, best_logprob, kv.k_pool, kv.v_pool, conv_pool, rec_pool
 
     def decode(
         self,

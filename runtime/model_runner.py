@@ -174,7 +174,10 @@ class ModelRunner:
             self._i32(rows),
             *self._state(),
         )
-        return StepLogits(out[0])
+        # Artifacts from before prefill's greedy pick return the logits and the pools only.
+        if len(out) == 5:
+            return StepLogits(out[0])
+        return StepLogits(out[0], out[1].numpy(), out[2].numpy())
 
     def decode(self, slots: list[int], tokens: list[int]) -> StepLogits:
         """One token for each sequence; the logits stay on the device until asked for."""
@@ -237,8 +240,8 @@ class ModelRunner:
 
 
 class StepLogits:
-    """Logits rows of one forward. A decode step's stay on the device until `rows()` is called
-    and come with each row's greedy pick (token id, logprob over the decodable columns)."""
+    """Logits rows of one forward. They stay on the device until `rows()` is called and come
+    with each row's greedy pick (token id, logprob over the decodable columns)."""
 
     def __init__(
         self,

@@ -57,6 +57,30 @@ def test_mask_test_fails_on_an_unmasked_build(model_root):
     assert len(violations) == 3 and all("pad columns" in v for v in violations)
 
 
+def test_every_greedy_pick_counts_only_the_decodable_columns(tiny_compiled):
+    """Prefill (last token and every token) and decode pick on the device; each pick must be
+    its row's argmax over the decodable columns, with that column's log-softmax."""
+    artifact = Artifact(tiny_compiled.artifact_dir)
+    w = artifact.widths
+    runner = ModelRunner(artifact, max_batch_size=2, max_total_tokens=64, num_slots=2)
+    ids = np.random.default_rng(1).integers(0, w.decodable, size=17).tolist()
+    runner.add_sequence(0, [0, 1])
+    runner.add_sequence(1, [2, 3])
+    steps = {
+        "prefill, last token": runner.forward_step([0], [ids]),
+        "prefill, every token": runner.forward_step([1], [ids[:5]], all_logits=True),
+        "batched decode": runner.forward_step([0, 1], [[ids[0]], [ids[1]]]),
+    }
+    for name, step in steps.items():
+        rows = step.rows()[:, : w.decodable].astype(np.float64)
+        assert step.best is not None, name
+        np.testing.assert_array_equal(step.best, np.argmax(rows, axis=1), err_msg=name)
+        top = rows.max(axis=1, keepdims=True)
+        lsm = rows - top - np.log(np.exp(rows - top).sum(axis=1, keepdims=True))
+        expect = lsm[np.arange(len(rows)), step.best]
+        np.testing.assert_allclose(step.best_logprob, expect, atol=1e-4, err_msg=name)
+
+
 def test_tiny_random_artifact_records_the_three_widths(tiny_random_artifact):
     meta = json.loads((tiny_random_artifact / "artifact.json").read_text())
     assert meta["vocab"] == {"rows": 248320, "decodable": 248077, "selection": 248192}
