@@ -28,9 +28,27 @@ from pathlib import Path
 import numpy as np
 
 
-def kernel_table(torch, fn, repeats: int) -> tuple[list[dict], float, float]:
+def idle_gaps(spans: list[tuple[float, float, str]], top: int = 12) -> dict:
+    """Where the GPU sat idle inside one call (spans sorted by start, µs): the total, and the
+    `top` longest gaps with the kernels on either side. Host launch and synchronisation show
+    here; under dependent launch, kernels overlap and leave none."""
+    gaps, end, last = [], spans[0][1], spans[0][2]
+    for start, stop, name in spans[1:]:
+        if start > end:
+            gaps.append((start - end, last, name))
+        if stop > end:
+            end, last = stop, name
+    gaps.sort(reverse=True)
+    return {
+        "idle_us": round(sum(g for g, _, _ in gaps), 1),
+        "gaps": [{"us": round(g, 1), "after": a[:60], "before": b[:60]} for g, a, b in gaps[:top]],
+    }
+
+
+def kernel_table(torch, fn, repeats: int) -> tuple[list[dict], float, float, dict]:
     """(rows grouped by kernel name, summed kernel µs per call of `fn`, µs per call from the
-    first kernel's start to the last one's end) over `repeats` calls."""
+    first kernel's start to the last one's end, the idle gaps of the last call) over `repeats`
+    calls."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -46,13 +64,13 @@ def kernel_table(torch, fn, repeats: int) -> tuple[list[dict], float, float]:
             continue
         us[e.name] += e.device_time / repeats
         calls[e.name] += 1
-        spans.append((e.time_range.start, e.time_range.end))
+        spans.append((e.time_range.start, e.time_range.end, e.name))
     total = sum(us.values())
     # every call runs the same kernels: the k-th chunk of them in start order is call k's
     spans.sort()
     per = len(spans) // repeats
     calls_spans = [spans[i * per : (i + 1) * per] for i in range(repeats)]
-    span = sum(max(e for _, e in c) - c[0][0] for c in calls_spans) / repeats
+    span = sum(max(e for _, e, _ in c) - c[0][0] for c in calls_spans) / repeats
     rows = [
         {
             "kernel": name[:100],
@@ -62,7 +80,7 @@ def kernel_table(torch, fn, repeats: int) -> tuple[list[dict], float, float]:
         }
         for name, t in sorted(us.items(), key=lambda kv: -kv[1])
     ]
-    return rows, total, span
+    return rows, total, span, idle_gaps(calls_spans[-1])
 
 
 def print_table(title: str, rows: list[dict], total_us: float, span_us: float, top: int) -> None:
@@ -112,12 +130,12 @@ def main() -> None:
             runner.prefill([s], [prompt()], np.array([args.context - 1]))
         runner.decode(slots, [1] * b)  # captures this batch size's graph
         step = lambda s=slots: runner.decode(s, [1] * len(s))  # noqa: E731
-        rows, total, span = kernel_table(torch, step, 3)
+        rows, total, span, idle = kernel_table(torch, step, 3)
         wall = cuda_time(torch, step, iters=10) * 1e6
         roof_us = step_bytes(artifact, b, args.context) / bw * 1e6
         key = f"decode_b{b}"
         report[key] = {"gpu_us": total, "span_us": span, "wall_us": wall, "roofline_us": roof_us,
-                       "kernels": rows}  # fmt: skip
+                       **idle, "kernels": rows}  # fmt: skip
         title = (f"decode, batch {b} at {args.context} tokens (roofline {roof_us:.0f} µs, "
                  f"{wall:.0f} µs a call with its host work)")  # fmt: skip
         print_table(title, rows, total, span, args.top)
@@ -131,9 +149,12 @@ def main() -> None:
         runner.remove_sequence(slot)
 
     prefill()  # loads the prefill kernels
-    rows, total, span = kernel_table(torch, prefill, 2)
-    report[f"prefill_{args.context}"] = {"gpu_us": total, "span_us": span, "kernels": rows}
+    rows, total, span, idle = kernel_table(torch, prefill, 2)
+    report[f"prefill_{args.context}"] = {"gpu_us": total, "span_us": span, **idle, "kernels": rows}
     print_table(f"prefill of {args.context} tokens", rows, total, span, args.top)
+    print(f"\nidle inside the prefill: {idle['idle_us']:.0f} µs; longest gaps:")
+    for g in idle["gaps"]:
+        print(f"  {g['us']:7.1f} µs  after {g['after']}  before {g['before']}")
     text = json.dumps(report, indent=1)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)

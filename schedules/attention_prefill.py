@@ -29,6 +29,7 @@ from tvm.tirx import PrimFunc
 
 from .kv_cache import PAGE_SIZE
 from .matmul import acc_coords, ldmatrix_a_coords, ldmatrix_b_coords
+from .pdl import release_dependents, wait_for_producers
 from .ptx import ldmatrix_x4, mma_bf16
 
 DTYPE = "bfloat16"
@@ -180,6 +181,8 @@ def paged_prefill_mma(
                     l_run = T.sblock_alloc_buffer((2,), "float32", scope="local")
                     m_new = T.sblock_alloc_buffer((2,), "float32", scope="local")
                     cnt_sh = T.sblock_alloc_buffer((nt // 32,), "int32", scope=sh)
+                    T.evaluate(wait_for_producers(True))  # first: schedules/pdl.py
+                    T.evaluate(release_dependents(True))
                     kvh: T.let[T.int32] = blk % kv_heads
                     warp: T.let[T.int32] = tx // 32
                     lane: T.let[T.int32] = tx % 32

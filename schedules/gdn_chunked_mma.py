@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
+from .pdl import release_dependents, wait_for_producers
 from .ptx import ldmatrix_x4, mma_bf16
 
 DTYPE = "bfloat16"
@@ -227,6 +228,8 @@ def mma_launch(
                     uu = T.sblock_alloc_buffer((16,), "float32", scope="local")
                     cum = T.sblock_alloc_buffer((1,), "float32", scope="local")
                     gv = T.sblock_alloc_buffer((2,), "float32", scope="local")
+                    T.evaluate(wait_for_producers(True))  # first: schedules/pdl.py
+                    T.evaluate(release_dependents(True))
                     b: T.let[T.int32] = blk // (v_heads * tiles)
                     h: T.let[T.int32] = blk // tiles % v_heads
                     col0: T.let[T.int32] = blk % tiles * ct

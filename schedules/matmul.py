@@ -50,6 +50,7 @@ from .matmul_wgmma import (
     tensor_maps,
     wgmma_tile,
 )
+from .pdl import release_dependents, wait_for_producers
 from .ptx import cp_async_16, is_sm90a, ldmatrix_x4, mma_bf16
 
 # ---- the kernel ----------------------------------------------------------------------------
@@ -106,6 +107,10 @@ def gemm_kernel(
     if wgmma is not None:
         sm90_tile = wgmma_tile(n, k, wgmma, epilogue, n_out % 2 == 0, swiglu, out_dtype)
         maps, encode = tensor_maps(n, k, wgmma, swiglu)
+    # Prefill's (dual-path) GEMMs launch early and wait for their producer on the SMs it
+    # frees; decode_wide's start after it, as its GEMVs do (launched early, those one-wave
+    # kernels ran 1.3-1.5x slower: docs/performance.md).
+    dependent = wgmma is not None
     frag_pipe = config.frag_pipeline
     frag_sets = 2 if frag_pipe else ksteps
 
@@ -301,6 +306,9 @@ def gemm_kernel(
                             T.reads()
                             T.writes()
                             smem = T.sblock_alloc_buffer((smem_elems,), DTYPE, scope=scope)
+                            if dependent:
+                                T.evaluate(wait_for_producers(True))  # first: schedules/pdl.py
+                                T.evaluate(release_dependents(True))
                             if wgmma is None:
                                 tile(a, b, out, extras, m, smem, bx, by, ty, tx)
                             elif is_sm90a():
@@ -318,6 +326,8 @@ def gemm_kernel(
                         T.reads()
                         T.writes()
                         smem = T.sblock_alloc_buffer((smem_elems,), DTYPE, scope=scope)
+                        T.evaluate(wait_for_producers(True))  # first: schedules/pdl.py
+                        T.evaluate(release_dependents(True))
                         if is_sm90a():
                             sm90_tile(a, b, out, extras, m, smem, cta, ty * 32 + tx, maps)
                         else:

@@ -86,6 +86,32 @@ def test_decode_kernels_wait_before_touching_activations(tiny_cuda) -> None:
             assert PREFETCH in body[: body.index(WAIT)], name
 
 
+def test_prefill_kernels_wait_before_touching_anything() -> None:
+    """The tensor-core kernels the tiny model does not reach (4B shapes): the chunked GDN and
+    the prefill attention wait first too. Prefill's GEMMs are checked above."""
+    import tvm
+    from tvm.target import Target
+
+    from qwen35_tvm.compile.cuda_toolchain import prepare_cuda_codegen
+    from qwen35_tvm.schedules.attention_prefill import paged_prefill_mma
+    from qwen35_tvm.schedules.gdn_chunked import chunked_gated_delta_rule
+
+    prepare_cuda_codegen(["sm_90"])
+    target = Target({"kind": "cuda", "arch": "sm_90"}, host="llvm")
+    funcs = {
+        "gdn": chunked_gated_delta_rule(16, 32, 128, 128, target, act_dtype="bfloat16"),
+        "attention": paged_prefill_mma(16, 4, 256, target),
+    }
+    for what, func in funcs.items():
+        lib = tvm.compile(tvm.IRModule({"main": func}), target=target)
+        source = next(m for m in lib.mod.imports if m.kind == "cuda").inspect_source()
+        found = kernels(guard_sm90_asm(source))
+        assert found, what
+        for name, (params, body) in found.items():
+            assert body.count(WAIT) == 1, name
+            assert touched_before_wait(params, body) == [], name
+
+
 def test_the_checker_catches_a_read_or_write_before_the_wait() -> None:
     params = ["x_ptr", "out_ptr", "w_ptr"]
     good = f"  {PREFETCH}(&(w_ptr[8])));\n  {WAIT}\n  out_ptr[0] = x_ptr[0];\n"
