@@ -82,7 +82,7 @@ def _artifacts(libs: Path, work: Path, shape: str, variants: list[str]) -> dict[
     from qwen35_tvm.compile.convert import convert_weights
     from qwen35_tvm.compile.random_model import SHAPES, write_random_model
 
-    first, *rest = variants
+    first = variants[0]
     dirs = {name: work / f"art-{shape}-{name}" for name in variants}
     for name, d in dirs.items():
         shutil.copytree(libs / f"{shape}-{name}", d, dirs_exist_ok=True)
@@ -91,13 +91,18 @@ def _artifacts(libs: Path, work: Path, shape: str, variants: list[str]) -> dict[
     hf_dir = work / f"hf-{shape}"
     if not (hf_dir / "config.json").exists():
         write_random_model(SHAPES[shape], hf_dir, dtype="bfloat16")
-    convert_weights(hf_dir, dirs[first])
-    meta = json.loads((dirs[first] / "artifact.json").read_text())
-    for name in rest:
+    # converted once a work dir: later runs (other variants too) link the same files
+    weights = work / f"weights-{shape}"
+    done = weights / "artifact.json"
+    if not done.exists() or "weights" not in json.loads(done.read_text()):
+        shutil.copytree(libs / f"{shape}-{first}", weights, dirs_exist_ok=True)
+        convert_weights(hf_dir, weights)
+    meta = json.loads(done.read_text())
+    for name in variants:
         for f in meta["weights"]:
             target = dirs[name] / f
             if not target.exists():
-                os.symlink(dirs[first] / f, target)
+                os.symlink(weights / f, target)
         m = json.loads((dirs[name] / "artifact.json").read_text())
         m["weights"] = meta["weights"]
         (dirs[name] / "artifact.json").write_text(json.dumps(m, indent=2))
@@ -245,6 +250,7 @@ def run(
     levels: list[int],
     constrained: bool = False,
     prompt: int = PROMPT,
+    prefill_chunk: int | None = None,
 ) -> dict:
     import torch
     from common import copy_bandwidth
@@ -261,6 +267,7 @@ def run(
         "device": torch.cuda.get_device_name(),
         "copy_bw_tbs": bw / 1e12,
         "prompt_tokens": prompt,
+        "prefill_chunk": prefill_chunk,
     }
     max_c = max(levels)
     for name in variants:
@@ -268,8 +275,9 @@ def run(
         artifact = Artifact(art_dir, device="cuda")
         rng = np.random.default_rng(0)  # the same prompts for every variant
         t0 = time.time()
+        chunk = {} if prefill_chunk is None else {"prefill_chunk": prefill_chunk}
         engine = Engine(
-            artifact, max_batch_size=max_c, max_total_tokens=max_c * (prompt + OUTPUT + 64)
+            artifact, max_batch_size=max_c, max_total_tokens=max_c * (prompt + OUTPUT + 64), **chunk
         )
         print(f"{name}: engine ready in {time.time() - t0:.1f} s: {engine.capacity()}", flush=True)
         grammar = _grammar(artifact) if constrained else None
@@ -330,6 +338,7 @@ def main() -> None:
     p.add_argument(
         "--constrained", action="store_true", help="also run each level JSON-schema constrained"
     )
+    p.add_argument("--prefill-chunk", type=int, default=None, help="the Engine's (its default)")
     args = p.parse_args()
     variants = args.variants.split(",")
     if args.step == "build":
@@ -337,7 +346,8 @@ def main() -> None:
     else:
         args.work.mkdir(parents=True, exist_ok=True)
         levels = [int(c) for c in args.levels.split(",")]
-        out = run(args.dir, args.work, args.shape, variants, levels, args.constrained, args.prompt)
+        out = run(args.dir, args.work, args.shape, variants, levels, args.constrained,
+                  args.prompt, args.prefill_chunk)  # fmt: skip
         (args.work / "engine.json").write_text(json.dumps(out, indent=2))
 
 
