@@ -14,68 +14,26 @@ A block owns (sequence, value head, `col_tile` value columns); 8 warps. Per chun
 2. one matmul [K; Q] x [K; S]ᵀ gives K Kᵀ, Q Kᵀ, K Sᵀ and Q Sᵀ; its epilogue forms A (fp32
    and bf16), the causal decayed QKᵀ (bf16), R = beta (V - e^G K Sᵀ) and e^G Q Sᵀ (fp32);
 3. (I + A) U = R, 16 rows at a time: the rows above on tensor cores, then the diagonal block
-   a column a thread in fp32 registers; U and e^(G_last - G) U go to shared memory as bf16;
+   a column a thread in fp32 registers; U and e^(G_last - G) U go to shared memory as bf16.
+   With `wy`, T = (I + A)⁻¹ was computed for every chunk beforehand (gdn_chunk_inverse) and
+   U = T R is one matmul (R rounded to bf16 as its operand; fla's WY form);
 4. O = e^G Q Sᵀ + QKᵀ U (stored), S <- e^G_last S + (e^(G_last - G) U)ᵀ K (registers), and
    S's bf16 copy for the next chunk.
 Each phase reads shared memory before it writes any: TVM plans barriers as if all dynamic
-shared memory were one buffer. Index maps are plain functions so that the numpy emulation in
-tests/test_gdn_mma_emulated.py runs the very same arithmetic.
+shared memory were one buffer. The index maps are gdn_mma_tiles'.
 """
 
 from __future__ import annotations
 
 from tvm.script import tirx as T
 
+from .gdn_mma_tiles import WARPS, a_lane, acc_rc, b_lane, job_tile, n_group, swz
 from .pdl import release_dependents, wait_for_producers
 from .ptx import ldmatrix_x4, mma_bf16
 
 DTYPE = "bfloat16"
-WARPS = 8
 FULL_MASK = 0xFFFFFFFF
 FPAD = 4  # row padding of fp32 shared tiles (keeps 16-byte rows aligned)
-
-
-def swz(row, col, width: int):
-    """Element offset of (row, col) in a bf16 tile of rows `width` long: 16-byte chunks XORed
-    with row % 8 (fewer for narrow rows), so that ldmatrix's 8 rows hit 8 bank groups."""
-    chunks = width // 8
-    return row * width + ((col // 8) ^ (row % min(8, chunks))) * 8 + col % 8
-
-
-def a_lane(lane, kk: int, trans: bool):
-    """(row, col) of the stored tile whose address `lane` gives ldmatrix.x4 for the A fragment
-    (m16 x k16, k step kk) of a tile at row/col 0: stored [m][k], or [k][m] if `trans`."""
-    if trans:
-        return kk * 16 + lane // 16 * 8 + lane % 8, lane // 8 % 2 * 8
-    return lane % 16, kk * 16 + lane // 16 * 8
-
-
-def b_lane(lane, kk: int, trans: bool):
-    """(row, col) of the stored tile for ldmatrix.x4 of two n8 x k16 B fragments (n 0-15 of
-    the pair): stored [n][k], or [k][n] if `trans`."""
-    if trans:
-        return kk * 16 + lane % 16, lane // 16 * 8
-    return lane // 16 * 8 + lane % 8, kk * 16 + lane // 8 % 2 * 8
-
-
-def acc_rc(lane, e: int):
-    """(row, col) within an m16 x n8 tile of accumulator element e (0..3) of `lane`."""
-    return lane // 4 + e // 2 * 8, lane % 4 * 2 + e % 2
-
-
-def n_group(n8: int, m_tiles: int, warps: int = WARPS) -> int:
-    """n8 tiles a warp's job covers: the largest even divisor of n8 (at most 12) whose job
-    count is a multiple of the warps, so every warp runs the same jobs (no barrier inside a
-    condition); jobs are (m tile, group of n8 tiles)."""
-    for ng in range(min(12, n8), 1, -1):
-        if ng % 2 == 0 and n8 % ng == 0 and (m_tiles * n8 // ng) % warps == 0:
-            return ng
-    raise ValueError(f"no even n-group of {n8} n8 tiles x {m_tiles} m tiles fits {warps} warps")
-
-
-def job_tile(job, ng: int, n8: int):
-    """(m tile, first n8 tile) of a job."""
-    return job // (n8 // ng), job % (n8 // ng) * ng
 
 
 def shared_bytes(c: int, ct: int, dk: int) -> int:
@@ -85,17 +43,26 @@ def shared_bytes(c: int, ct: int, dk: int) -> int:
 
 
 def mma_launch(
-    k_heads: int, v_heads: int, dk: int, dv: int, chunk: int, col_tile: int, scan: bool = True
+    k_heads: int,
+    v_heads: int,
+    dk: int,
+    dv: int,
+    chunk: int,
+    col_tile: int,
+    scan: bool = True,
+    wy: bool = False,
 ):
-    """A macro (q, k, v, g, beta, indptr, slots, pool, layer, out, batch) that launches the
-    kernel: `col_tile` value columns a block (a divisor of dv, a multiple of 32). `scan`: the
+    """A macro (q, k, v, g, beta, indptr, slots, pool, layer, out, batch, tinv) that launches
+    the kernel: `col_tile` value columns a block (a divisor of dv, a multiple of 32). `scan`: the
     chunk's cumulative decays by a warp-shuffle scan of one load a lane; False keeps the first
     version's loop of C dependent loads a thread (the benchmark's baseline). With `scan`,
     every barrier is also explicit (TVM's planner inserts none, so the kernel may sit under a
     host-level `if`) and there are fewer: the solve's buffers (rs, ub, wub) live in static
     shared memory when they fit, which TVM's planner tracks apart from the dynamic one, so a
     phase that reads one kind and writes the other needs no barrier in between; S's bf16 copy
-    is written with the next chunk's K and Q, after the barrier that frees them."""
+    is written with the next chunk's K and Q, after the barrier that frees them. With `wy`,
+    each chunk's T = (I + A)⁻¹ comes in from `tinv` (gdn_chunk_inverse, run before) and
+    U = T R is one matmul where the blocked solve was; else `tinv` is not read."""
     c, ct, group, nt = chunk, col_tile, v_heads // k_heads, WARPS * 32
     if c % 16 or c > 128 or dv % ct or ct % 32 or dk % 64 or v_heads % k_heads:
         raise ValueError(f"chunk {c} (16 | C <= 128), col_tile {ct} (32 | ct | dv), dk {dk}")
@@ -114,6 +81,10 @@ def mma_launch(
     o_mt, o_n8 = c // 16, ct // 8
     o_ng = n_group(o_n8, o_mt)
     o_jobs = o_mt * o_n8 // o_ng // WARPS
+    if wy and (not scan or o_jobs != 1):
+        raise ValueError(f"wy: chunk {c} x col_tile {ct} needs the scan and one output job a warp")
+    t_copies = -(-c * c // nt)  # wy: T's rows, an element a thread
+    solve = 1 if wy else None  # wy: the solve's buffers shrink to nothing
     # state: (wU)ᵀ (ct x C) x K (C x dk): one job a warp, for the whole sequence
     s_mt, s_n8 = ct // 16, dk // 8
     s_ng = s_mt * s_n8 // WARPS
@@ -175,6 +146,22 @@ def mma_launch(
                 wub[swz(r0 + i, col, ct)] = T.Cast(DTYPE, rg[i] * uu[i])
 
     @T.macro
+    def tile_mm(a_tile, b_tile, acc, af, bf, mt, n0, lane):
+        # acc += a_tile [m16 rows at mt] x b_tile [C x ct, n8 tiles n0..n0+o_ng), over k = C
+        for kk in T.unroll(c // 16):
+            ar, ac = T.meta_var(a_lane(lane, kk, False))
+            T.evaluate(ldmatrix_x4(af, 0, a_tile, swz(mt * 16 + ar, ac, c)))
+            for np_ in T.unroll(o_ng // 2):
+                br, bc = T.meta_var(b_lane(lane, kk, True))
+                T.evaluate(ldmatrix_x4(
+                    bf, 0, b_tile, swz(br, (n0 + np_ * 2) * 8 + bc, ct), True
+                ))  # fmt: skip
+                for h2 in T.unroll(2):
+                    T.evaluate(mma_bf16(
+                        af.data, 0, bf.data, h2 * 4, acc.data, (np_ * 2 + h2) * 4
+                    ))  # fmt: skip
+
+    @T.macro
     def s_copy(kqs, st, smt, sn0, lane):
         # the state's bf16 copy: S's rows of kqs, the operand of K Sᵀ and Q Sᵀ
         for i in T.unroll(s_ng * 4):
@@ -199,7 +186,7 @@ def mma_launch(
                 gs[j] = gv[0]
 
     @T.macro
-    def launch(q, k, v, g, beta, indptr, slots, pool, layer, out, batch):
+    def launch(q, k, v, g, beta, indptr, slots, pool, layer, out, batch, tinv):
         for blk in T.thread_binding(batch * v_heads * tiles, thread="blockIdx.x"):
             for tx in T.thread_binding(nt, thread="threadIdx.x"):
                 with T.sblock("gdn_mma"):
@@ -210,9 +197,9 @@ def mma_launch(
                     qkb = T.sblock_alloc_buffer((c * c,), DTYPE, scope=sh)
                     ub = T.sblock_alloc_buffer((c * ct,), DTYPE, scope=small)
                     wub = T.sblock_alloc_buffer((c * ct,), DTYPE, scope=small)
-                    am = T.sblock_alloc_buffer((c * fc,), "float32", scope=sh)
-                    rs = T.sblock_alloc_buffer((c * ft,), "float32", scope=small)
-                    rc = T.sblock_alloc_buffer((16 * ft,), "float32", scope=small)
+                    am = T.sblock_alloc_buffer((solve or c * fc,), "float32", scope=sh)
+                    rs = T.sblock_alloc_buffer((solve or c * ft,), "float32", scope=small)
+                    rc = T.sblock_alloc_buffer((solve or 16 * ft,), "float32", scope=small)
                     os_ = T.sblock_alloc_buffer((c * ft,), "float32", scope=sh)
                     gs = T.sblock_alloc_buffer((c,), "float32", scope=sh)
                     bs = T.sblock_alloc_buffer((c,), "float32", scope=sh)
@@ -263,6 +250,15 @@ def mma_launch(
                                 kqs[swz(x // dk, x % dk, dk)] = T.Cast(
                                     DTYPE, T.Select(r < nv, val, T.float32(0))
                                 )
+                        if wy:  # this chunk's T, rows past its end zero
+                            for e in T.unroll(t_copies):
+                                x: T.let[T.int32] = e * nt + tx
+                                if x < c * c:
+                                    ab[swz(x // c, x % c, c)] = T.Select(
+                                        x // c < nv,
+                                        tinv[t0 + T.min(x // c, nv - 1), h, x % c],
+                                        T.Cast(DTYPE, 0),
+                                    )
                         if scan:
                             s_copy(kqs, st, smt, sn0, lane)
                             if warp < g_warps:  # warp-uniform: every lane shuffles
@@ -320,11 +316,14 @@ def mma_launch(
                                         T.min(g_i - gj[i // 4 * 2 + i % 2], T.float32(0))
                                     )
                                     if row < c:
-                                        a_: T.let[T.float32] = T.Select(
-                                            col < ri, bi[i % 4 // 2] * dec * acc[i], T.float32(0)
-                                        )
-                                        am[ri * fc + col] = a_
-                                        ab[swz(ri, col, c)] = T.Cast(DTYPE, a_)
+                                        if not wy:  # wy: T came in instead
+                                            a_: T.let[T.float32] = T.Select(
+                                                col < ri,
+                                                bi[i % 4 // 2] * dec * acc[i],
+                                                T.float32(0),
+                                            )
+                                            am[ri * fc + col] = a_
+                                            ab[swz(ri, col, c)] = T.Cast(DTYPE, a_)
                                     else:
                                         qkb[swz(ri, col, c)] = T.Cast(
                                             DTYPE, T.Select(col <= ri, dec * acc[i], T.float32(0))
@@ -333,9 +332,13 @@ def mma_launch(
                                     vi: T.let[T.float32] = v[
                                         t0 + T.min(ri, nv - 1), h, col0 + col - c
                                     ]
-                                    rs[ri * ft + col - c] = bi[i % 4 // 2] * (
+                                    r_: T.let[T.float32] = bi[i % 4 // 2] * (
                                         vi - T.exp(g_i) * acc[i]
                                     )
+                                    if wy:  # R as the bf16 operand of U = T R
+                                        ub[swz(ri, col - c, ct)] = T.Cast(DTYPE, r_)
+                                    else:
+                                        rs[ri * ft + col - c] = r_
                                 else:  # Q Sᵀ -> e^G Q Sᵀ
                                     os_[ri * ft + col - c] = T.exp(g_i) * acc[i]
                             if scan and jb + 1 < g1_jobs:
@@ -343,21 +346,36 @@ def mma_launch(
                         T.tvm_storage_sync("shared.dyn")
                         if small != sh:
                             T.tvm_storage_sync(small)
-                        # 3. (I + A) U = R, 16 rows at a time
-                        solve_diag(0, am, rs, 0, gs, ub, wub, uu, rg, tx)
-                        T.tvm_storage_sync(small)
-                        for blk16 in T.unroll(1, c // 16):
-                            if scan:  # rows to rc: the planner sees no read-then-write of rs
-                                solve_off(blk16, ab, ub, rs, rc, 0, acc, af, bf, rg, warp, lane)
-                                T.tvm_storage_sync(small)
-                                solve_diag(blk16, am, rc, 0, gs, ub, wub, uu, rg, tx)
-                            else:
-                                solve_off(
-                                    blk16, ab, ub, rs, rs, blk16 * 16, acc, af, bf, rg, warp, lane
+                        if wy:  # 3. U = T R, then e^(G_last - G) U
+                            mt, n0 = T.meta_var(job_tile(warp, o_ng, o_n8))
+                            for i in T.unroll(o_ng * 4):
+                                acc[i] = T.float32(0)
+                            tile_mm(ab, ub, acc, af, bf, mt, n0, lane)
+                            T.tvm_storage_sync(small)  # every warp has read R
+                            for i in T.unroll(o_ng * 4):
+                                er, ec = T.meta_var(acc_rc(lane, i % 4))
+                                ur: T.let[T.int32] = mt * 16 + er
+                                uc: T.let[T.int32] = (n0 + i // 4) * 8 + ec
+                                ub[swz(ur, uc, ct)] = T.Cast(DTYPE, acc[i])
+                                wub[swz(ur, uc, ct)] = T.Cast(
+                                    DTYPE, T.exp(gs[c - 1] - gs[ur]) * acc[i]
                                 )
-                                T.tvm_storage_sync(small)
-                                solve_diag(blk16, am, rs, blk16 * 16, gs, ub, wub, uu, rg, tx)
                             T.tvm_storage_sync(small)
+                        else:
+                            # 3. (I + A) U = R, 16 rows at a time
+                            solve_diag(0, am, rs, 0, gs, ub, wub, uu, rg, tx)
+                            T.tvm_storage_sync(small)
+                            for blk16 in T.unroll(1, c // 16):
+                                if scan:  # rows to rc: the planner sees no read-then-write of rs
+                                    solve_off(blk16, ab, ub, rs, rc, 0, acc, af, bf, rg, warp, lane)
+                                    T.tvm_storage_sync(small)
+                                    solve_diag(blk16, am, rc, 0, gs, ub, wub, uu, rg, tx)
+                                else:
+                                    solve_off(blk16, ab, ub, rs, rs, blk16 * 16, acc, af, bf,
+                                              rg, warp, lane)  # fmt: skip
+                                    T.tvm_storage_sync(small)
+                                    solve_diag(blk16, am, rs, blk16 * 16, gs, ub, wub, uu, rg, tx)
+                                T.tvm_storage_sync(small)
                         # 4. outputs, and the state update
                         for i in T.unroll(s_ng * 4):
                             st[i] = st[i] * T.exp(gs[c - 1])
@@ -378,19 +396,7 @@ def mma_launch(
                             for i in T.unroll(o_ng * 4):
                                 er, ec = T.meta_var(acc_rc(lane, i % 4))
                                 acc[i] = os_[(mt * 16 + er) * ft + (n0 + i // 4) * 8 + ec]
-                            for kk in T.unroll(c // 16):
-                                ar, ac = T.meta_var(a_lane(lane, kk, False))
-                                T.evaluate(ldmatrix_x4(af, 0, qkb, swz(mt * 16 + ar, ac, c)))
-                                for np_ in T.unroll(o_ng // 2):
-                                    br, bc = T.meta_var(b_lane(lane, kk, True))
-                                    T.evaluate(ldmatrix_x4(
-                                        bf, 0, ub, swz(br, (n0 + np_ * 2) * 8 + bc, ct), True
-                                    ))  # fmt: skip
-                                    for h2 in T.unroll(2):
-                                        T.evaluate(mma_bf16(
-                                            af.data, 0, bf.data, h2 * 4, acc.data,
-                                            (np_ * 2 + h2) * 4,
-                                        ))  # fmt: skip
+                            tile_mm(qkb, ub, acc, af, bf, mt, n0, lane)
                             for i in T.unroll(o_ng * 4):
                                 er, ec = T.meta_var(acc_rc(lane, i % 4))
                                 if mt * 16 + er < nv:
