@@ -27,7 +27,7 @@ from tvm.script import tirx as T
 from tvm.target import Target
 from tvm.tirx import PrimFunc
 
-from .kv_cache import PAGE_SIZE
+from .kv_cache import PAGE_SIZE, first_tile
 from .matmul import acc_coords, ldmatrix_a_coords, ldmatrix_b_coords
 from .pdl import release_dependents, wait_for_producers
 from .ptx import ldmatrix_x4, mma_bf16
@@ -95,9 +95,6 @@ def paged_prefill_mma(
             k_base + _at(kk * 16 + lane % 16, np * 2 + lane // 16, dch), trans=True,
         ))  # fmt: skip
 
-    def first_tile(indptr, s):
-        return indptr[s] // q_tokens + s
-
     @T.macro
     def tile_of(indptr, n_seq, g, info, cnt_sh, tx, warp, lane):
         # info[0] <- the last sequence whose first tile is <= g: every thread counts its share
@@ -105,7 +102,7 @@ def paged_prefill_mma(
         info[0] = 0
         for i in T.serial((n_seq + nt - 1) // nt):
             if i * nt + tx < n_seq:
-                if first_tile(indptr, i * nt + tx) <= g:
+                if first_tile(indptr, i * nt + tx, q_tokens) <= g:
                     info[0] = info[0] + 1
         for sh_ in T.unroll(5):
             info[0] = info[0] + _lane_xor(info[0], 1 << sh_)
@@ -192,7 +189,7 @@ def paged_prefill_mma(
                     # memory planner refuses a local buffer read by a let at the kernel's top
                     tile_of(indptr, n_seq, g, info, cnt_sh, tx, warp, lane)
                     seq = T.meta_var(info[0])
-                    info[1] = indptr[seq] + (g - first_tile(indptr, seq)) * q_tokens
+                    info[1] = indptr[seq] + (g - first_tile(indptr, seq, q_tokens)) * q_tokens
                     info[2] = T.Select(info[1] < indptr[seq + 1], 1, 0)
                     info[1] = T.Select(info[2] > 0, info[1], indptr[seq])
                     info[3] = T.min(q_tokens, indptr[seq + 1] - info[1])

@@ -26,13 +26,17 @@ from .pdl import release_dependents, wait_for_producers
 GPU_THREADS = 128
 
 
-def _for_target(func: PrimFunc, blocks: list[str], target: Target) -> PrimFunc:
+def _for_target(func: PrimFunc, blocks: list[str], target: Target, vec: int = 1) -> PrimFunc:
     """Each kernel is written as (row) x (independent lane) loops around one block: the CPU
-    runs lanes in parallel; the GPU gives rows the grid's y axis and lanes threads."""
+    runs lanes in parallel; the GPU gives rows the grid's y axis and lanes threads, `vec`
+    consecutive lanes a thread as one vector access."""
     sch = s_tir.Schedule(func)
     for block in blocks:
         outer, inner = sch.get_loops(sch.get_sblock(block))[:2]
         if target.kind.name == "cuda":
+            if vec > 1:
+                inner, v = sch.split(inner, [None, vec])
+                sch.vectorize(v)
             bx, tx = sch.split(inner, [None, GPU_THREADS])
             sch.bind(outer, "blockIdx.y")
             sch.bind(bx, "blockIdx.x")
@@ -296,17 +300,7 @@ def reset_slots(numel: int, dtype: str, name: str, target: Target) -> PrimFunc:
                     T.writes()
                     pool[slots[i], e] = T.Cast(dtype, 0)
 
-    if target.kind.name != "cuda":
-        return _for_target(gdn_reset_slots, ["reset"], target).with_attr("global_symbol", name)
-    # 16-byte stores: a 4B slot's recurrent state is 50 MB, zeroed before each new prompt
+    # 16-byte stores on the GPU: a 4B slot's recurrent state is 50 MB, zeroed for each prompt
     vec = 16 // (2 if dtype == "bfloat16" else 4)
     vec = vec if numel % (vec * GPU_THREADS) == 0 else 1
-    sch = s_tir.Schedule(gdn_reset_slots)
-    outer, inner = sch.get_loops(sch.get_sblock("reset"))
-    bx, tx, v = sch.split(inner, [None, GPU_THREADS, vec])
-    sch.bind(outer, "blockIdx.y")
-    sch.bind(bx, "blockIdx.x")
-    sch.bind(tx, "threadIdx.x")
-    sch.vectorize(v)
-    func = sch.mod["main"].with_attr("tirx.is_scheduled", True)
-    return func.with_attr("global_symbol", name)
+    return _for_target(gdn_reset_slots, ["reset"], target, vec).with_attr("global_symbol", name)

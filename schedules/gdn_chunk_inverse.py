@@ -7,11 +7,10 @@ chunk's cumulative log decay. T = (I + A)⁻¹ is unit lower triangular. With it
 rows at a time: the WY form of fla's kernels. A and T do not depend on the state, so every
 chunk of the prompt runs here at once.
 
-Chunks are numbered sequence after sequence: sequence s's first is indptr[s] // C + s, so
-n_tok // C + n_seq numbers cover any batch (attention_prefill numbers its query tiles so). A
-block per (chunk number, value head) finds its sequence by binary search; numbers past a
-sequence's chunks exit. T's rows are stored by token ([n_tok, v_heads, C], row i of the chunk
-at its i-th token), so a sequence's last, partial chunk writes only its own rows.
+Chunks are numbered sequence after sequence (kv_cache.first_tile), a block per (chunk number,
+value head), which finds its sequence by binary search (kv_cache.seq_of_tile); numbers past a
+sequence's chunks store nothing. T's rows are stored by token ([n_tok, v_heads, C], row i of
+the chunk at its i-th token), so a sequence's last, partial chunk writes only its own rows.
 
 A block: K's rows into shared memory (bf16), G by a running sum a thread, A a thread per entry,
 then T a column a thread: each column is its own forward substitution of (I + A) t = e_j, in
@@ -26,6 +25,7 @@ from tvm.target import Target
 from tvm.tirx import PrimFunc
 
 from .gdn_prep import _rounded
+from .kv_cache import first_tile, seq_of_tile
 from .loops import block_loop, thread_loop
 from .pdl import release_dependents, wait_for_producers
 
@@ -46,9 +46,6 @@ def inverse_launch(
     dkp, cp = dk + KPAD, c + 1
     kdt = "bfloat16" if gpu else "float32"  # K's values are bf16; the CPU keeps them in fp32
 
-    def first(indptr, s):
-        return indptr[s] // c + s
-
     @T.macro
     def body(k, g, beta, indptr, tinv, n_seq, n_tok):
         for blk in grid((n_tok // c + n_seq) * v_heads):
@@ -65,15 +62,8 @@ def inverse_launch(
                 T.evaluate(release_dependents(gpu))
                 num: T.let[T.int32] = blk // v_heads
                 h: T.let[T.int32] = blk % v_heads
-                # lo <- the last sequence whose first chunk number is <= num
-                lo[0] = 0
-                hi[0] = n_seq
-                while hi[0] - lo[0] > 1:
-                    if first(indptr, (lo[0] + hi[0]) // 2) <= num:
-                        lo[0] = (lo[0] + hi[0]) // 2
-                    else:
-                        hi[0] = (lo[0] + hi[0]) // 2
-                t0: T.let[T.int32] = indptr[lo[0]] + (num - first(indptr, lo[0])) * c
+                seq_of_tile(indptr, n_seq, num, c, lo, hi)
+                t0: T.let[T.int32] = indptr[lo[0]] + (num - first_tile(indptr, lo[0], c)) * c
                 # nv <= 0: a number past the sequence's chunks. Its block still runs every
                 # phase (a barrier may not sit in a condition) on clamped rows, storing nothing.
                 nv: T.let[T.int32] = T.min(c, indptr[lo[0] + 1] - t0)

@@ -84,7 +84,8 @@ def mma_launch(
     if wy and (not scan or o_jobs != 1):
         raise ValueError(f"wy: chunk {c} x col_tile {ct} needs the scan and one output job a warp")
     t_copies = -(-c * c // nt)  # wy: T's rows, an element a thread
-    solve = 1 if wy else None  # wy: the solve's buffers shrink to nothing
+    # the blocked solve's buffers (A fp32, R, R's rows in flight); wy reads none of them
+    am_n, rs_n, rc_n = (1, 1, 1) if wy else (c * fc, c * ft, 16 * ft)
     # state: (wU)ᵀ (ct x C) x K (C x dk): one job a warp, for the whole sequence
     s_mt, s_n8 = ct // 16, dk // 8
     s_ng = s_mt * s_n8 // WARPS
@@ -197,9 +198,9 @@ def mma_launch(
                     qkb = T.sblock_alloc_buffer((c * c,), DTYPE, scope=sh)
                     ub = T.sblock_alloc_buffer((c * ct,), DTYPE, scope=small)
                     wub = T.sblock_alloc_buffer((c * ct,), DTYPE, scope=small)
-                    am = T.sblock_alloc_buffer((solve or c * fc,), "float32", scope=sh)
-                    rs = T.sblock_alloc_buffer((solve or c * ft,), "float32", scope=small)
-                    rc = T.sblock_alloc_buffer((solve or 16 * ft,), "float32", scope=small)
+                    am = T.sblock_alloc_buffer((am_n,), "float32", scope=sh)
+                    rs = T.sblock_alloc_buffer((rs_n,), "float32", scope=small)
+                    rc = T.sblock_alloc_buffer((rc_n,), "float32", scope=small)
                     os_ = T.sblock_alloc_buffer((c * ft,), "float32", scope=sh)
                     gs = T.sblock_alloc_buffer((c,), "float32", scope=sh)
                     bs = T.sblock_alloc_buffer((c,), "float32", scope=sh)

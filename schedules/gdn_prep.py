@@ -20,6 +20,7 @@ from tvm.script import tirx as T
 from tvm.target import Target
 from tvm.tirx import PrimFunc
 
+from .kv_cache import first_tile, seq_of_tile
 from .loops import block_loop, thread_loop
 from .pdl import release_dependents, wait_for_producers
 
@@ -156,20 +157,11 @@ def gdn_input(
                 T.evaluate(release_dependents(gpu))
                 tile: T.let[T.int32] = blk // heads
                 hd: T.let[T.int32] = blk % heads
-                # the sequence b whose tiles start at or before this one: b + indptr[b] // TILE
-                # grows by at least one a sequence
-                lo[0] = 0
-                hi[0] = batch
-                while hi[0] - lo[0] > 1:
-                    if (lo[0] + hi[0]) // 2 + indptr[(lo[0] + hi[0]) // 2] // TILE <= tile:
-                        lo[0] = (lo[0] + hi[0]) // 2
-                    else:
-                        hi[0] = (lo[0] + hi[0]) // 2
+                seq_of_tile(indptr, batch, tile, TILE, lo, hi)
                 start: T.let[T.int32] = indptr[lo[0]]
                 length: T.let[T.int32] = indptr[lo[0] + 1] - start
-                nth: T.let[T.int32] = (
-                    tile - lo[0] - start // TILE
-                )  # the tile's place in its sequence
+                # the tile's place in its sequence
+                nth: T.let[T.int32] = tile - first_tile(indptr, lo[0], TILE)
                 t0: T.let[T.int32] = nth * TILE
                 count: T.let[T.int32] = T.max(T.min(length - t0, TILE), 0)
                 slot: T.let[T.int32] = slots[lo[0]]

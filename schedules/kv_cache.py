@@ -32,6 +32,25 @@ def seq_of_token(indptr, n_seq, t, lo, hi):
             hi[0] = (lo[0] + hi[0]) // 2
 
 
+def first_tile(indptr, s, tile: int):
+    """Tiles of `tile` tokens numbered sequence after sequence: sequence s's first number. The
+    gap to the next sequence's is at least s's tile count, so n_tok // tile + n_seq numbers
+    cover any batch (a few go unused)."""
+    return indptr[s] // tile + s
+
+
+@T.macro
+def seq_of_tile(indptr, n_seq, g, tile, lo, hi):
+    # lo[0] <- the last sequence whose first tile number (first_tile) is <= g
+    lo[0] = 0
+    hi[0] = n_seq
+    while hi[0] - lo[0] > 1:
+        if first_tile(indptr, (lo[0] + hi[0]) // 2, tile) <= g:
+            lo[0] = (lo[0] + hi[0]) // 2
+        else:
+            hi[0] = (lo[0] + hi[0]) // 2
+
+
 def append_kv(kv_heads: int, head_dim: int, dtype: str, target: Target) -> PrimFunc:
     """Write each token's K and V into its page: (k, v, indptr, slots, positions, page_table,
     k_pool, v_pool, layer), the pools in place."""
