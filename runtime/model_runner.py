@@ -99,9 +99,9 @@ class ModelRunner:
     def _upload(self, **arrays) -> list[tvm.runtime.Tensor]:
         """int32 arrays on the device, each copied into a buffer of its own kept from call to
         call (viewed at its start: the kernels take no offset). A fresh tensor each would cost
-        a cudaMalloc and, freed, a cudaFree that waits for the GPU: ~0.5 ms before a prompt's
-        first kernel. A copy is ordered after the kernels that read the buffer's last values (a
-        pageable host-to-device copy syncs the stream first)."""
+        a cudaMalloc and, freed, a cudaFree that waits for the GPU. A copy is ordered after the
+        kernels that read the buffer's last values (a pageable host-to-device copy syncs the
+        stream first)."""
         views = []
         for name, values in arrays.items():
             host = np.ascontiguousarray(values, dtype=np.int32)
@@ -258,7 +258,8 @@ class ModelRunner:
 
 class StepLogits:
     """Logits rows of one forward. They stay on the device until `rows()` is called and come
-    with each row's greedy pick (token id, logprob over the decodable columns)."""
+    with each row's greedy pick (token id, logprob over the decodable columns), where the
+    artifact makes one (prefill in artifacts built before its pick does not)."""
 
     def __init__(
         self,
