@@ -11,9 +11,7 @@ sequences of 1 token. Kernels: the recurrent one, the fp32 chunked one (the prev
 default), the tensor-core one (bf16 operands, fp32 state) as first written at chunk 32 / 64
 and 64 / 128 value columns a block (mma_*), and its current version (mma2_*: decays by a
 shuffle scan, fewer barriers, 32-column tiles) with the default function that picks the
-column tile by the batch at run time (mma2_dispatch); mma3_* are its WY form (each chunk's
-(I + A)⁻¹ computed first by gdn_chunk_inverse, U = T R by one matmul in the serial loop).
-4x1024 is in between. Every kernel
+column tile by the batch at run time (mma2_dispatch); 4x1024 is in between. Every kernel
 is checked against a float64 torch recurrence (max |Δ| of
 outputs and final states, also relative to the largest |value|; `ok` holds the kernel to its
 bound: 1e-4 fp32, 1e-2 bf16 operands (3e-3 in the CPU emulation)), and each chunked variant
@@ -54,10 +52,6 @@ CHUNKED = {
     "mma2_c64_t64": {"kernel": "mma", "chunk": 64, "col_tile": 64},
     "mma2_c32_t128": {"kernel": "mma", "chunk": 32, "col_tile": 128},
     "mma2_dispatch": {"kernel": "mma"},  # the default: wide tiles when they fill the SMs
-    # the WY form (gdn_chunk_inverse first, U = T R): not the default until measured here
-    "mma3_c64_t32": {"kernel": "mma", "chunk": 64, "col_tile": 32, "wy": True},
-    "mma3_c32_t128": {"kernel": "mma", "chunk": 32, "col_tile": 128, "wy": True},
-    "mma3_dispatch": {"kernel": "mma", "wy": True},
 }
 BASELINE = {"scan": False}  # the first mma version
 REL_BOUND = {"fp32": 1e-4, "mma": 1e-2, "recurrent": 1e-5}

@@ -36,10 +36,6 @@ _SMEM_KIB = {80: 163, 87: 163, 90: 227, 100: 227, 103: 227}
 # kernel (gdn_chunked_fp32).
 MMA_NARROW, MMA_WIDE = (64, 32), (32, 128)
 MMA_CHUNK, MMA_COL_TILE = MMA_NARROW
-# The WY form (gdn_chunk_inverse before the serial loop, U = T R instead of the blocked solve):
-# compiled and emulated (tests/test_gdn_mma_emulated.py, test_gdn_chunk_inverse.py), not yet
-# run on a GPU; on once benchmarks/gdn_kernel.py's mma3_* rows pass and time faster.
-MMA_WY = False
 
 
 def chunked_gated_delta_rule(
@@ -55,7 +51,6 @@ def chunked_gated_delta_rule(
     threads: int | None = None,
     col_tile: int | None = None,
     scan: bool = True,
-    wy: bool | None = None,
 ) -> PrimFunc:
     """`gdn.gated_delta_rule` computed chunk by chunk (see the module docstring).
 
@@ -68,7 +63,7 @@ def chunked_gated_delta_rule(
     on the CPU to check its indexing. The mma kernels: with neither `chunk` nor `col_tile`
     given, one function holding MMA_NARROW and MMA_WIDE, picked by the batch at run time; else
     one kernel (chunk MMA_CHUNK, col_tile MMA_COL_TILE by default); `scan` False gives the
-    first version's decay loop (a benchmark baseline); `wy` (default MMA_WY) their WY form."""
+    first version's decay loop (a benchmark baseline)."""
     gpu = target.kind.name == "cuda"
     arch = int(str(target.attrs.get("arch", "sm_80"))[3:]) if gpu else 0
     if kernel is None:  # the mma kernel tiles dk by 64 and value columns by 32
@@ -83,14 +78,11 @@ def chunked_gated_delta_rule(
                 raise ValueError(f"chunk {c} x col_tile {ct}: too much shared memory, sm_{arch}")
             return c, ct
 
-        wy = MMA_WY if wy is None else wy
         if chunk is None and col_tile is None and v_dim % MMA_WIDE[1] == 0:
             narrow, wide = fits(*MMA_NARROW), fits(*MMA_WIDE)
-            return gdn_chunked_mma_dispatch(
-                k_heads, v_heads, k_dim, v_dim, narrow, wide, wy=wy
-            )
+            return gdn_chunked_mma_dispatch(k_heads, v_heads, k_dim, v_dim, narrow, wide)
         c, ct = fits(chunk or MMA_CHUNK, col_tile or min(MMA_COL_TILE, v_dim))
-        return gdn_chunked_mma(k_heads, v_heads, k_dim, v_dim, c, ct, scan, wy)
+        return gdn_chunked_mma(k_heads, v_heads, k_dim, v_dim, c, ct, scan)
     chunk = chunk or 32
     nt_ = threads or (GPU_THREADS if gpu else 1)
     ct = col_tile or (min(GPU_COL_TILE, v_dim) if gpu else v_dim)

@@ -14,9 +14,7 @@ A block owns (sequence, value head, `col_tile` value columns); 8 warps. Per chun
 2. one matmul [K; Q] x [K; S]ᵀ gives K Kᵀ, Q Kᵀ, K Sᵀ and Q Sᵀ; its epilogue forms A (fp32
    and bf16), the causal decayed QKᵀ (bf16), R = beta (V - e^G K Sᵀ) and e^G Q Sᵀ (fp32);
 3. (I + A) U = R, 16 rows at a time: the rows above on tensor cores, then the diagonal block
-   a column a thread in fp32 registers; U and e^(G_last - G) U go to shared memory as bf16.
-   With `wy`, T = (I + A)⁻¹ was computed for every chunk beforehand (gdn_chunk_inverse) and
-   U = T R is one matmul (R rounded to bf16 as its operand; fla's WY form);
+   a column a thread in fp32 registers; U and e^(G_last - G) U go to shared memory as bf16;
 4. O = e^G Q Sᵀ + QKᵀ U (stored), S <- e^G_last S + (e^(G_last - G) U)ᵀ K (registers), and
    S's bf16 copy for the next chunk.
 Each phase reads shared memory before it writes any: TVM plans barriers as if all dynamic
@@ -43,26 +41,17 @@ def shared_bytes(c: int, ct: int, dk: int) -> int:
 
 
 def mma_launch(
-    k_heads: int,
-    v_heads: int,
-    dk: int,
-    dv: int,
-    chunk: int,
-    col_tile: int,
-    scan: bool = True,
-    wy: bool = False,
+    k_heads: int, v_heads: int, dk: int, dv: int, chunk: int, col_tile: int, scan: bool = True
 ):
-    """A macro (q, k, v, g, beta, indptr, slots, pool, layer, out, batch, tinv) that launches
-    the kernel: `col_tile` value columns a block (a divisor of dv, a multiple of 32). `scan`: the
+    """A macro (q, k, v, g, beta, indptr, slots, pool, layer, out, batch) that launches the
+    kernel: `col_tile` value columns a block (a divisor of dv, a multiple of 32). `scan`: the
     chunk's cumulative decays by a warp-shuffle scan of one load a lane; False keeps the first
     version's loop of C dependent loads a thread (the benchmark's baseline). With `scan`,
     every barrier is also explicit (TVM's planner inserts none, so the kernel may sit under a
     host-level `if`) and there are fewer: the solve's buffers (rs, ub, wub) live in static
     shared memory when they fit, which TVM's planner tracks apart from the dynamic one, so a
     phase that reads one kind and writes the other needs no barrier in between; S's bf16 copy
-    is written with the next chunk's K and Q, after the barrier that frees them. With `wy`,
-    each chunk's T = (I + A)⁻¹ comes in from `tinv` (gdn_chunk_inverse, run before) and
-    U = T R is one matmul where the blocked solve was; else `tinv` is not read."""
+    is written with the next chunk's K and Q, after the barrier that frees them."""
     c, ct, group, nt = chunk, col_tile, v_heads // k_heads, WARPS * 32
     if c % 16 or c > 128 or dv % ct or ct % 32 or dk % 64 or v_heads % k_heads:
         raise ValueError(f"chunk {c} (16 | C <= 128), col_tile {ct} (32 | ct | dv), dk {dk}")
@@ -81,11 +70,6 @@ def mma_launch(
     o_mt, o_n8 = c // 16, ct // 8
     o_ng = n_group(o_n8, o_mt)
     o_jobs = o_mt * o_n8 // o_ng // WARPS
-    if wy and (not scan or o_jobs != 1):
-        raise ValueError(f"wy: chunk {c} x col_tile {ct} needs the scan and one output job a warp")
-    t_copies = -(-c * c // nt)  # wy: T's rows, an element a thread
-    # the blocked solve's buffers (A fp32, R, R's rows in flight); wy reads none of them
-    am_n, rs_n, rc_n = (1, 1, 1) if wy else (c * fc, c * ft, 16 * ft)
     # state: (wU)ᵀ (ct x C) x K (C x dk): one job a warp, for the whole sequence
     s_mt, s_n8 = ct // 16, dk // 8
     s_ng = s_mt * s_n8 // WARPS
@@ -187,7 +171,7 @@ def mma_launch(
                 gs[j] = gv[0]
 
     @T.macro
-    def launch(q, k, v, g, beta, indptr, slots, pool, layer, out, batch, tinv):
+    def launch(q, k, v, g, beta, indptr, slots, pool, layer, out, batch):
         for blk in T.thread_binding(batch * v_heads * tiles, thread="blockIdx.x"):
             for tx in T.thread_binding(nt, thread="threadIdx.x"):
                 with T.sblock("gdn_mma"):
@@ -198,9 +182,9 @@ def mma_launch(
                     qkb = T.sblock_alloc_buffer((c * c,), DTYPE, scope=sh)
                     ub = T.sblock_alloc_buffer((c * ct,), DTYPE, scope=small)
                     wub = T.sblock_alloc_buffer((c * ct,), DTYPE, scope=small)
-                    am = T.sblock_alloc_buffer((am_n,), "float32", scope=sh)
-                    rs = T.sblock_alloc_buffer((rs_n,), "float32", scope=small)
-                    rc = T.sblock_alloc_buffer((rc_n,), "float32", scope=small)
+                    am = T.sblock_alloc_buffer((c * fc,), "float32", scope=sh)
+                    rs = T.sblock_alloc_buffer((c * ft,), "float32", scope=small)
+                    rc = T.sblock_alloc_buffer((16 * ft,), "float32", scope=small)
                     os_ = T.sblock_alloc_buffer((c * ft,), "float32", scope=sh)
                     gs = T.sblock_alloc_buffer((c,), "float32", scope=sh)
                     bs = T.sblock_alloc_buffer((c,), "float32", scope=sh)
@@ -251,15 +235,6 @@ def mma_launch(
                                 kqs[swz(x // dk, x % dk, dk)] = T.Cast(
                                     DTYPE, T.Select(r < nv, val, T.float32(0))
                                 )
-                        if wy:  # this chunk's T, rows past its end zero
-                            for e in T.unroll(t_copies):
-                                x: T.let[T.int32] = e * nt + tx
-                                if x < c * c:
-                                    ab[swz(x // c, x % c, c)] = T.Select(
-                                        x // c < nv,
-                                        tinv[t0 + T.min(x // c, nv - 1), h, x % c],
-                                        T.Cast(DTYPE, 0),
-                                    )
                         if scan:
                             s_copy(kqs, st, smt, sn0, lane)
                             if warp < g_warps:  # warp-uniform: every lane shuffles
@@ -317,14 +292,11 @@ def mma_launch(
                                         T.min(g_i - gj[i // 4 * 2 + i % 2], T.float32(0))
                                     )
                                     if row < c:
-                                        if not wy:  # wy: T came in instead
-                                            a_: T.let[T.float32] = T.Select(
-                                                col < ri,
-                                                bi[i % 4 // 2] * dec * acc[i],
-                                                T.float32(0),
-                                            )
-                                            am[ri * fc + col] = a_
-                                            ab[swz(ri, col, c)] = T.Cast(DTYPE, a_)
+                                        a_: T.let[T.float32] = T.Select(
+                                            col < ri, bi[i % 4 // 2] * dec * acc[i], T.float32(0)
+                                        )
+                                        am[ri * fc + col] = a_
+                                        ab[swz(ri, col, c)] = T.Cast(DTYPE, a_)
                                     else:
                                         qkb[swz(ri, col, c)] = T.Cast(
                                             DTYPE, T.Select(col <= ri, dec * acc[i], T.float32(0))
@@ -336,10 +308,7 @@ def mma_launch(
                                     r_: T.let[T.float32] = bi[i % 4 // 2] * (
                                         vi - T.exp(g_i) * acc[i]
                                     )
-                                    if wy:  # R as the bf16 operand of U = T R
-                                        ub[swz(ri, col - c, ct)] = T.Cast(DTYPE, r_)
-                                    else:
-                                        rs[ri * ft + col - c] = r_
+                                    rs[ri * ft + col - c] = r_
                                 else:  # Q Sᵀ -> e^G Q Sᵀ
                                     os_[ri * ft + col - c] = T.exp(g_i) * acc[i]
                             if scan and jb + 1 < g1_jobs:
@@ -347,36 +316,21 @@ def mma_launch(
                         T.tvm_storage_sync("shared.dyn")
                         if small != sh:
                             T.tvm_storage_sync(small)
-                        if wy:  # 3. U = T R, then e^(G_last - G) U
-                            mt, n0 = T.meta_var(job_tile(warp, o_ng, o_n8))
-                            for i in T.unroll(o_ng * 4):
-                                acc[i] = T.float32(0)
-                            tile_mm(ab, ub, acc, af, bf, mt, n0, lane)
-                            T.tvm_storage_sync(small)  # every warp has read R
-                            for i in T.unroll(o_ng * 4):
-                                er, ec = T.meta_var(acc_rc(lane, i % 4))
-                                ur: T.let[T.int32] = mt * 16 + er
-                                uc: T.let[T.int32] = (n0 + i // 4) * 8 + ec
-                                ub[swz(ur, uc, ct)] = T.Cast(DTYPE, acc[i])
-                                wub[swz(ur, uc, ct)] = T.Cast(
-                                    DTYPE, T.exp(gs[c - 1] - gs[ur]) * acc[i]
-                                )
-                            T.tvm_storage_sync(small)
-                        else:
-                            # 3. (I + A) U = R, 16 rows at a time
-                            solve_diag(0, am, rs, 0, gs, ub, wub, uu, rg, tx)
-                            T.tvm_storage_sync(small)
-                            for blk16 in T.unroll(1, c // 16):
-                                if scan:  # rows to rc: the planner sees no read-then-write of rs
-                                    solve_off(blk16, ab, ub, rs, rc, 0, acc, af, bf, rg, warp, lane)
-                                    T.tvm_storage_sync(small)
-                                    solve_diag(blk16, am, rc, 0, gs, ub, wub, uu, rg, tx)
-                                else:
-                                    solve_off(blk16, ab, ub, rs, rs, blk16 * 16, acc, af, bf,
-                                              rg, warp, lane)  # fmt: skip
-                                    T.tvm_storage_sync(small)
-                                    solve_diag(blk16, am, rs, blk16 * 16, gs, ub, wub, uu, rg, tx)
+                        # 3. (I + A) U = R, 16 rows at a time
+                        solve_diag(0, am, rs, 0, gs, ub, wub, uu, rg, tx)
+                        T.tvm_storage_sync(small)
+                        for blk16 in T.unroll(1, c // 16):
+                            if scan:  # rows to rc: the planner sees no read-then-write of rs
+                                solve_off(blk16, ab, ub, rs, rc, 0, acc, af, bf, rg, warp, lane)
                                 T.tvm_storage_sync(small)
+                                solve_diag(blk16, am, rc, 0, gs, ub, wub, uu, rg, tx)
+                            else:
+                                solve_off(
+                                    blk16, ab, ub, rs, rs, blk16 * 16, acc, af, bf, rg, warp, lane
+                                )
+                                T.tvm_storage_sync(small)
+                                solve_diag(blk16, am, rs, blk16 * 16, gs, ub, wub, uu, rg, tx)
+                            T.tvm_storage_sync(small)
                         # 4. outputs, and the state update
                         for i in T.unroll(s_ng * 4):
                             st[i] = st[i] * T.exp(gs[c - 1])

@@ -12,18 +12,13 @@ from __future__ import annotations
 from tvm.script import tirx as T
 from tvm.tirx import PrimFunc
 
-from .gdn_chunk_inverse import inverse_launch
 from .gdn_chunked_mma import mma_launch
 
 H200_SMS = 132
 
 
-def _prim_func(
-    k_heads: int, v_heads: int, dk: int, dv: int, body, name: str, wy_chunk: int = 0
-) -> PrimFunc:
-    """The kernels' common signature around `body(..., batch, tinv)` (a macro); with
-    `wy_chunk`, `tinv` is a [n_tok, v_heads, wy_chunk] bf16 scratch buffer for the chunks'
-    inverses (a workspace the function allocates), else a stand-in nobody reads."""
+def _prim_func(k_heads: int, v_heads: int, dk: int, dv: int, body, name: str) -> PrimFunc:
+    """The kernels' common signature around `body(..., batch)` (a macro)."""
 
     @T.prim_func(s_tir=True)
     def gdn_chunked_mma_kernel(
@@ -50,26 +45,9 @@ def _prim_func(
         slots = T.match_buffer(slots_h, (batch,), "int32")
         pool = T.match_buffer(pool_h, (n_slots, n_layers, v_heads, dv, dk), "float32")
         out = T.match_buffer(out_h, (n_tok, v_heads, dv), "float32")
-        if wy_chunk > 0:
-            tinv = T.alloc_buffer((n_tok, v_heads, wy_chunk), "bfloat16")
-            body(q, k, v, g, beta, indptr, slots, pool, layer, out, batch, tinv)
-        else:
-            body(q, k, v, g, beta, indptr, slots, pool, layer, out, batch, out)
+        body(q, k, v, g, beta, indptr, slots, pool, layer, out, batch)
 
     return gdn_chunked_mma_kernel.with_attr("global_symbol", name)
-
-
-def _with_inverse(k_heads: int, v_heads: int, dk: int, dv: int, chunk: int, col_tile: int):
-    """The serial kernel in `wy` form, after the chunk inverse kernel that feeds it."""
-    inverse = inverse_launch(k_heads, v_heads, dk, chunk, gpu=True)
-    serial = mma_launch(k_heads, v_heads, dk, dv, chunk, col_tile, wy=True)
-
-    @T.macro
-    def both(q, k, v, g, beta, indptr, slots, pool, layer, out, batch, tinv):
-        inverse(k, g, beta, indptr, tinv, batch, out.shape[0])
-        serial(q, k, v, g, beta, indptr, slots, pool, layer, out, batch, tinv)
-
-    return both
 
 
 def gdn_chunked_mma(
@@ -80,13 +58,8 @@ def gdn_chunked_mma(
     chunk: int = 64,
     col_tile: int = 128,
     scan: bool = True,
-    wy: bool = False,
 ) -> PrimFunc:
-    """One tensor-core kernel (see `gdn_chunked_mma.mma_launch`); with `wy`, the chunk
-    inverse kernel before it, into a workspace (`_prim_func`)."""
-    if wy:
-        body = _with_inverse(k_heads, v_heads, dk, dv, chunk, col_tile)
-        return _prim_func(k_heads, v_heads, dk, dv, body, "gdn_chunked_mma_wy", chunk)
+    """One tensor-core kernel (see `gdn_chunked_mma.mma_launch`)."""
     body = mma_launch(k_heads, v_heads, dk, dv, chunk, col_tile, scan)
     return _prim_func(k_heads, v_heads, dk, dv, body, "gdn_chunked_mma_kernel")
 
@@ -99,28 +72,20 @@ def gdn_chunked_mma_dispatch(
     narrow: tuple[int, int],
     wide: tuple[int, int],
     sms: int = H200_SMS,
-    wy: bool = False,
 ) -> PrimFunc:
     """Both kernels, (chunk, col_tile) `narrow` and `wide`; the wide one runs when its blocks
     (sequences x v_heads x dv / wide col_tile) fill at least half of the `sms`, else the narrow
     one. H200, 4B heads (gdn_kernel.json): 32 wide blocks take 253 us where narrow take 157; 128
-    wide blocks 273 us where narrow take 414. With `wy`, each in its WY form (gdn_chunked_mma)
-    and one workspace wide enough for the larger chunk."""
-    if wy:
-        first = _with_inverse(k_heads, v_heads, dk, dv, *wide)
-        other = _with_inverse(k_heads, v_heads, dk, dv, *narrow)
-    else:
-        first = mma_launch(k_heads, v_heads, dk, dv, *wide)
-        other = mma_launch(k_heads, v_heads, dk, dv, *narrow)
+    wide blocks 273 us where narrow take 414."""
+    first = mma_launch(k_heads, v_heads, dk, dv, *wide)
+    other = mma_launch(k_heads, v_heads, dk, dv, *narrow)
     wide_tiles = v_heads * (dv // wide[1])
 
     @T.macro
-    def pick(q, k, v, g, beta, indptr, slots, pool, layer, out, batch, tinv):
+    def pick(q, k, v, g, beta, indptr, slots, pool, layer, out, batch):
         if batch * wide_tiles * 2 >= sms:
-            first(q, k, v, g, beta, indptr, slots, pool, layer, out, batch, tinv)
+            first(q, k, v, g, beta, indptr, slots, pool, layer, out, batch)
         else:
-            other(q, k, v, g, beta, indptr, slots, pool, layer, out, batch, tinv)
+            other(q, k, v, g, beta, indptr, slots, pool, layer, out, batch)
 
-    name = "gdn_chunked_mma_dispatch" + ("_wy" if wy else "")
-    wy_chunk = max(wide[0], narrow[0]) if wy else 0
-    return _prim_func(k_heads, v_heads, dk, dv, pick, name, wy_chunk)
+    return _prim_func(k_heads, v_heads, dk, dv, pick, "gdn_chunked_mma_dispatch")

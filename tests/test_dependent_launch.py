@@ -100,9 +100,6 @@ def test_prefill_kernels_wait_before_touching_anything() -> None:
     target = Target({"kind": "cuda", "arch": "sm_90"}, host="llvm")
     funcs = {
         "gdn": chunked_gated_delta_rule(16, 32, 128, 128, target, act_dtype="bfloat16"),
-        "gdn_wy": chunked_gated_delta_rule(
-            16, 32, 128, 128, target, act_dtype="bfloat16", wy=True
-        ),
         "attention": paged_prefill_mma(16, 4, 256, target),
     }
     for what, func in funcs.items():
