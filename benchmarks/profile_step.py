@@ -45,22 +45,45 @@ def idle_gaps(spans: list[tuple[float, float, str]], top: int = 12) -> dict:
     }
 
 
-def kernel_table(torch, fn, repeats: int) -> tuple[list[dict], float, float, dict]:
+CALL = "profiled call"  # the record_function range around each call of the profiled function
+
+
+def host_during(events, start: float, end: float, top: int = 40) -> list[dict]:
+    """What the host did while the GPU sat idle from `start` to `end` (µs): the CPU-side
+    events (CUDA runtime and driver calls, the record_function ranges of main()) that overlap
+    the window, in time order, each with its offset from `start` and its duration."""
+    rows = []
+    for e in events:
+        if e.device_type.name != "CPU":
+            continue
+        a, b = e.time_range.start, e.time_range.end
+        if b >= start and a <= end:
+            rows.append({"at_us": round(a - start, 1), "us": round(b - a, 1), "name": e.name[:60]})
+    rows.sort(key=lambda r: r["at_us"])
+    return rows[:top]
+
+
+def kernel_table(
+    torch, fn, repeats: int, host: bool = False
+) -> tuple[list[dict], float, float, dict]:
     """(rows grouped by kernel name, summed kernel µs per call of `fn`, µs per call from the
     first kernel's start to the last one's end, the idle gaps of the last call) over `repeats`
-    calls."""
-    from torch.profiler import ProfilerActivity, profile
+    calls. With `host`, the gaps also say what the host did during the longest one."""
+    from torch.profiler import ProfilerActivity, profile, record_function
 
+    activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if host else [])
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=activities) as prof:
         for _ in range(repeats):
-            fn()
+            with record_function(CALL):
+                fn()
         torch.cuda.synchronize()
     us: dict[str, float] = defaultdict(float)
     calls: dict[str, int] = defaultdict(int)
     spans = []
     for e in prof.events():
-        if e.device_type.name != "CUDA" or "Memcpy" in e.name or "Memset" in e.name:
+        # record_function ranges also show on the GPU's timeline, as annotations
+        if e.device_type.name != "CUDA" or e.is_user_annotation or "Mem" in e.name[:8]:
             continue
         us[e.name] += e.device_time / repeats
         calls[e.name] += 1
@@ -80,7 +103,26 @@ def kernel_table(torch, fn, repeats: int) -> tuple[list[dict], float, float, dic
         }
         for name, t in sorted(us.items(), key=lambda kv: -kv[1])
     ]
-    return rows, total, span, idle_gaps(calls_spans[-1])
+    idle = idle_gaps(calls_spans[-1])
+    if host:
+        # the host's time before a call's first kernel starts and after its last one ends
+        # (a synchronous call: the GPU idles through both)
+        calls_on_host = sorted(
+            (e.time_range.start, e.time_range.end)
+            for e in prof.events()
+            if e.name == CALL and e.device_type.name == "CPU"
+        )
+        pairs = list(zip(calls_on_host, calls_spans, strict=True))
+        lead = [c[0][0] - h[0] for h, c in pairs]
+        tail = [h[1] - max(e for _, e, _ in c) for h, c in pairs]
+        idle["host_before_first_kernel_us"] = round(sum(lead) / repeats, 1)
+        idle["host_after_last_kernel_us"] = round(sum(tail) / repeats, 1)
+    if host and idle["gaps"]:
+        last = calls_spans[-1]
+        i = max(range(1, len(last)), key=lambda k: last[k][0] - max(e for _, e, _ in last[:k]))
+        window = (max(e for _, e, _ in last[:i]), last[i][0])
+        idle["host_in_longest_gap"] = host_during(prof.events(), *window)
+    return rows, total, span, idle
 
 
 def print_table(title: str, rows: list[dict], total_us: float, span_us: float, top: int) -> None:
@@ -130,7 +172,7 @@ def main() -> None:
             runner.prefill([s], [prompt()], np.array([args.context - 1]))
         runner.decode(slots, [1] * b)  # captures this batch size's graph
         step = lambda s=slots: runner.decode(s, [1] * len(s))  # noqa: E731
-        rows, total, span, idle = kernel_table(torch, step, 3)
+        rows, total, span, idle = kernel_table(torch, step, 3, host=True)
         wall = cuda_time(torch, step, iters=10) * 1e6
         roof_us = step_bytes(artifact, b, args.context) / bw * 1e6
         key = f"decode_b{b}"
@@ -139,22 +181,47 @@ def main() -> None:
         title = (f"decode, batch {b} at {args.context} tokens (roofline {roof_us:.0f} µs, "
                  f"{wall:.0f} µs a call with its host work)")  # fmt: skip
         print_table(title, rows, total, span, args.top)
+        print(f"host before the first kernel: {idle['host_before_first_kernel_us']} µs, after the"
+              f" last: {idle['host_after_last_kernel_us']} µs a call")  # fmt: skip
         for s in slots:
             runner.remove_sequence(s)
     slot = n - 1
 
+    # named host ranges, so the gap's listing says which part of a prefill the host was in
+    from torch.profiler import record_function
+
+    def named(name: str, fn):
+        def call(*a, **k):
+            with record_function(name):
+                return fn(*a, **k)
+
+        return call
+
+    runner._upload = named("runner._upload", runner._upload)
+    runner._prefill = named("vm.prefill", runner._prefill)
+    tokens = prompt()
+
     def prefill() -> None:
-        runner.add_sequence(slot, list(range(slot * pages, (slot + 1) * pages)))
-        runner.prefill([slot], [prompt()], np.array([args.context - 1])).rows()
+        with record_function("add_sequence"):
+            runner.add_sequence(slot, list(range(slot * pages, (slot + 1) * pages)))
+        with record_function("runner.prefill"):
+            step = runner.prefill([slot], [tokens], np.array([args.context - 1]))
+        with record_function("rows"):
+            step.rows()
         runner.remove_sequence(slot)
 
     prefill()  # loads the prefill kernels
-    rows, total, span, idle = kernel_table(torch, prefill, 2)
+    rows, total, span, idle = kernel_table(torch, prefill, 2, host=True)
     report[f"prefill_{args.context}"] = {"gpu_us": total, "span_us": span, **idle, "kernels": rows}
     print_table(f"prefill of {args.context} tokens", rows, total, span, args.top)
     print(f"\nidle inside the prefill: {idle['idle_us']:.0f} µs; longest gaps:")
     for g in idle["gaps"]:
         print(f"  {g['us']:7.1f} µs  after {g['after']}  before {g['before']}")
+    print(f"host before the first kernel: {idle['host_before_first_kernel_us']} µs, after the"
+          f" last: {idle['host_after_last_kernel_us']} µs a call")  # fmt: skip
+    print("the host during the longest gap (µs from its start, µs long):")
+    for h in idle.get("host_in_longest_gap", []):
+        print(f"  {h['at_us']:8.1f} {h['us']:8.1f}  {h['name']}")
     text = json.dumps(report, indent=1)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
