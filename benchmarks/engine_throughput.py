@@ -1,5 +1,7 @@
 """Engine-level throughput on a GPU at real shapes (bf16), with and without CUDA graphs
-(`--variants graphs,no-graphs`) or programmatic dependent launch (`graphs,no-pdl`).
+(`--variants graphs,no-graphs`) or programmatic dependent launch (`graphs,no-pdl`). A variant
+`NAME:sync` runs library NAME with synchronous decode steps (no launch-ahead), `NAME:split` with
+a mixed step's decode and prefill as two forwards (runtime/engine.py), `NAME:sync:split` both.
 
   here:        python benchmarks/engine_throughput.py build DIR [--shape 4b]
   on the GPU:  python benchmarks/engine_throughput.py run DIR WORK [--shape 4b] [--constrained]
@@ -259,7 +261,8 @@ def run(
     from qwen35_tvm.runtime.engine import Engine
 
     t0 = time.time()
-    dirs = _artifacts(libs, work, shape, variants)
+    # "NAME:sync" runs library NAME with every decode step synchronous (no launch-ahead)
+    dirs = _artifacts(libs, work, shape, list(dict.fromkeys(v.split(":")[0] for v in variants)))
     print(f"weights ready in {time.time() - t0:.0f} s", flush=True)
     bw = copy_bandwidth(torch)
     results: dict = {
@@ -271,13 +274,19 @@ def run(
     }
     max_c = max(levels)
     for name in variants:
-        art_dir = dirs[name]
-        artifact = Artifact(art_dir, device="cuda")
+        lib, *modes = name.split(":")
+        artifact = Artifact(dirs[lib], device="cuda")
         rng = np.random.default_rng(0)  # the same prompts for every variant
         t0 = time.time()
         chunk = {} if prefill_chunk is None else {"prefill_chunk": prefill_chunk}
+        tokens = max_c * (prompt + OUTPUT + 64)
         engine = Engine(
-            artifact, max_batch_size=max_c, max_total_tokens=max_c * (prompt + OUTPUT + 64), **chunk
+            artifact,
+            max_batch_size=max_c,
+            max_total_tokens=tokens,
+            overlap=False if "sync" in modes else None,
+            one_forward="split" not in modes,
+            **chunk,
         )
         print(f"{name}: engine ready in {time.time() - t0:.1f} s: {engine.capacity()}", flush=True)
         grammar = _grammar(artifact) if constrained else None
@@ -314,8 +323,7 @@ def run(
     first, *rest = variants
     results["greedy_tokens_identical"] = {
         name: [
-            a["tokens"] == b["tokens"]
-            for a, b in zip(results[first], results[name], strict=True)
+            a["tokens"] == b["tokens"] for a, b in zip(results[first], results[name], strict=True)
         ]
         for name in rest
     }

@@ -6,9 +6,12 @@
 set -euo pipefail
 art=$1 out=$2 n=${3:-16} max_batch=${4:-16}
 cli=(python3 -m qwen35_tvm.cli.main)
-url=http://127.0.0.1:8000
+port=${PORT:-8000}
+url=http://127.0.0.1:$port
 mkdir -p "$out"
-"${cli[@]}" serve "$art" --device "${DEVICE:-cuda}" --max-batch "$max_batch" --port 8000 >"$out/server.log" 2>&1 &
+# SERVE_ARGS: more `serve` options (e.g. --mixed-step-share 0.5); LEVELS: the concurrencies;
+# PORT: the server's (default 8000)
+"${cli[@]}" serve "$art" --device "${DEVICE:-cuda}" --max-batch "$max_batch" --port "$port" ${SERVE_ARGS:-} >"$out/server.log" 2>&1 &
 server=$!
 trap 'kill $server 2>/dev/null' EXIT
 for _ in $(seq 1 180); do
@@ -22,6 +25,6 @@ bench() {  # NAME [extra args]
   "${cli[@]}" bench --url $url --input-len "${INPUT_LEN:-1024}" --output-len "${OUTPUT_LEN:-256}" --num-prompts "$n" \
     --logprobs --out "$out/$name.json" --plot "$out/$name.png" "$@"
 }
-bench levels --concurrency 1,8,16 || true
+bench levels --concurrency "${LEVELS:-1,8,16}" || true
 bench qps16 --concurrency 16 --request-rate 16 || true
 curl -s "$url/metrics" | grep -E '^[a-z0-9_]+(requests_total|generation_tokens_total)' || true

@@ -237,6 +237,17 @@ class Qwen35LM(nn.Module):
             out=Tensor.placeholder(page_table.shape, "int32"),
         )
 
+    def feed_picks(self, step: Tensor, best: Tensor) -> Tensor:
+        """The next decode step's `step` from this one's, in place: each row's pick becomes its
+        token, one position on (schedules/greedy.feed_picks)."""
+        return op.tensor_ir_inplace_op(
+            greedy.feed_picks(Target.current()),
+            "picks_to_inputs",
+            [step, best],
+            inplace_indices=[0],
+            out=Tensor.placeholder(step.shape, "int32"),
+        )
+
     def create_gdn_pools(self, num_slots: tirx.Var) -> tuple[Tensor, Tensor]:
         return (
             op.zeros(gdn_pool_shapes(self.cfg, num_slots)[0], self.dtype),
@@ -340,6 +351,11 @@ def export_spec(cfg: ModelConfig, widths: VocabWidths, dtype: str) -> dict:
             "page_table": nn.spec.Tensor(list(table), "int32"),
             "slot": nn.spec.Tensor([1], "int32"),
             "pages": nn.spec.Tensor(["count"], "int32"),
+            **no_params,
+        },
+        "feed_picks": {
+            "step": nn.spec.Tensor(["batch", 3], "int32"),
+            "best": nn.spec.Tensor(["batch"], "int32"),
             **no_params,
         },
         "create_gdn_pools": {"num_slots": int, **no_params},

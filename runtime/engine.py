@@ -2,8 +2,10 @@
 
 Each `step()` admits waiting requests that fit (pages for prompt + max_tokens and one GDN
 slot, reserved whole), runs one batched decode for every sequence past its prompt and one
-ragged prefill of up to `prefill_chunk` prompt tokens, samples each sequence with its own
-parameters and generator, and frees finished sequences at once.
+ragged prefill of up to `prefill_chunk` prompt tokens (one forward: the decode rows ride in the
+prefill as one-token chunks), samples each sequence with its own parameters and generator, and
+frees finished sequences at once. Steady greedy decoding runs a step ahead of the host: a step
+is launched before the tokens of the one before it are read (`_step_ahead`).
 """
 
 from __future__ import annotations
@@ -16,15 +18,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .artifact import Artifact
+from .constrained_rows import apply_bitmasks
 from .generate import PromptError
 from .grammar import apply_bitmask  # numpy only: xgrammar loads with the first grammar
+from .host_picks import PendingPicks
 from .kv_pool import (
-    CapacityPlan,
     CapacityPool,
     gdn_bytes_per_slot,
     kv_bytes_per_token,
     pages_for,
-    plan_capacity,
+    plan_from_free_memory,
 )
 from .model_runner import ModelRunner, StepLogits
 from .sampler import Sampler, SamplingParams, is_effectively_greedy, make_rng
@@ -57,23 +60,33 @@ class Engine:
         prefill_chunk: int = PREFILL_CHUNK,
         memory_fraction: float | None = None,
         mixed_step_share: float | None = None,
+        overlap: bool | None = None,
+        one_forward: bool = True,
     ):
         """Pools: `max_total_tokens` of KV pages (default: one context window) and `num_slots`
         GDN slots (default: `max_batch_size`), or, with `memory_fraction` on a GPU, whatever
         that fraction of the device's free memory holds (`plan_capacity`). With
         `mixed_step_share`, a step beside running decodes prefills what takes about that many
         times a decode step (runtime/step_costs.py: smoother inter-token latency for serving,
-        slower prompts under load); None: always `prefill_chunk` tokens (offline throughput)."""
+        slower prompts under load); None: always `prefill_chunk` tokens (offline throughput).
+        With `overlap` (default: on a GPU, where the artifact can), steady greedy decode steps
+        run one ahead of the host: step N + 1 is launched before step N's tokens are read, so
+        the host's work between steps hides under the GPU's (`_step_ahead`). With
+        `one_forward`, a step that both decodes and prefills runs its decode rows inside the
+        prefill forward, as one-token chunks: the weights stream once for both."""
         self.artifact = artifact
         self.decodable = artifact.widths.decodable
         self.page_size = page_size = artifact.page_size
         if memory_fraction is not None and max_total_tokens is None:
-            plan = _plan_from_free_memory(artifact, memory_fraction, max_batch_size, page_size)
+            plan = plan_from_free_memory(artifact, memory_fraction, max_batch_size, page_size)
             max_total_tokens, num_slots = plan.max_total_tokens, plan.num_slots
         self.max_total_tokens = max_total_tokens or artifact.context_window
         self.pool = CapacityPool(self.max_total_tokens // page_size, num_slots or max_batch_size)
         self.scheduler = Scheduler(self.pool, max_batch_size, prefill_chunk)
-        self.costs = StepCosts(mixed_step_share) if mixed_step_share else None
+        self.one_forward = one_forward
+        self.costs = (
+            StepCosts(mixed_step_share, rows_in_prefill=one_forward) if mixed_step_share else None
+        )
         self.runner = ModelRunner(
             artifact,
             max_batch_size=max_batch_size,
@@ -84,6 +97,12 @@ class Engine:
             # a decode batch never outnumbers the slots: no graph beyond them
             largest = min(max_batch_size, self.pool.num_slots)
             self.runner.capture_decode_graphs(list(range(1, largest + 1)))
+        can = self.runner.launches_ahead
+        if overlap and not can:
+            raise ValueError("overlap needs an artifact with feed_picks: recompile it")
+        self.overlap = can and artifact.device_name != "cpu" if overlap is None else overlap
+        self._ahead: tuple[list[Sequence], PendingPicks] | None = None  # launched, not read
+        self._chained_at: float | None = None  # when a step chained behind another ended
         self.sampler = Sampler(self.decodable)
         self._live: dict[int, Sequence] = {}
         self._pending: list[Output] = []  # abort notices, reported by the next step
@@ -194,45 +213,93 @@ class Engine:
         del self._live[seq.request_id]
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self._pending)
+        return self.scheduler.has_work() or bool(self._pending) or self._ahead is not None
 
     # ---- stepping -------------------------------------------------------------------------
 
     def step(self) -> list[Output]:
         outputs, self._pending = self._pending, []
+        if self._ahead is not None:
+            return outputs + self._step_ahead()
         for seq in self.scheduler.admit():
             self.runner.add_sequence(seq.slot, seq.page_ids)  # also zeroes the slot
         timed = self.costs is not None
         plan = self.scheduler.plan(self.costs.prefill_tokens if timed else None)
         ready: list[Ready] = []  # sequences to sample, with their logits
         started = time.perf_counter()
-        if plan.decode:
+        if plan.decode and not plan.prefill and self._may_launch_ahead(plan.decode, 0):
+            self._launch(plan.decode, [s.output[-1] for s in plan.decode])
+            return outputs  # this step's tokens come with the next step
+        chunks = plan.prefill
+        if plan.decode and chunks and self.one_forward:
+            chunks = [(s, 1) for s in plan.decode] + chunks
+        elif plan.decode:
             seqs = plan.decode
             step = self.runner.decode([s.slot for s in seqs], [s.output[-1] for s in seqs])
             for i, seq in enumerate(seqs):
                 seq.num_computed += 1
                 ready.append((seq, step, i))
         decoded = time.perf_counter()  # the decode step syncs: its picks are on the host
-        if plan.prefill:
-            ready += self._prefill(plan.prefill)
+        if chunks:
+            ready += self._prefill(chunks)
         if ready:
             outputs += self._sample(ready)
         if timed:
-            if plan.decode:
+            if plan.decode and chunks is plan.prefill:
                 self.costs.record_decode(len(plan.decode), decoded - started)
-            if plan.prefill:
-                tokens = sum(n for _, n in plan.prefill)
-                self.costs.record_prefill(tokens, time.perf_counter() - decoded)
+            if chunks:
+                self.costs.record_prefill(sum(n for _, n in chunks), time.perf_counter() - decoded)
         return outputs
 
+    def _may_launch_ahead(self, seqs: list[Sequence], unread: int) -> bool:
+        """Whether a decode of `seqs` may be launched ahead, `unread` tokens each still to come
+        from the step in flight: only steady greedy decoding, where the token is the device's
+        pick, with no request waiting that could join, and no row sure to have stopped by
+        length before this step's token."""
+        return (
+            self.overlap
+            and len(seqs) == len(self.scheduler.running)
+            and not self.scheduler.could_admit()
+            and all(
+                s.status is Status.RUNNING
+                and s.grammar is None
+                and self._wants_pick(s)
+                and len(s.output) + unread < s.max_tokens
+                for s in seqs
+            )
+        )
+
+    def _step_ahead(self) -> list[Output]:
+        """Launch the next decode behind the one in flight where `_may_launch_ahead`, then read
+        the one in flight and report its tokens. A row that stops now was already fed forward:
+        its next token is computed and dropped (within its pages: they hold max_tokens)."""
+        seqs, pending = self._ahead
+        self._ahead = None
+        if self._may_launch_ahead(seqs, 1):
+            self._launch(seqs, None)  # fed by the step in flight
+        tokens, logprobs = pending.wait()
+        now = time.perf_counter()
+        if self.costs is not None and self._chained_at is not None:
+            self.costs.record_decode(len(seqs), now - self._chained_at)  # a step's GPU time
+        self._chained_at = now if self._ahead is not None else None
+        live = [i for i, s in enumerate(seqs) if s.status is Status.RUNNING]
+        return self._emit([(seqs[i], int(tokens[i]), float(logprobs[i]), None) for i in live])
+
+    def _launch(self, seqs: list[Sequence], tokens: list[int] | None) -> None:
+        self._ahead = (seqs, self.runner.launch_decode([s.slot for s in seqs], tokens))
+        for seq in seqs:
+            seq.num_computed += 1
+
     def _prefill(self, chunks: list[tuple[Sequence, int]]) -> list[Ready]:
-        """One ragged forward over every chunk; returns the sequences whose prompt is now
-        complete, with the logits row of their last prompt token."""
+        """One ragged forward over every chunk (a decoding sequence's is its last token);
+        returns the sequences to sample now (prompt complete, or decoding), each with the
+        logits row of its last token."""
         tokens = [seq.next_tokens(n) for seq, n in chunks]
+        scored = [seq.prefilling and seq.return_prompt_logprobs for seq, _ in chunks]
         positions, offset = [], 0
-        for seq, n in chunks:
+        for (_, n), every in zip(chunks, scored, strict=True):
             # Rows at every position only where prompt logprobs are asked for.
-            if seq.return_prompt_logprobs:
+            if every:
                 positions += range(offset, offset + n)
             else:
                 positions.append(offset + n - 1)
@@ -243,8 +310,8 @@ class Engine:
             [s.slot for s, _ in chunks], tokens, np.asarray(positions, dtype=np.int32)
         )
         ready, row = [], 0
-        for seq, n in chunks:
-            if seq.return_prompt_logprobs:
+        for (seq, n), every in zip(chunks, scored, strict=True):
+            if every:
                 self._score_prompt(seq, step.rows()[row : row + n])
                 row += n
             else:
@@ -290,8 +357,13 @@ class Engine:
                 apply_bitmask(row, done, self.decodable)  # the row is this sequence's alone
             token = self.sampler.sample(row, seq.params, seq.rng)
             picked.append((token, float(self.sampler.logprobs(row)[token]), row))
+        return self._emit([(s, *p) for (s, _, _), p in zip(ready, picked, strict=True)])
+
+    def _emit(self, picked: list[tuple[Sequence, int, float, np.ndarray | None]]) -> list[Output]:
+        """Append each sequence's new token (with its logprob and, for alternatives, its logits
+        row), report it, and release the sequences it finishes."""
         outputs = []
-        for (seq, _, _), (token, logprob, row) in zip(ready, picked, strict=True):
+        for seq, token, logprob, row in picked:
             seq.output.append(token)
             if seq.grammar is not None:
                 seq.grammar.accept(token)  # also starts the next mask, overlapping the next step
@@ -318,30 +390,15 @@ class Engine:
         return outputs
 
     def _constrain(self, ready: list[Ready]) -> dict[tuple[int, int], Any]:
-        """Apply the bitmasks of the constrained rows, per step, where the logits are. Keyed
-        by (id(step), row): a (token, logprob) picked on the device; True, masked in place on
-        the device; a bitmask the host applies (logits already on the host, or an artifact
-        without the kernels). Rows whose grammar allows everything are left out."""
+        """The constrained rows' bitmasks, applied where the logits are
+        (runtime/constrained_rows.py). Rows whose grammar allows everything are left out."""
         groups: dict[int, tuple[StepLogits, list[tuple[int, np.ndarray, bool]]]] = {}
         for seq, logits, i in ready:
             bits = seq.grammar.bitmask() if seq.grammar is not None else None
             if bits is not None:  # waited for the worker, which ran while the GPU stepped
                 entry = (i, bits, self._wants_pick(seq))
                 groups.setdefault(id(logits), (logits, []))[1].append(entry)
-        done: dict[tuple[int, int], Any] = {}
-        limit = self.runner.max_batch_size
-        for key, (logits, rows) in groups.items():
-            if not (self.runner.constrains_on_device and logits.on_device):
-                done.update(((key, i), bits) for i, bits, _ in rows)
-                continue
-            for part in (rows[k : k + limit] for k in range(0, len(rows), limit)):
-                ids, masks, wants = zip(*part, strict=True)
-                picks = self.runner.constrain(
-                    logits, list(ids), np.stack(masks), pick=any(wants), mask=not all(wants)
-                )
-                for j, i in enumerate(ids):
-                    done[key, i] = (int(picks[0][j]), float(picks[1][j])) if wants[j] else True
-        return done
+        return apply_bitmasks(self.runner, groups)
 
     # ---- convenience ----------------------------------------------------------------------
 
@@ -381,16 +438,3 @@ class Engine:
                     c.finish_reason = out.finish_reason
                     open_ids.discard(out.request_id)
         return [done[i] for i in ids]
-
-
-def _plan_from_free_memory(
-    artifact: Artifact, fraction: float, max_batch_size: int, page_size: int
-) -> CapacityPlan:
-    """Size the pools from `fraction` of the device memory free now (weights already loaded);
-    the rest is left for activations and the compiled functions' workspace."""
-    if not 0 < fraction <= 1:
-        raise ValueError(f"memory_fraction must be in (0, 1], got {fraction}")
-    free = artifact.device.available_global_memory
-    if not free:
-        raise ValueError(f"{artifact.device_name} does not report its free memory")
-    return plan_capacity(artifact, int(free * fraction), max_batch_size, page_size)

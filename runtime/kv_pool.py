@@ -110,3 +110,16 @@ def plan_capacity(
             f"{max_batch_size} GDN slots ({slots_bytes} bytes)"
         )
     return CapacityPlan(max_total_tokens=int(pages) * page_size, num_slots=max_batch_size)
+
+
+def plan_from_free_memory(
+    artifact: Artifact, fraction: float, max_batch_size: int, page_size: int
+) -> CapacityPlan:
+    """Size the pools from `fraction` of the device memory free now (weights already loaded);
+    the rest is left for activations and the compiled functions' workspace."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"memory_fraction must be in (0, 1], got {fraction}")
+    free = artifact.device.available_global_memory
+    if not free:
+        raise ValueError(f"{artifact.device_name} does not report its free memory")
+    return plan_capacity(artifact, int(free * fraction), max_batch_size, page_size)

@@ -9,6 +9,11 @@ Decode runs as one CUDA graph per batch size, so everything it touches lives at 
 address: the step's inputs (ids, slots, positions) are copied into one [batch, 3] buffer, and the
 logits and greedy picks land in fixed output buffers; each call passes views of them.
 
+`launch_decode` returns before the step runs, bringing back only its greedy picks
+(runtime/host_picks.py), and the artifact's `feed_picks` turns the step's inputs into the next
+step's on the device (each row's pick, one position on): the host launches step N + 1 before it
+reads step N's picks, and the GPU never waits for the host between steady decode steps.
+
 Constrained rows (structured output) get their token bitmasks applied where the logits are:
 `constrain` uploads the rows' masks into a fixed buffer and runs the artifact's
 `constrained_pick` (greedy: 8 bytes a row come back) and/or `constrained_mask` (in place, for
@@ -21,6 +26,7 @@ import numpy as np
 import tvm
 
 from .artifact import Artifact
+from .host_picks import PendingPicks, PickBuffer
 
 # Decode batches from this size run `decode_wide`: on an H200 the GEMV schedules match cuBLAS
 # up to 4 rows and fall to a third of it by 16, where the tensor-core tiles reach 0.9x.
@@ -69,6 +75,14 @@ class ModelRunner:
         self._best = tvm.runtime.empty((n,), "int32", self.device)
         self._best_logprob = tvm.runtime.empty((n,), "float32", self.device)
         self._decode_views: dict[int, tuple] = {}
+        # launch_decode: steps launched before the host reads the last one's picks. Artifacts
+        # built before `feed_picks` lack it; their engine steps synchronously.
+        self.launches_ahead = vm.module.implements_function("feed_picks")
+        if self.launches_ahead:
+            self._feed = vm["feed_picks"]
+            self._pick_buffers = [PickBuffer(n, self.device) for _ in range(2)]
+            self._turn = 0
+        self._fed: tuple[int, ...] | None = None  # slots whose next inputs are on the device
         self._ints: dict[str, tvm.runtime.Tensor] = {}  # prefill's and add_sequence's inputs
         # Artifacts built before the bitmask kernels lack these; the engine masks on the host.
         self.constrains_on_device = vm.module.implements_function("constrained_pick")
@@ -129,6 +143,8 @@ class ModelRunner:
 
     def remove_sequence(self, slot: int) -> None:
         del self._lengths[slot], self._capacity[slot]
+        if self._fed is not None and slot in self._fed:
+            self._fed = None
 
     def _advance(self, slots: list[int], lengths: list[int]) -> list[int]:
         """Each sequence's length before this step, counting the step in; refuses a step that
@@ -198,15 +214,38 @@ class ModelRunner:
 
     def decode(self, slots: list[int], tokens: list[int]) -> StepLogits:
         """One token for each sequence; the logits stay on the device until asked for."""
+        _, logits, best, logprob = self._run_decode(slots, tokens)
+        self._fed = None
+        return StepLogits(logits, best.numpy(), logprob.numpy())
+
+    def launch_decode(self, slots: list[int], tokens: list[int] | None) -> PendingPicks:
+        """`decode`, returning before the step runs: only its greedy picks come back, in host
+        memory, when `PendingPicks.wait` says. With `tokens` None, each row's token is the pick
+        of the step launched just before over the same slots, in the same order: the device
+        fed it forward, so the host can launch this step before reading that one's picks."""
+        if not self.launches_ahead:
+            raise RuntimeError("this artifact has no feed_picks; recompile it to launch ahead")
+        if tokens is None and self._fed != tuple(slots):
+            raise ValueError(f"the device holds the next inputs of slots {self._fed}, not {slots}")
+        _, _, best, logprob = self._run_decode(slots, tokens)
+        self._feed(self._views(len(slots))[0], best)
+        self._fed = tuple(slots)
+        buffer = self._pick_buffers[self._turn]
+        self._turn ^= 1  # the engine waits for a step before launching the one after next
+        return buffer.fetch(best, logprob)
+
+    def _run_decode(self, slots: list[int], tokens: list[int] | None) -> tuple:
+        """Launch one decode step; `tokens` None: its inputs are already on the device."""
         batch = len(slots)
         if not 0 < batch <= self.max_batch_size:
             raise ValueError(f"decode batch {batch}: 1 to {self.max_batch_size}")
         starts = self._advance(slots, [1] * batch)
-        step, logits, best, logprob = self._views(batch)
-        step.copyfrom(np.array([tokens, slots, starts], dtype=np.int32).T)
+        views = step, logits, best, logprob = self._views(batch)
+        if tokens is not None:
+            step.copyfrom(np.array([tokens, slots, starts], dtype=np.int32).T)
         fn = self._decode_wide if batch >= WIDE_DECODE_FROM else self._decode
         fn(step, logits, best, logprob, *self._state())
-        return StepLogits(logits, best.numpy(), logprob.numpy())
+        return views
 
     def _views(self, batch: int) -> tuple:
         """decode's buffers for `batch` rows, made once: views of fixed allocations, since a

@@ -41,17 +41,21 @@ class Scheduler:
         """Move waiting sequences to running while pages, slots and batch room last. Strictly
         FIFO: a large request at the head is not overtaken, so it cannot starve."""
         admitted = []
-        while (
-            self.waiting
-            and len(self.running) < self.max_batch_size
-            and self.pool.can_reserve(self.waiting[0].pages)
-        ):
+        while self.could_admit():
             seq = self.waiting.popleft()
             seq.slot, seq.page_ids = self.pool.reserve(seq.pages)
             seq.status = Status.RUNNING
             self.running.append(seq)
             admitted.append(seq)
         return admitted
+
+    def could_admit(self) -> bool:
+        """Whether `admit` would take the next waiting request now."""
+        return (
+            bool(self.waiting)
+            and len(self.running) < self.max_batch_size
+            and self.pool.can_reserve(self.waiting[0].pages)
+        )
 
     def plan(self, prefill_budget: Callable[[int, int, int], int] | None = None) -> StepPlan:
         """`prefill_budget(decode rows, prefill_chunk, prompts prefilling)`: the prompt tokens

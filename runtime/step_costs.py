@@ -6,6 +6,8 @@ fixed token count, the chunk is sized by time: the prefill part may take about `
 pure decode step of the same batch. Prefill cost is fitted as `fixed + per_token * n` over recent
 chunks (the fixed part, a few ms of kernel launches, is why small chunks are not free), and a
 floor of `min_tokens` keeps long prompts moving when even the fixed part exceeds the share.
+Where the engine runs a mixed step as one forward (`rows_in_prefill`), the decode rows count as
+tokens of that forward, and the whole step may take (1 + share) decode steps.
 """
 
 from __future__ import annotations
@@ -19,10 +21,20 @@ DECODE_EMA = 0.2
 
 
 class StepCosts:
-    def __init__(self, share: float = 1.0, min_tokens: int = 128, window: int = 32) -> None:
+    def __init__(
+        self,
+        share: float = 1.0,
+        min_tokens: int = 128,
+        window: int = 32,
+        rows_in_prefill: bool = False,
+    ) -> None:
+        """`rows_in_prefill`: a mixed step is one forward, the decode rows riding in the prefill
+        call as one-token chunks (their tokens count in `record_prefill`), so the whole step may
+        take (1 + share) decode steps."""
         if share <= 0 or min_tokens < 1:
             raise ValueError(f"share {share} must be > 0 and min_tokens {min_tokens} >= 1")
         self.share = share
+        self.rows_in_prefill = rows_in_prefill
         self.min_tokens = min_tokens
         self._decode: dict[int, float] = {}  # batch rows -> EMA of the step's seconds
         self._prefill: deque[tuple[int, float]] = deque(maxlen=window)  # (tokens, seconds)
@@ -66,5 +78,8 @@ class StepCosts:
         if step is None or fit is None:
             return most
         fixed, per_token = fit
-        fits = int((self.share * step - fixed) / per_token + 1e-6)  # not 79.999 -> 79
+        budget = self.share * step - fixed
+        if self.rows_in_prefill:
+            budget += step - per_token * decode_rows  # the rows' own share of the forward
+        fits = int(budget / per_token + 1e-6)  # not 79.999 -> 79
         return max(min(fits, most), min(self.min_tokens, most))

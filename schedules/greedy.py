@@ -268,3 +268,29 @@ def apply_token_bitmask(decodable: int, selection: int, target: Target) -> PrimF
                                 logits[r, c] = T.float32("-inf")
 
     return apply_token_bitmask
+
+
+def feed_picks(target: Target) -> PrimFunc:
+    """The next decode step's inputs from this one's, in place on the device: each row of
+    `step` [batch, 3] (token, slot, position) takes its greedy pick `best` [batch] as its
+    token and moves one position on. So a step can be launched before the host has read the
+    picks of the one before it (runtime/model_runner.py, `launch_decode`)."""
+    gpu = target.kind.name == "cuda"
+    grid, lanes = block_loop(gpu), thread_loop(64, gpu)
+
+    @T.prim_func(s_tir=True)
+    def picks_to_inputs(step_h: T.handle, best_h: T.handle):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        batch = T.int32()
+        step = T.match_buffer(step_h, (batch, 3), "int32")
+        best = T.match_buffer(best_h, (batch,), "int32")
+        for bx in grid((batch + 63) // 64):
+            for tx in lanes():
+                with T.sblock("feed"):
+                    T.reads()
+                    T.writes()
+                    if bx * 64 + tx < batch:
+                        step[bx * 64 + tx, 0] = best[bx * 64 + tx]
+                        step[bx * 64 + tx, 2] = step[bx * 64 + tx, 2] + 1
+
+    return picks_to_inputs

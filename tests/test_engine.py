@@ -111,6 +111,36 @@ def test_long_prefill_does_not_stall_decodes(tiny_compiled):
     assert steps_until_b == 5  # ceil(130 / 32) chunks, one decode of `a` each
 
 
+def test_a_mixed_step_decodes_inside_the_prefill_forward(tiny_compiled):
+    """With one_forward (the default), a step that decodes and prefills is one `prefill` call
+    with the decode rows as one-token chunks; the tokens are those of two forwards."""
+    art, gen = loaded(tiny_compiled)
+    got = {}
+    for one in (True, False):
+        engine = Engine(art, max_batch_size=3, max_total_tokens=512, prefill_chunk=24,
+                        one_forward=one)  # fmt: skip
+        calls = {"decode": 0, "prefill_rows": []}
+        decode, prefill = engine.runner.decode, engine.runner.prefill
+
+        def spy_decode(*a, decode=decode, calls=calls):
+            calls["decode"] += 1
+            return decode(*a)
+
+        def spy_prefill(slots, tokens, rows, prefill=prefill, calls=calls):
+            calls["prefill_rows"].append(sum(len(t) == 1 for t in tokens))
+            return prefill(slots, tokens, rows)
+
+        engine.runner.decode, engine.runner.prefill = spy_decode, spy_prefill
+        late = Request(prompt(70, gen.decodable, 8), GREEDY, 5, ignore_eos=True)
+        tokens = run(engine, joins={0: [Request(prompt(6, gen.decodable, 7), GREEDY, 12)],
+                                    3: [late]})  # fmt: skip
+        got[one] = tokens, calls
+    (one_tokens, one_calls), (two_tokens, two_calls) = got[True], got[False]
+    assert one_tokens == two_tokens
+    assert max(one_calls["prefill_rows"]) == 1 and max(two_calls["prefill_rows"]) == 0
+    assert two_calls["decode"] - one_calls["decode"] == 3  # the 70-token prompt's 3 chunks
+
+
 def two_in_one_slot(art: Artifact, gen: Generator, zero_slots: bool = True) -> float:
     """Run X, then Y in the slot (and pages) X just freed; max |Δ| of Y's rows against Y alone
     in a fresh engine."""

@@ -39,6 +39,14 @@ def test_budget_is_what_fits_in_a_decode_step():
     assert twice.prefill_tokens(16, 2048) == 200
 
 
+def test_one_forward_budget_counts_the_decode_rows():
+    """A mixed step as one forward may take (1 + share) decode steps, its rows included."""
+    costs = costs_with(6e-3, 2e-3, 50e-6, min_tokens=16, rows_in_prefill=True)
+    assert costs.prefill_tokens(16, 2048) == 184  # (2 x 6 - 2) ms / 50 us, less the 16 rows
+    half = costs_with(6e-3, 2e-3, 50e-6, min_tokens=16, rows_in_prefill=True, share=0.5)
+    assert half.prefill_tokens(16, 2048) == 124  # (1.5 x 6 - 2) ms / 50 us - 16
+
+
 def test_a_burst_of_prompts_gets_whole_chunks():
     costs = costs_with(6e-3, 2e-3, 50e-6, min_tokens=16)
     assert costs.prefill_tokens(2, 2048, prefilling=14) == 2048  # prompts outnumber decodes

@@ -1,0 +1,160 @@
+"""Decode steps launched ahead of the host (fp32, CPU): the artifact's `feed_picks` kernel, the
+runner's `launch_decode` chain and the engine's overlapped stepping give exactly the tokens of
+synchronous stepping, through stops, length limits, joins, sampled requests and aborts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tvm
+from test_engine import GREEDY, loaded, prompt
+
+from qwen35_tvm.runtime.engine import Engine
+from qwen35_tvm.runtime.model_runner import ModelRunner
+from qwen35_tvm.runtime.sampler import SamplingParams
+from qwen35_tvm.runtime.sequence import Request
+from qwen35_tvm.schedules.greedy import feed_picks
+
+
+@pytest.mark.parametrize("batch", [1, 5, 64, 67])
+def test_feed_picks_takes_each_pick_one_position_on(batch):
+    lib = tvm.compile(feed_picks(tvm.target.Target("llvm")), target="llvm")
+    rng = np.random.default_rng(batch)
+    step = rng.integers(0, 1000, size=(batch, 3)).astype(np.int32)
+    best = rng.integers(0, 1000, size=batch).astype(np.int32)
+    out = tvm.runtime.tensor(step)
+    lib(out, tvm.runtime.tensor(best))
+    want = step.copy()
+    want[:, 0], want[:, 2] = best, step[:, 2] + 1
+    np.testing.assert_array_equal(out.numpy(), want)
+
+
+def _prefilled(art, slots, lengths) -> ModelRunner:
+    runner = ModelRunner(art, max_batch_size=4, max_total_tokens=1024, num_slots=4)
+    for slot, n in zip(slots, lengths, strict=True):
+        runner.add_sequence(slot, list(range(slot * 16, slot * 16 + 16)))
+        runner.prefill([slot], [prompt(n, art.widths.decodable, slot)], np.array([n - 1]))
+    return runner
+
+
+def test_a_launched_chain_matches_step_by_step_decoding(tiny_compiled):
+    art, _ = loaded(tiny_compiled)
+    slots, lengths, steps = [2, 0, 3], [9, 1, 30], 6
+    sync, ahead = _prefilled(art, slots, lengths), _prefilled(art, slots, lengths)
+    tokens, want = [7, 8, 9], []
+    for _ in range(steps):
+        step = sync.decode(slots, tokens)
+        want.append((step.best.copy(), step.best_logprob.copy()))
+        tokens = step.best.tolist()
+    pending = ahead.launch_decode(slots, [7, 8, 9])
+    for k in range(steps):
+        nxt = ahead.launch_decode(slots, None) if k + 1 < steps else None
+        ids, logprobs = pending.wait()
+        np.testing.assert_array_equal(ids, want[k][0])
+        np.testing.assert_array_equal(logprobs, want[k][1])
+        pending = nxt
+    with pytest.raises(ValueError, match="next inputs of slots"):
+        ahead.launch_decode([0, 2, 3], None)  # fed in another order
+    ahead.remove_sequence(0)
+    with pytest.raises(ValueError, match="next inputs of slots"):
+        ahead.launch_decode(slots, None)
+
+
+def _requests(decodable: int) -> list[Request]:
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, seed=3)
+    shapes = [(5, 40, GREEDY), (40, 1, GREEDY), (17, 2, GREEDY), (3, 9, sampled), (70, 20, GREEDY)]
+    return [
+        Request(prompt(n, decodable, seed=10 + n), params, m, ignore_eos=True)
+        for n, m, params in shapes
+    ]
+
+
+def _run(art, joins: dict[int, list[Request]], overlap: bool, stops=None, abort=None):
+    """Step to the end, submitting joins[k] before step k (and aborting request `abort` once
+    it has 3 tokens); per request its tokens, logprobs and finish reason, and how many decode
+    steps were launched ahead."""
+    engine = Engine(art, max_batch_size=3, max_total_tokens=1024, prefill_chunk=32, overlap=overlap)
+    launched = []
+    launch = engine.runner.launch_decode
+    engine.runner.launch_decode = lambda s, t: launched.append(t) or launch(s, t)
+    got: dict[int, list] = {}
+    step = 0
+    while engine.has_work() or any(k >= step for k in joins):
+        for r in joins.get(step, []):
+            stop = (stops or {}).get(len(got))
+            got[engine.submit(r.prompt_ids, r.params, r.max_tokens, stop, r.ignore_eos)] = [
+                [],
+                [],
+                None,
+            ]
+        for out in engine.step():
+            entry = got[out.request_id]
+            entry[0] += out.token_ids
+            entry[1] += out.logprobs
+            entry[2] = out.finish_reason
+            if out.request_id == abort and len(entry[0]) == 3:
+                engine.abort(abort)
+        step += 1
+    assert (engine.free_pages(), engine.free_slots()) == (64, 3)  # all returned
+    return got, launched
+
+
+def _assert_same(got: dict, want: dict) -> None:
+    """The same tokens and finish reasons; logprobs to fp32 rounding (a joining request can
+    meet the others in a different step, and a mixed step decodes inside the prefill)."""
+    assert {k: (v[0], v[2]) for k, v in got.items()} == {k: (v[0], v[2]) for k, v in want.items()}
+    for k, v in want.items():
+        np.testing.assert_allclose(got[k][1], v[1], rtol=0, atol=1e-5)
+
+
+def test_overlapped_engine_gives_the_tokens_of_synchronous_stepping(tiny_compiled):
+    art, gen = loaded(tiny_compiled)
+    reqs = _requests(gen.decodable)
+    joins = {0: reqs[:3], 12: reqs[3:4], 16: reqs[4:]}
+    want, none = _run(art, joins, overlap=False)
+    assert none == []
+    # request 0 stops at its 25th token, request 4 at its 12th: the step launched behind each
+    # is dropped
+    stops = {0: [want[0][0][24]], 4: [want[4][0][11]]}
+    want, _ = _run(art, joins, overlap=False, stops=stops)
+    got, launched = _run(art, joins, overlap=True, stops=stops)
+    _assert_same(got, want)
+    assert [want[i][2] for i in range(5)] == ["stop", "length", "length", "length", "stop"]
+    assert launched.count(None) >= 6, launched  # steps really ran ahead, fed on the device
+
+
+def test_an_abort_while_a_step_runs_ahead_leaves_the_others_alone(tiny_compiled):
+    art, gen = loaded(tiny_compiled)
+    reqs = [r for r in _requests(gen.decodable) if r.params is GREEDY][:3]
+    want, _ = _run(art, {0: reqs}, overlap=False)
+    got, _ = _run(art, {0: reqs}, overlap=True, abort=0)
+    assert got[0][2] == "abort" and got[0][0] == want[0][0][: len(got[0][0])]
+    _assert_same({k: v for k, v in got.items() if k}, {k: v for k, v in want.items() if k})
+
+
+def test_the_comparison_fails_when_the_device_does_not_feed_positions(tiny_compiled):
+    """Teeth for the test above: a feed that leaves positions where they were (so each
+    chained step writes over its last K/V) changes what comes out."""
+    art, gen = loaded(tiny_compiled)
+    joins = {0: _requests(gen.decodable)[:1]}
+    want, _ = _run(art, joins, overlap=False)
+    real = ModelRunner.launch_decode
+
+    def stale_positions(self, slots, tokens):
+        feed = self._feed
+        self._feed = lambda step, best: step.copyfrom(
+            np.column_stack([best.numpy(), step.numpy()[:, 1:]]).astype(np.int32)
+        )
+        try:
+            return real(self, slots, tokens)
+        finally:
+            self._feed = feed
+
+    ModelRunner.launch_decode = stale_positions
+    try:
+        got, _ = _run(art, joins, overlap=True)
+    finally:
+        ModelRunner.launch_decode = real
+    drift = np.abs(np.subtract(got[0][1], want[0][1])).max()
+    print(f"logprob drift with stale positions: {drift:.3g}")
+    assert got[0][0] != want[0][0] or drift > 1e-3
