@@ -23,8 +23,8 @@ from ..schedules import (
     attention,
     attention_prefill,
     attention_prep,
-    gdn,
     gdn_chunked,
+    gdn_decode,
     gdn_prep,
     norm,
 )
@@ -213,40 +213,45 @@ class GatedDeltaNet(nn.Module):
         dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         layer = tirx.IntImm("int32", self.gdn_layer)
         target = Target.current()
-        proj = self.in_proj(x)  # [q k v | z | b | a], read in place by both kernels below
-        conv_pool, q, k, v, g, beta = op.tensor_ir_inplace_op(
-            gdn_prep.gdn_input(hk, hv, dk, dv, cfg.linear_conv_kernel_dim, self.dtype, target),
-            "gdn_input",
-            [proj, self.conv_weight, self.A_log, self.dt_bias, indptr, slots, conv_pool, layer],
-            inplace_indices=[6, -1, -1, -1, -1, -1],
-            out=[
-                conv_pool,
-                Tensor.placeholder((n_tok, hk, dk), F32),
-                Tensor.placeholder((n_tok, hk, dk), F32),
-                Tensor.placeholder((n_tok, hv, dv), F32),
-                Tensor.placeholder((n_tok, hv), F32),
-                Tensor.placeholder((n_tok, hv), F32),
-            ],
-        )
+        proj = self.in_proj(x)  # [q k v | z | b | a], read in place by the kernels below
+        kernel = cfg.linear_conv_kernel_dim
+        state = [self.conv_weight, self.A_log, self.dt_bias]
         if chunked:  # bf16 on CUDA: the tensor-core kernel (bf16 operands, fp32 state)
-            rule = gdn_chunked.chunked_gated_delta_rule(
-                hk, hv, dk, dv, target, act_dtype=self.dtype
+            q, k, v, g, beta = op.tensor_ir_op(
+                gdn_prep.gdn_input(hk, hv, dk, dv, kernel, self.dtype, target),
+                "gdn_input",
+                [proj, *state, indptr, slots, conv_pool, layer],
+                out=[
+                    Tensor.placeholder((n_tok, hk, dk), F32),
+                    Tensor.placeholder((n_tok, hk, dk), F32),
+                    Tensor.placeholder((n_tok, hv, dv), F32),
+                    Tensor.placeholder((n_tok, hv), F32),
+                    Tensor.placeholder((n_tok, hv), F32),
+                ],
             )
-        else:
-            rule = gdn.gated_delta_rule(hk, hv, dk, dv, target)
-        rec_pool, o = op.tensor_ir_inplace_op(
-            rule,
-            "gdn_delta_rule",
-            [q, k, v, g, beta, indptr, slots, rec_pool, layer],
-            inplace_indices=[7, -1],
-            out=[rec_pool, Tensor.placeholder((n_tok, hv, dv), F32)],
-        )
+            rec_pool, o = op.tensor_ir_inplace_op(
+                gdn_chunked.chunked_gated_delta_rule(hk, hv, dk, dv, target, act_dtype=self.dtype),
+                "gdn_delta_rule",
+                [q, k, v, g, beta, indptr, slots, rec_pool, layer],
+                inplace_indices=[7, -1],
+                out=[rec_pool, Tensor.placeholder((n_tok, hv, dv), F32)],
+            )
+        else:  # one token a sequence: its conv, norms and gates inside the recurrent kernel
+            rec_pool, o = op.tensor_ir_inplace_op(
+                gdn_decode.decode_delta_rule(hk, hv, dk, dv, kernel, self.dtype, target),
+                "gdn_delta_rule_decode",
+                [proj, *state, slots, conv_pool, rec_pool, layer],
+                inplace_indices=[6, -1],
+                out=[rec_pool, Tensor.placeholder((n_tok, hv, dv), F32)],
+            )
         # Gated RMSNorm: HF rounds the core output to the activation dtype before the norm.
-        o = op.tensor_ir_op(
-            gdn_prep.gated_norm(hv, dv, cfg.conv_dim, cfg.rms_norm_eps, self.dtype, target),
+        # The conv state moves here, after every kernel that reads it.
+        conv_pool, o = op.tensor_ir_inplace_op(
+            gdn_prep.gated_norm(hv, dv, cfg.conv_dim, kernel, cfg.rms_norm_eps, self.dtype, target),
             "gdn_gated_norm",
-            [o, proj, self.norm_weight],
-            out=Tensor.placeholder((n_tok, cfg.value_dim), self.dtype),
+            [o, proj, self.norm_weight, indptr, slots, conv_pool, layer],
+            inplace_indices=[5, -1],
+            out=[conv_pool, Tensor.placeholder((n_tok, cfg.value_dim), self.dtype)],
         )
         out = self.out_proj(o)
         return out, conv_pool, rec_pool

@@ -15,6 +15,7 @@ from tvm.relax.frontend.nn import Tensor, op
 from tvm.target import Target
 
 from ..schedules import (
+    embedding,
     gdn,
     greedy,
     kv_cache,
@@ -109,7 +110,8 @@ class Qwen35LM(nn.Module):
         pools come back only because they are updated in place."""
         kv = KVCache(k_pool, v_pool, page_table)
         x, kv, conv_pool, rec_pool = self._stack(
-            input_ids, indptr, slots, positions, kv, conv_pool, rec_pool, chunked=True
+            self.embed_tokens(input_ids), indptr, slots, positions, kv, conv_pool, rec_pool,
+            chunked=True,
         )
         hidden = self.norm(op.take(x, logit_positions, axis=0))
         logits_rows = self.lm_head(hidden)
@@ -143,14 +145,21 @@ class Qwen35LM(nn.Module):
         projections get GEMV schedules; every argument is a buffer the runner keeps at a fixed
         address, so the whole step is one CUDA graph per batch size. `step` [batch, 3] holds
         each row's token id, slot and position: one host-to-device copy a step."""
-        batch = step.shape[0]
-        input_ids, slots, positions = (
-            op.reshape(c, (batch,)) for c in op.split(step, 3, axis=1)
+        batch, hidden = step.shape[0], self.cfg.hidden_size
+        x, indptr, slots, positions = op.tensor_ir_op(
+            embedding.decode_inputs(hidden, self.dtype, Target.current()),
+            "decode_inputs",
+            [step, self.embed_tokens.weight],
+            out=[
+                Tensor.placeholder((batch, hidden), self.dtype),
+                Tensor.placeholder((batch + 1,), "int32"),
+                Tensor.placeholder((batch,), "int32"),
+                Tensor.placeholder((batch,), "int32"),
+            ],
         )
-        indptr = op.arange(0, batch + 1, dtype="int32")
         kv = KVCache(k_pool, v_pool, page_table)
         x, kv, conv_pool, rec_pool = self._stack(
-            input_ids, indptr, slots, positions, kv, conv_pool, rec_pool, chunked=False
+            x, indptr, slots, positions, kv, conv_pool, rec_pool, chunked=False
         )
         logits_out = self.lm_head(self.norm(x), out=logits_out)
         best, best_logprob, _, _ = op.tensor_ir_inplace_op(
@@ -196,7 +205,7 @@ class Qwen35LM(nn.Module):
 
     def _stack(
         self,
-        input_ids: Tensor,
+        x: Tensor,
         indptr: Tensor,
         slots: Tensor,
         positions: Tensor,
@@ -205,8 +214,7 @@ class Qwen35LM(nn.Module):
         rec_pool: Tensor,
         chunked: bool,
     ) -> tuple[Tensor, KVCache, Tensor, Tensor]:
-        """Embedding and the decoder layers: hidden states [tokens, hidden] before the norm."""
-        x = self.embed_tokens(input_ids)
+        """The decoder layers over embeddings x: hidden states [tokens, hidden] before the norm."""
         for layer in self.layers:
             h = layer.input_layernorm(x)
             if layer.kind == FULL:

@@ -14,6 +14,8 @@ independent recurrence over time, which is what the kernels parallelise over.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from tvm import s_tir
 from tvm.script import tirx as T
 from tvm.target import Target
@@ -123,6 +125,130 @@ ROWS = 16
 PARTS = 8
 
 
+class RuleLayout(NamedTuple):
+    """How a block of the recurrent kernels holds its state rows (see gated_delta_rule)."""
+
+    rows: int  # value columns (state rows) a block
+    parts: int  # threads a row
+    k_dim: int
+
+    @staticmethod
+    def of(k_dim: int, v_dim: int, rows: int = ROWS, parts: int = PARTS) -> RuleLayout:
+        rows = next(r for r in (rows, 16, 8, 4, 2, 1) if v_dim % r == 0)
+        return RuleLayout(rows, parts if k_dim % parts == 0 else 1, k_dim)
+
+    @property
+    def threads(self) -> int:
+        return self.rows * self.parts
+
+    @property
+    def staged(self) -> int:
+        """A token's inputs in shared memory: [k | q | v of the block's rows | g | beta]."""
+        return 2 * self.k_dim + self.rows + 2
+
+
+def rule_phases(lay: RuleLayout, gpu: bool):
+    """The recurrent kernels' shared phases, as macros over a block's buffers: copy the state
+    rows of (slot, head) to shared memory and back, and one token's update from its staged
+    inputs (RuleLayout.staged) into `out[tok, h, col0 + row]`."""
+    rows, parts, k_dim = lay
+    nt = lay.threads
+    span = k_dim // parts  # dims of a row a thread updates
+    stride = k_dim + 1  # padded shared row
+    vec = 4 if k_dim % 4 == 0 else 1
+    per_row = k_dim // vec
+    copies = -(-rows * per_row // nt)  # vec-wide copies a thread, to and from shared memory
+    scale = float(k_dim) ** -0.5
+    vs, gi, bi = 2 * k_dim, 2 * k_dim + rows, 2 * k_dim + rows + 1  # staged v, g, beta
+    lanes = thread_loop(nt, gpu)
+
+    @T.macro
+    def load_state(pool, slot, layer, h, col0, st):
+        for tx in lanes():
+            with T.sblock("load"):
+                T.reads()
+                T.writes()
+                reg = T.sblock_alloc_buffer((vec,), "float32", scope="local")
+                for e in T.unroll(copies):
+                    x: T.let[T.int32] = T.min(e * nt + tx, rows * per_row - 1)
+                    for i in T.vectorized(vec):
+                        reg[i] = pool[slot, layer, h, col0 + x // per_row, x % per_row * vec + i]
+                    for i in T.unroll(vec):
+                        st[x // per_row * stride + x % per_row * vec + i] = reg[i]
+
+    @T.macro
+    def store_state(pool, slot, layer, h, col0, st):
+        for tx in lanes():
+            with T.sblock("store"):
+                T.reads()
+                T.writes()
+                reg = T.sblock_alloc_buffer((vec,), "float32", scope="local")
+                for e in T.unroll(copies):
+                    x: T.let[T.int32] = e * nt + tx
+                    if x < rows * per_row:
+                        for i in T.unroll(vec):
+                            reg[i] = st[x // per_row * stride + x % per_row * vec + i]
+                        for i in T.vectorized(vec):
+                            pool[slot, layer, h, col0 + x // per_row, x % per_row * vec + i] = (
+                                reg[i]
+                            )
+
+    @T.macro
+    def token_update(st, kq, red, out, tok, h, col0):
+        # Each phase reads a thread's state words into registers before it writes any back:
+        # a word read and written in turn would get a barrier on each side (ThreadSync cannot
+        # tell that no other thread touches it), two a state element.
+        # decay the rows and take this thread's share of S k
+        for tx in lanes():
+            with T.sblock("decay"):
+                T.reads()
+                T.writes()
+                acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                sv = T.sblock_alloc_buffer((span,), "float32", scope="local")
+                r: T.let[T.int32] = tx % rows
+                d0: T.let[T.int32] = tx // rows * span
+                decay: T.let[T.float32] = T.exp(kq[gi])
+                for j in T.unroll(span):
+                    sv[j] = st[r * stride + d0 + j] * decay
+                acc[0] = T.float32(0)
+                for j in T.unroll(span):
+                    st[r * stride + d0 + j] = sv[j]
+                    acc[0] = acc[0] + sv[j] * kq[d0 + j]
+                red[tx] = acc[0]
+        # the delta update and this thread's share of S q
+        for tx in lanes():
+            with T.sblock("update"):
+                T.reads()
+                T.writes()
+                acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                sv = T.sblock_alloc_buffer((span,), "float32", scope="local")
+                r: T.let[T.int32] = tx % rows
+                d0: T.let[T.int32] = tx // rows * span
+                acc[0] = T.float32(0)
+                for p in T.unroll(parts):
+                    acc[0] = acc[0] + red[p * rows + r]
+                delta: T.let[T.float32] = (kq[vs + r] - acc[0]) * kq[bi]
+                for j in T.unroll(span):
+                    sv[j] = st[r * stride + d0 + j] + kq[d0 + j] * delta
+                acc[0] = T.float32(0)
+                for j in T.unroll(span):
+                    st[r * stride + d0 + j] = sv[j]
+                    acc[0] = acc[0] + sv[j] * kq[k_dim + d0 + j]
+                red[nt + tx] = acc[0]
+        for tx in lanes():
+            with T.sblock("emit"):
+                T.reads()
+                T.writes()
+                acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                if tx < rows:
+                    acc[0] = T.float32(0)
+                    for p in T.unroll(parts):
+                        acc[0] = acc[0] + red[nt + p * rows + tx]
+                    out[tok, h, col0 + tx] = acc[0] * T.float32(scale)
+
+    return load_state, token_update, store_state
+
+
 def gated_delta_rule(
     k_heads: int,
     v_heads: int,
@@ -140,21 +266,16 @@ def gated_delta_rule(
     walking the rows below hit 32 different banks), updated there token by token by PARTS
     threads a row (partial dot products summed through shared memory), and written back the
     same way. One sequence at the 4B shapes is 256 blocks, enough to stream its 2 MB of state
-    a layer at bandwidth. The CPU runs the same loop nest, its lanes one after another."""
+    a layer at bandwidth. The CPU runs the same loop nest, its lanes one after another.
+    Decode runs gdn_decode.decode_delta_rule, these phases behind its own input prologue;
+    this ragged kernel is the reference the chunked one is tested against."""
     group = v_heads // k_heads
-    scale = float(k_dim) ** -0.5
     gpu = target.kind.name == "cuda"
-    rows = next(r for r in (rows, 16, 8, 4, 2, 1) if v_dim % r == 0)
-    parts = parts if k_dim % parts == 0 else 1
-    nt = rows * parts
-    span = k_dim // parts  # dims of a row a thread updates
-    stride = k_dim + 1  # padded shared row
-    vec = 4 if k_dim % 4 == 0 else 1
-    per_row = k_dim // vec
-    copies = -(-rows * per_row // nt)  # vec-wide copies a thread, to and from shared memory
+    lay = RuleLayout.of(k_dim, v_dim, rows, parts)
+    rows, nt, staged = lay.rows, lay.threads, lay.staged
     tiles = v_dim // rows
     shared = "shared" if gpu else "global"
-
+    load_state, token_update, store_state = rule_phases(lay, gpu)
     grid, lanes = block_loop(gpu), thread_loop(nt, gpu)
 
     @T.prim_func(s_tir=True)
@@ -186,8 +307,8 @@ def gated_delta_rule(
             with T.sblock("delta_rule"):
                 T.reads()
                 T.writes()
-                st = T.sblock_alloc_buffer((rows * stride,), "float32", scope=shared)
-                kq = T.sblock_alloc_buffer((2 * k_dim,), "float32", scope=shared)
+                st = T.sblock_alloc_buffer((rows * (k_dim + 1),), "float32", scope=shared)
+                kq = T.sblock_alloc_buffer((staged,), "float32", scope=shared)
                 red = T.sblock_alloc_buffer((2 * nt,), "float32", scope=shared)
                 T.evaluate(wait_for_producers(gpu))  # first: schedules/pdl.py
                 T.evaluate(release_dependents(gpu))
@@ -197,89 +318,26 @@ def gated_delta_rule(
                 kh: T.let[T.int32] = h // group
                 start: T.let[T.int32] = indptr[b]
                 slot: T.let[T.int32] = slots[b]
-                for tx in lanes():
-                    with T.sblock("load"):
-                        T.reads()
-                        T.writes()
-                        reg = T.sblock_alloc_buffer((vec,), "float32", scope="local")
-                        for e in T.unroll(copies):
-                            x: T.let[T.int32] = T.min(e * nt + tx, rows * per_row - 1)
-                            for i in T.vectorized(vec):
-                                reg[i] = pool[
-                                    slot, layer, h, col0 + x // per_row, x % per_row * vec + i
-                                ]
-                            for i in T.unroll(vec):
-                                st[x // per_row * stride + x % per_row * vec + i] = reg[i]
+                load_state(pool, slot, layer, h, col0, st)
                 for t in T.serial(indptr[b + 1] - start):
                     for tx in lanes():
-                        with T.sblock("stage_kq"):
+                        with T.sblock("stage"):
                             T.reads()
                             T.writes()
-                            for e in T.serial((2 * k_dim + nt - 1) // nt):
+                            for e in T.serial((staged + nt - 1) // nt):
                                 x: T.let[T.int32] = e * nt + tx
                                 if x < k_dim:
                                     kq[x] = k[start + t, kh, x]
                                 elif x < 2 * k_dim:
                                     kq[x] = q[start + t, kh, x - k_dim]
-                    # decay the rows and take this thread's share of S k
-                    for tx in lanes():
-                        with T.sblock("decay"):
-                            T.reads()
-                            T.writes()
-                            acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                            r: T.let[T.int32] = tx % rows
-                            d0: T.let[T.int32] = tx // rows * span
-                            decay: T.let[T.float32] = T.exp(g[start + t, h])
-                            acc[0] = T.float32(0)
-                            for j in T.unroll(span):
-                                sv: T.let[T.float32] = st[r * stride + d0 + j] * decay
-                                st[r * stride + d0 + j] = sv
-                                acc[0] = acc[0] + sv * kq[d0 + j]
-                            red[tx] = acc[0]
-                    # the delta update and this thread's share of S q
-                    for tx in lanes():
-                        with T.sblock("update"):
-                            T.reads()
-                            T.writes()
-                            acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                            r: T.let[T.int32] = tx % rows
-                            d0: T.let[T.int32] = tx // rows * span
-                            acc[0] = T.float32(0)
-                            for p in T.unroll(parts):
-                                acc[0] = acc[0] + red[p * rows + r]
-                            delta: T.let[T.float32] = (
-                                v[start + t, h, col0 + r] - acc[0]
-                            ) * beta[start + t, h]
-                            acc[0] = T.float32(0)
-                            for j in T.unroll(span):
-                                sv: T.let[T.float32] = st[r * stride + d0 + j] + kq[d0 + j] * delta
-                                st[r * stride + d0 + j] = sv
-                                acc[0] = acc[0] + sv * kq[k_dim + d0 + j]
-                            red[nt + tx] = acc[0]
-                    for tx in lanes():
-                        with T.sblock("emit"):
-                            T.reads()
-                            T.writes()
-                            acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                            if tx < rows:
-                                acc[0] = T.float32(0)
-                                for p in T.unroll(parts):
-                                    acc[0] = acc[0] + red[nt + p * rows + tx]
-                                out[start + t, h, col0 + tx] = acc[0] * T.float32(scale)
-                for tx in lanes():
-                    with T.sblock("store"):
-                        T.reads()
-                        T.writes()
-                        reg = T.sblock_alloc_buffer((vec,), "float32", scope="local")
-                        for e in T.unroll(copies):
-                            x: T.let[T.int32] = e * nt + tx
-                            if x < rows * per_row:
-                                for i in T.unroll(vec):
-                                    reg[i] = st[x // per_row * stride + x % per_row * vec + i]
-                                for i in T.vectorized(vec):
-                                    pool[
-                                        slot, layer, h, col0 + x // per_row, x % per_row * vec + i
-                                    ] = reg[i]
+                                elif x < 2 * k_dim + rows:
+                                    kq[x] = v[start + t, h, col0 + x - 2 * k_dim]
+                                elif x == 2 * k_dim + rows:
+                                    kq[x] = g[start + t, h]
+                                elif x < staged:
+                                    kq[x] = beta[start + t, h]
+                    token_update(st, kq, red, out, start + t, h, col0)
+                store_state(pool, slot, layer, h, col0, st)
 
     return gdn_delta_rule
 

@@ -4,11 +4,12 @@ in_proj writes one row a token: [q | k | v | z | b | a], the first three (conv_d
 going through the causal conv1d. Relax made ~14 kernels of what is left of a layer (splits,
 casts, conv and its state move, two l2 norms, the gates, the gated norm); here it is two:
 
-- `gdn_input`: conv1d with the per-slot conv state (read and updated in place), SiLU, rounding
+- `gdn_input`: conv1d with the per-slot conv state (read only), SiLU, rounding
   to the model dtype, then q and k l2-normalised and v in fp32, and the gates
   g = -exp(A_log) * softplus(a + dt_bias) and beta = sigmoid(b): what the delta rule takes.
 - `gated_norm`: the delta rule's output rounded to the model dtype, RMSNorm over each head,
-  rounded again, times silu(z): out_proj's input.
+  rounded again, times silu(z): out_proj's input. It also moves each sequence's last conv
+  inputs into its conv state, once every kernel that reads the old state is done.
 
 Both are written once as a grid of blocks, each a set of lanes (a channel a lane), with phases
 that meet in shared memory; the CPU runs the blocks in parallel and the lanes one after another.
@@ -20,7 +21,7 @@ from tvm.script import tirx as T
 from tvm.target import Target
 from tvm.tirx import PrimFunc
 
-from .kv_cache import first_tile, seq_of_tile
+from .kv_cache import first_tile, seq_of_tile, seq_of_token
 from .loops import block_loop, thread_loop
 from .pdl import release_dependents, wait_for_producers
 
@@ -30,6 +31,13 @@ HEADS = 8  # gated_norm: (token, head) rows a block, at most
 
 def _lanes(width: int) -> int:
     return -(-width // 32) * 32  # whole warps
+
+
+def l2_parts(k_dim: int, v_dim: int) -> int:
+    """Partial sums of squares a q or k row in gdn_input's l2 norm (every parts-th value from
+    value p on, then the partials in order): gdn_decode sums in the same order, so a decode
+    row's q and k equal those of the same token in a prefill chunk."""
+    return _lanes(max(k_dim, v_dim, TILE)) // TILE
 
 
 def _row_norms(rows: int, parts: int, nt: int, lanes, finish):
@@ -75,6 +83,29 @@ def _rounded(v, dtype: str):
     bits = T.reinterpret("uint32", v)
     odd = T.shift_right(bits, T.uint32(16)) & T.uint32(1)
     return T.reinterpret("float32", (bits + T.uint32(0x7FFF) + odd) & T.uint32(0xFFFF0000))
+
+
+def beta_gate(b):
+    """beta = sigmoid(b), b read from in_proj's row."""
+    return T.float32(1) / (T.float32(1) + T.exp(-b))
+
+
+def log_decay(a, a_log, dt_bias):
+    """g = -exp(A_log) * softplus(a + dt_bias), a read from in_proj's row."""
+    s = a + dt_bias
+    return -T.exp(a_log) * T.if_then_else(
+        s > T.float32(20), s, T.log(T.float32(1) + T.exp(s))
+    )
+
+
+def conv_silu(wt, win, kernel: int, dtype: str):
+    """One channel's causal conv1d from local buffers of its fp32 weights and window (oldest
+    input first), summed in that order in every kernel that uses it, SiLU'd and rounded to
+    the model dtype as the conv's output was."""
+    acc = wt[0] * win[0]
+    for i in range(1, kernel):
+        acc = acc + wt[i] * win[i]
+    return _rounded(acc / (T.float32(1) + T.exp(-acc)), dtype)
 
 
 def gdn_input(
@@ -176,7 +207,6 @@ def gdn_input(
                         T.writes()
                         win = T.sblock_alloc_buffer((kernel,), "float32", scope="local")
                         wt = T.sblock_alloc_buffer((kernel,), "float32", scope="local")
-                        acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
                         if tx < live:
                             c: T.let[T.int32] = c0 + tx
                             for i in T.unroll(kernel):
@@ -198,24 +228,9 @@ def gdn_input(
                                     "float32",
                                     x[T.max(start + T.min(t0 + tt, length - 1), 0), c],
                                 )
-                                acc[0] = T.float32(0)
-                                for i in T.unroll(kernel):
-                                    acc[0] = acc[0] + wt[i] * win[i]
-                                # rounded to the model dtype, as the conv's output was
-                                vals[tt * nt + tx] = _rounded(
-                                    acc[0] / (T.float32(1) + T.exp(-acc[0])), dtype
-                                )
+                                vals[tt * nt + tx] = conv_silu(wt, win, kernel, dtype)
                                 for i in T.unroll(hist):
                                     win[i] = win[i + 1]
-                            if nth == 0:
-                                # ascending i reads old state at length + i >= i before it goes
-                                for i in T.serial(hist):
-                                    j: T.let[T.int32] = length - hist + i
-                                    pool[slot, layer, c, i] = T.if_then_else(
-                                        j >= 0,
-                                        x[T.min(start + T.max(j, 0), n_tok - 1), c],
-                                        pool[slot, layer, c, T.min(hist + j, hist - 1)],
-                                    )
                         else:
                             for tt in T.unroll(TILE):
                                 vals[tt * nt + tx] = T.float32(0)
@@ -242,38 +257,36 @@ def gdn_input(
                         if is_v and tx < count:
                             h: T.let[T.int32] = hd - 2 * k_heads
                             ab[0] = T.Cast("float32", x[start + t0 + tx, conv_dim + value_dim + h])
-                            ab[1] = (
-                                T.Cast(
-                                    "float32",
-                                    x[start + t0 + tx, conv_dim + value_dim + v_heads + h],
-                                )
-                                + dt_bias[h]
+                            ab[1] = T.Cast(
+                                "float32", x[start + t0 + tx, conv_dim + value_dim + v_heads + h]
                             )
-                            beta[start + t0 + tx, h] = T.float32(1) / (T.float32(1) + T.exp(-ab[0]))
-                            g[start + t0 + tx, h] = -T.exp(a_log[h]) * T.if_then_else(
-                                ab[1] > T.float32(20),
-                                ab[1],
-                                T.log(T.float32(1) + T.exp(ab[1])),
-                            )
+                            beta[start + t0 + tx, h] = beta_gate(ab[0])
+                            g[start + t0 + tx, h] = log_decay(ab[1], a_log[h], dt_bias[h])
 
     return gdn_input_fn.with_attr("global_symbol", "gdn_input")
 
 
 def gated_norm(
-    v_heads: int, v_dim: int, z_offset: int, eps: float, dtype: str, target: Target
+    v_heads: int, v_dim: int, conv_dim: int, kernel: int, eps: float, dtype: str, target: Target
 ) -> PrimFunc:
-    """(o [n_tok, hv, dv] fp32, proj [n_tok, width] (z at z_offset + h * dv), weight [dv]) ->
-    [n_tok, hv * dv]: round(round(rmsnorm(round(o)) * weight) * silu(z)), rounding to `dtype`
-    where the Relax graph did.
+    """(o [n_tok, hv, dv] fp32, proj [n_tok, width] (z at conv_dim + h * dv), weight [dv],
+    indptr, slots, conv pool, layer) -> conv pool (in place), [n_tok, hv * dv]:
+    round(round(rmsnorm(round(o)) * weight) * silu(z)), rounding to `dtype` where the Relax
+    graph did.
 
     A block owns `rows` heads of one token (a lane a channel, each lane a channel of every
     head, so a lane has that many loads in flight); each head's sum of squares is two-level
-    through shared memory like gdn_input's."""
+    through shared memory like gdn_input's. The blocks of each sequence's last token also move
+    its last kernel - 1 conv inputs into its conv state, a share of the channels each: the
+    kernels before this one (gdn_input, gdn_decode) only read the state, from many blocks."""
+    hist = kernel - 1
     rows = next(r for r in (HEADS, 4, 2, 1) if v_heads % r == 0)
     gpu = target.kind.name == "cuda"
     nt = _lanes(max(v_dim, rows))
     parts = nt // rows if nt // rows <= 16 else 16  # partial sums a head
     groups = v_heads // rows
+    share = -(-conv_dim // groups)  # conv channels a block shifts
+    per_lane = -(-share // nt)
     shared = "shared" if gpu else "global"
 
     grid, lanes = block_loop(gpu), thread_loop(nt, gpu)
@@ -282,12 +295,25 @@ def gated_norm(
     )
 
     @T.prim_func(s_tir=True)
-    def gated_norm_fn(o_h: T.handle, x_h: T.handle, w_h: T.handle, out_h: T.handle):
+    def gated_norm_fn(
+        o_h: T.handle,
+        x_h: T.handle,
+        w_h: T.handle,
+        indptr_h: T.handle,
+        slots_h: T.handle,
+        pool_h: T.handle,
+        layer: T.int32,
+        out_h: T.handle,
+    ):
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
-        n_tok, width = T.int32(), T.int32()
+        n_tok, width, n_ptr, batch = T.int32(), T.int32(), T.int32(), T.int32()
+        n_slots, n_layers = T.int32(), T.int32()
         o = T.match_buffer(o_h, (n_tok, v_heads, v_dim), "float32")
         x = T.match_buffer(x_h, (n_tok, width), dtype)
         w = T.match_buffer(w_h, (v_dim,), "float32")
+        indptr = T.match_buffer(indptr_h, (n_ptr,), "int32")
+        slots = T.match_buffer(slots_h, (batch,), "int32")
+        pool = T.match_buffer(pool_h, (n_slots, n_layers, conv_dim, hist), dtype)
         out = T.match_buffer(out_h, (n_tok, v_heads * v_dim), dtype)
         for blk in grid(n_tok * groups):
             with T.sblock("row"):
@@ -300,8 +326,34 @@ def gated_norm(
                 inv = T.sblock_alloc_buffer((rows,), "float32", scope=shared)
                 T.evaluate(wait_for_producers(gpu))  # first: schedules/pdl.py
                 T.evaluate(release_dependents(gpu))
+                lo = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                hi = T.sblock_alloc_buffer((1,), "int32", scope="local")
                 tok: T.let[T.int32] = blk // groups
                 h0: T.let[T.int32] = blk % groups * rows
+                seq_of_token(indptr, batch, tok, lo, hi)
+                if tok == indptr[lo[0] + 1] - 1:
+                    for tx in lanes():
+                        with T.sblock("conv_state"):
+                            T.reads()
+                            T.writes()
+                            # every load before any store, so a lane's loads are all in flight
+                            win = T.sblock_alloc_buffer((per_lane * hist,), dtype, scope="local")
+                            start: T.let[T.int32] = indptr[lo[0]]
+                            slot: T.let[T.int32] = slots[lo[0]]
+                            c0: T.let[T.int32] = blk % groups * share + tx
+                            for e in T.unroll(per_lane):
+                                c: T.let[T.int32] = T.min(c0 + e * nt, conv_dim - 1)
+                                for i in T.unroll(hist):
+                                    j: T.let[T.int32] = tok + 1 - start - hist + i
+                                    win[e * hist + i] = T.if_then_else(
+                                        j >= 0,
+                                        x[start + T.max(j, 0), c],
+                                        pool[slot, layer, c, T.min(hist + j, hist - 1)],
+                                    )
+                            for e in T.unroll(per_lane):
+                                if e * nt + tx < share and c0 + e * nt < conv_dim:
+                                    for i in T.unroll(hist):
+                                        pool[slot, layer, c0 + e * nt, i] = win[e * hist + i]
                 for tx in lanes():
                     with T.sblock("load"):
                         T.reads()
@@ -311,7 +363,7 @@ def gated_norm(
                             if tx < v_dim:
                                 vals[r * nt + tx] = _rounded(o[tok, h0 + r, tx], dtype)
                                 zs[r * nt + tx] = T.Cast(
-                                    "float32", x[tok, z_offset + (h0 + r) * v_dim + tx]
+                                    "float32", x[tok, conv_dim + (h0 + r) * v_dim + tx]
                                 )
                 norms(vals, part, inv)
                 for tx in lanes():

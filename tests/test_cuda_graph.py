@@ -52,7 +52,8 @@ def test_a_decode_step_is_one_graph(lowered, fn) -> None:
     # one graph per batch size: the batch is the capture key
     assert re.search(r"run_or_capture\", \(.*\), \d+, gv\d+\), ty_args", text, re.S), fn
     captured = lowered[f"{fn}_cuda_graph_capture"].script()
-    for kernel in ("take", "attn_append_kv", "attn_paged", "gdn_", "logits", "greedy_pick"):
+    kernels = ("decode_inputs", "attn_append_kv", "attn_paged", "gdn_", "logits", "greedy_pick")
+    for kernel in kernels:
         assert kernel in captured, f"{fn}: {kernel} is not in the graph"
     assert "kv_state" not in captured and "attention_kv_cache" not in captured
 
