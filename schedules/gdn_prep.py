@@ -21,7 +21,7 @@ from tvm.script import tirx as T
 from tvm.target import Target
 from tvm.tirx import PrimFunc
 
-from .kv_cache import first_tile, seq_of_tile, seq_of_token
+from .kv_cache import first_tile, seq_of_tile
 from .loops import block_loop, thread_loop
 from .pdl import release_dependents, wait_for_producers
 
@@ -276,17 +276,17 @@ def gated_norm(
 
     A block owns `rows` heads of one token (a lane a channel, each lane a channel of every
     head, so a lane has that many loads in flight); each head's sum of squares is two-level
-    through shared memory like gdn_input's. The blocks of each sequence's last token also move
-    its last kernel - 1 conv inputs into its conv state, a share of the channels each: the
-    kernels before this one (gdn_input, gdn_decode) only read the state, from many blocks."""
+    through shared memory like gdn_input's. Blocks past those move each sequence's last
+    kernel - 1 conv inputs into its conv state, a lane a channel, every load before any store:
+    the kernels before this one (gdn_input, gdn_decode) only read the state, from many blocks,
+    so it moves here, after all of them."""
     hist = kernel - 1
     rows = next(r for r in (HEADS, 4, 2, 1) if v_heads % r == 0)
     gpu = target.kind.name == "cuda"
     nt = _lanes(max(v_dim, rows))
     parts = nt // rows if nt // rows <= 16 else 16  # partial sums a head
     groups = v_heads // rows
-    share = -(-conv_dim // groups)  # conv channels a block shifts
-    per_lane = -(-share // nt)
+    shifts = -(-conv_dim // nt)  # conv-state blocks a sequence
     shared = "shared" if gpu else "global"
 
     grid, lanes = block_loop(gpu), thread_loop(nt, gpu)
@@ -315,7 +315,7 @@ def gated_norm(
         slots = T.match_buffer(slots_h, (batch,), "int32")
         pool = T.match_buffer(pool_h, (n_slots, n_layers, conv_dim, hist), dtype)
         out = T.match_buffer(out_h, (n_tok, v_heads * v_dim), dtype)
-        for blk in grid(n_tok * groups):
+        for blk in grid(n_tok * groups + batch * shifts):
             with T.sblock("row"):
                 T.reads()
                 T.writes()
@@ -326,41 +326,35 @@ def gated_norm(
                 inv = T.sblock_alloc_buffer((rows,), "float32", scope=shared)
                 T.evaluate(wait_for_producers(gpu))  # first: schedules/pdl.py
                 T.evaluate(release_dependents(gpu))
-                lo = T.sblock_alloc_buffer((1,), "int32", scope="local")
-                hi = T.sblock_alloc_buffer((1,), "int32", scope="local")
                 tok: T.let[T.int32] = blk // groups
                 h0: T.let[T.int32] = blk % groups * rows
-                seq_of_token(indptr, batch, tok, lo, hi)
-                if tok == indptr[lo[0] + 1] - 1:
-                    for tx in lanes():
-                        with T.sblock("conv_state"):
-                            T.reads()
-                            T.writes()
-                            # every load before any store, so a lane's loads are all in flight
-                            win = T.sblock_alloc_buffer((per_lane * hist,), dtype, scope="local")
-                            start: T.let[T.int32] = indptr[lo[0]]
-                            slot: T.let[T.int32] = slots[lo[0]]
-                            c0: T.let[T.int32] = blk % groups * share + tx
-                            for e in T.unroll(per_lane):
-                                c: T.let[T.int32] = T.min(c0 + e * nt, conv_dim - 1)
-                                for i in T.unroll(hist):
-                                    j: T.let[T.int32] = tok + 1 - start - hist + i
-                                    win[e * hist + i] = T.if_then_else(
-                                        j >= 0,
-                                        x[start + T.max(j, 0), c],
-                                        pool[slot, layer, c, T.min(hist + j, hist - 1)],
-                                    )
-                            for e in T.unroll(per_lane):
-                                if e * nt + tx < share and c0 + e * nt < conv_dim:
-                                    for i in T.unroll(hist):
-                                        pool[slot, layer, c0 + e * nt, i] = win[e * hist + i]
+                # a barrier may not fall inside a condition: each phase tests the block's role
+                for tx in lanes():
+                    with T.sblock("conv_state"):
+                        T.reads()
+                        T.writes()
+                        win = T.sblock_alloc_buffer((hist,), dtype, scope="local")
+                        b: T.let[T.int32] = (blk - n_tok * groups) // shifts
+                        c: T.let[T.int32] = (blk - n_tok * groups) % shifts * nt + tx
+                        if blk >= n_tok * groups and c < conv_dim:
+                            start: T.let[T.int32] = indptr[b]
+                            length: T.let[T.int32] = indptr[b + 1] - start
+                            for i in T.unroll(hist):
+                                j: T.let[T.int32] = length - hist + i
+                                win[i] = T.if_then_else(
+                                    j >= 0,
+                                    x[T.min(start + T.max(j, 0), n_tok - 1), c],
+                                    pool[slots[b], layer, c, T.min(hist + j, hist - 1)],
+                                )
+                            for i in T.unroll(hist):
+                                pool[slots[b], layer, c, i] = win[i]
                 for tx in lanes():
                     with T.sblock("load"):
                         T.reads()
                         T.writes()
                         for r in T.unroll(rows):
                             vals[r * nt + tx] = T.float32(0)
-                            if tx < v_dim:
+                            if blk < n_tok * groups and tx < v_dim:
                                 vals[r * nt + tx] = _rounded(o[tok, h0 + r, tx], dtype)
                                 zs[r * nt + tx] = T.Cast(
                                     "float32", x[tok, conv_dim + (h0 + r) * v_dim + tx]
@@ -370,7 +364,7 @@ def gated_norm(
                     with T.sblock("gate"):
                         T.reads()
                         T.writes()
-                        if tx < v_dim:
+                        if blk < n_tok * groups and tx < v_dim:
                             for r in T.unroll(rows):
                                 zf: T.let[T.float32] = zs[r * nt + tx]
                                 out[tok, (h0 + r) * v_dim + tx] = T.Cast(
