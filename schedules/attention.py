@@ -21,6 +21,7 @@ from tvm.script import tirx as T
 from tvm.target import Target
 from tvm.tirx import PrimFunc
 
+from .gdn_prep import _rounded
 from .kv_cache import PAGE_SIZE, seq_of_token
 from .loops import block_loop, thread_loop
 from .pdl import release_dependents, wait_for_producers
@@ -50,8 +51,10 @@ def paged_attention(
     split_budget: int = SPLIT_BUDGET,
 ) -> PrimFunc:
     """o[t, h] = softmax(q[t, h] . K[0..pos_t] * head_dim^-0.5) V[0..pos_t] over the pages of
-    t's sequence: (q, indptr, slots, positions, page_table, k_pool, v_pool, layer) ->
-    (o [n_tok, heads, head_dim], and two workspaces for the split pieces)."""
+    t's sequence, times its output gate: (q, indptr, slots, positions, page_table, k_pool,
+    v_pool, layer, qkv_proj's output, whose gates it reads) -> (o [n_tok, heads, head_dim],
+    and two workspaces for the split pieces). The gate is applied where o is stored (its last
+    piece merged), so the gated layer's output needs no kernel of its own."""
     if heads % kv_heads:
         raise ValueError(f"heads {heads} must be a multiple of kv_heads {kv_heads}")
     gpu = target.kind.name == "cuda"
@@ -93,6 +96,13 @@ def paged_attention(
     v_dtype = dtype if gpu else "float32"
     reg_rows = 1 if gpu else nt
 
+    def gated(gate, val, t, h, c):
+        """HF's gated attention output: round(round(o) * round(sigmoid(gate))), the gate of
+        head h beside its query in qkv_proj's row ([q_0 gate_0 q_1 gate_1 ... | k | v])."""
+        g = T.Cast("float32", gate[t, h * 2 * d + d + c])
+        sig = _rounded(T.float32(1) / (T.float32(1) + T.exp(-g)), dtype)
+        return T.Cast(dtype, _rounded(val, dtype) * sig)
+
     def dim(p, e, i):
         """Score phase: dims of slice p, interleaved so a warp's loads cover whole rows."""
         return (e * parts + p) * vec + i
@@ -131,13 +141,14 @@ def paged_attention(
         kp_h: T.handle,
         vp_h: T.handle,
         layer: T.int32,
+        gate_h: T.handle,
         o_h: T.handle,
         ws_acc_h: T.handle,
         ws_ml_h: T.handle,
     ):
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
         n_tok, n_ptr, n_seq = T.int32(), T.int32(), T.int32()
-        n_slots, width_pt = T.int32(), T.int32()
+        n_slots, width_pt, g_width = T.int32(), T.int32(), T.int32()
         n_layers, n_pages = T.int64(), T.int64()
         q = T.match_buffer(q_h, (n_tok, heads, d), dtype)
         indptr = T.match_buffer(indptr_h, (n_ptr,), "int32")
@@ -146,6 +157,7 @@ def paged_attention(
         table = T.match_buffer(table_h, (n_slots, width_pt), "int32")
         kp = T.match_buffer(kp_h, (n_layers, n_pages, kv_heads, tj, d), dtype)
         vp = T.match_buffer(vp_h, (n_layers, n_pages, kv_heads, tj, d), dtype)
+        gate = T.match_buffer(gate_h, (n_tok, g_width), dtype)
         o = T.match_buffer(o_h, (n_tok, heads, d), dtype)
         ws_acc = T.match_buffer(ws_acc_h, (ws_rows, heads, d), "float32")
         ws_ml = T.match_buffer(ws_ml_h, (ws_rows, heads, 2), "float32")
@@ -335,8 +347,8 @@ def paged_attention(
                                 for kg in T.serial(key_groups):
                                     sum_[0] += red[(kg * group + g) * d + x % d]
                                 if splits == 1:
-                                    o[t, kvh * group + g, x % d] = T.Cast(
-                                        dtype, sum_[0] / ml_sh[g * 2 + 1]
+                                    o[t, kvh * group + g, x % d] = gated(
+                                        gate, sum_[0] / ml_sh[g * 2 + 1], t, kvh * group + g, x % d
                                     )
                                 else:
                                     ws_acc[t * splits + s, kvh * group + g, x % d] = sum_[0]
@@ -393,8 +405,8 @@ def paged_attention(
                                 w: T.let[T.float32] = T.exp(m_sh[g * cols + tx] - tot[0])
                                 tot[1] += w * n_sh[g * cols + tx]
                                 tot[2] += w * d_sh[g * cols + tx]
-                            o[x // (heads * d), x // d % heads, x % d] = T.Cast(
-                                dtype, tot[1] / tot[2]
+                            o[x // (heads * d), x // d % heads, x % d] = gated(
+                                gate, tot[1] / tot[2], x // (heads * d), x // d % heads, x % d
                             )
 
     return attn_paged

@@ -1,6 +1,7 @@
-"""Tensor-core paged attention for bf16 prefill on sm_80+: the same contract as
-`attention.paged_attention` (same parameters, the same result up to bf16 rounding of the
-probabilities), for chunks of many tokens, where each K/V tile must serve many queries.
+"""Tensor-core paged attention for bf16 prefill on sm_80+: the contract of
+`attention.paged_attention` without its output gate (the same parameters but the gate's, the
+same result up to bf16 rounding of the probabilities; the output gate kernel follows it), for
+chunks of many tokens, where each K/V tile must serve many queries.
 
 A block owns `q_tokens` consecutive query tokens of one sequence and one kv head: q_tokens x
 group rows (every query head of the GQA group), one warp per 16 rows. Per tile of keys

@@ -4,8 +4,8 @@ CPU, built with the GPU kernel's thread layout (the CPU runs its lanes one after
 Edges: kv length 1, lengths at and across page boundaries, many split pieces merged (1-3
 tokens), a few pieces (16-64 tokens) and a single piece (more tokens than the split budget),
 GQA groups 1-4, head_dim 16-256, ragged prefill chunks behind earlier pages, pages scattered
-over the pool. Mutation checks show
-the comparison notices a swapped page-table entry and an off-by-one position."""
+over the pool; every output times its head's output gate. Mutation checks show the comparison
+notices a swapped page-table entry, an off-by-one position and another head's gate."""
 
 from __future__ import annotations
 
@@ -33,7 +33,8 @@ def kernels(heads: int, kv_heads: int, d: int, tile_pages: int = 2):
     return _built[key]
 
 
-def reference(q, kp, vp, table, indptr, slots, positions, layer) -> np.ndarray:
+def reference(q, kp, vp, table, indptr, slots, positions, layer, proj) -> np.ndarray:
+    """Attention times its output gate, sigmoid of head h's gate in proj [n_tok, 2 heads d]."""
     n_tok, heads, d = q.shape
     group = heads // kp.shape[2]
     out = np.zeros(q.shape)
@@ -45,7 +46,8 @@ def reference(q, kp, vp, table, indptr, slots, positions, layer) -> np.ndarray:
         for h in range(heads):
             s = ks[:, h // group].astype(np.float64) @ q[t, h] * d**-0.5
             w = np.exp(s - s.max())
-            out[t, h] = w @ vs[:, h // group] / w.sum()
+            gate = proj[t, h * 2 * d + d : (h + 1) * 2 * d].astype(np.float64)
+            out[t, h] = w @ vs[:, h // group] / w.sum() / (1 + np.exp(-gate))
     return out
 
 
@@ -73,23 +75,26 @@ def attend(heads, kv_heads, d, before, chunk, seed=0, mutate=None, tile_pages=2)
     positions = positions.astype("int32")
     n_tok = int(indptr[-1])
     q = rng.standard_normal((n_tok, heads, d)).astype("float32")
+    proj = rng.standard_normal((n_tok, 2 * heads * d + 3)).astype("float32")  # [q_h gate_h ...]
     k, v = (rng.standard_normal((n_tok, kv_heads, d)).astype("float32") for _ in range(2))
     layer = 1
     args = [tensor(indptr), tensor(slots), tensor(positions), table, kp, vp]
     app(tensor(k), tensor(v), *args, layer)
-    ref = reference(q, kp.numpy(), vp.numpy(), table.numpy(), indptr, slots, positions, layer)
+    ref = reference(q, kp.numpy(), vp.numpy(), table.numpy(), indptr, slots, positions, layer, proj)
     if mutate == "swap_pages":
         t = table.numpy()
         t[slots[0], [0, 1]] = t[slots[0], [1, 0]]
         args[3] = tensor(t)
     elif mutate == "position_off_by_one":
         args[2] = tensor(np.maximum(positions - 1, 0))
+    elif mutate == "gate_of_the_next_head":
+        proj = np.roll(proj, -2 * d, axis=1)
     out = tensor(np.zeros((n_tok, heads, d), "float32"))
     ws = (
         tensor(np.zeros((attention.SPLIT_BUDGET, heads, d), "float32")),
         tensor(np.zeros((attention.SPLIT_BUDGET, heads, 2), "float32")),
     )
-    att(tensor(q), *args, layer, out, *ws)
+    att(tensor(q), *args, layer, tensor(proj), out, *ws)
     return float(np.abs(out.numpy() - ref).max())
 
 
@@ -124,7 +129,7 @@ def test_other_tile_sizes(tile_pages):
         assert attend(8, 2, 32, before, chunk, tile_pages=tile_pages) < 2e-5
 
 
-@pytest.mark.parametrize("mutate", ["swap_pages", "position_off_by_one"])
+@pytest.mark.parametrize("mutate", ["swap_pages", "position_off_by_one", "gate_of_the_next_head"])
 def test_comparison_notices_broken_paging(mutate):
     assert attend(4, 2, 16, before=[20, 40], chunk=[3, 1], mutate=mutate) > 1e-2
 
