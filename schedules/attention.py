@@ -21,6 +21,7 @@ from tvm.script import tirx as T
 from tvm.target import Target
 from tvm.tirx import PrimFunc
 
+from .attention_prep import gated_output
 from .gdn_prep import _rounded
 from .kv_cache import PAGE_SIZE, seq_of_token
 from .loops import block_loop, thread_loop
@@ -97,11 +98,7 @@ def paged_attention(
     reg_rows = 1 if gpu else nt
 
     def gated(gate, val, t, h, c):
-        """HF's gated attention output: round(round(o) * round(sigmoid(gate))), the gate of
-        head h beside its query in qkv_proj's row ([q_0 gate_0 q_1 gate_1 ... | k | v])."""
-        g = T.Cast("float32", gate[t, h * 2 * d + d + c])
-        sig = _rounded(T.float32(1) / (T.float32(1) + T.exp(-g)), dtype)
-        return T.Cast(dtype, _rounded(val, dtype) * sig)
+        return gated_output(_rounded(val, dtype), gate, t, h, c, d, dtype)
 
     def dim(p, e, i):
         """Score phase: dims of slice p, interleaved so a warp's loads cover whole rows."""

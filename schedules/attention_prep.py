@@ -179,6 +179,15 @@ def attention_input(
     return attn_input_fn.with_attr("global_symbol", INPUT_NAME)
 
 
+def gated_output(o, proj, t, h, c, head_dim: int, dtype: str):
+    """HF's gated attention output for channel c of head h of token t: round(o *
+    round(sigmoid(gate))), o already rounded to `dtype` (fp32), the gate beside head h's query
+    in qkv_proj's row ([q_0 gate_0 q_1 gate_1 ... | k | v]). The split-KV attention applies it
+    where it stores o; the tensor-core prefill's output goes through `output_gate`."""
+    g = T.Cast("float32", proj[t, h * 2 * head_dim + head_dim + c])
+    return T.Cast(dtype, o * _rounded(T.float32(1) / (T.float32(1) + T.exp(-g)), dtype))
+
+
 def output_gate(heads: int, head_dim: int, dtype: str, target: Target) -> PrimFunc:
     """(o [n_tok, heads, d], proj [n_tok, width] (head h's gate at h * 2d + d)) ->
     [n_tok, heads * d]: round(o * round(sigmoid(gate))), rounding where HF's bf16 ops do."""
@@ -208,17 +217,8 @@ def output_gate(heads: int, head_dim: int, dtype: str, target: Target) -> PrimFu
                     h: T.let[T.int32] = i % per_tok // d
                     c: T.let[T.int32] = i % d
                     if i < n_tok * per_tok:
-                        out[tok, h * d + c] = T.Cast(
-                            dtype,
-                            T.Cast("float32", o[tok, h, c])
-                            * _rounded(
-                                T.float32(1)
-                                / (
-                                    T.float32(1)
-                                    + T.exp(-T.Cast("float32", x[tok, h * 2 * d + d + c]))
-                                ),
-                                dtype,
-                            ),
+                        out[tok, h * d + c] = gated_output(
+                            T.Cast("float32", o[tok, h, c]), x, tok, h, c, d, dtype
                         )
 
     return output_gate_fn.with_attr("global_symbol", GATE_NAME)

@@ -142,9 +142,17 @@ class RuleLayout(NamedTuple):
         return self.rows * self.parts
 
     @property
+    def v_at(self) -> int:
+        """Where a token's staged inputs, [k | q | v of the block's rows | g | beta], hold v."""
+        return 2 * self.k_dim
+
+    @property
+    def g_at(self) -> int:
+        return self.v_at + self.rows
+
+    @property
     def staged(self) -> int:
-        """A token's inputs in shared memory: [k | q | v of the block's rows | g | beta]."""
-        return 2 * self.k_dim + self.rows + 2
+        return self.g_at + 2  # g, then beta
 
 
 def rule_phases(lay: RuleLayout, gpu: bool):
@@ -159,7 +167,7 @@ def rule_phases(lay: RuleLayout, gpu: bool):
     per_row = k_dim // vec
     copies = -(-rows * per_row // nt)  # vec-wide copies a thread, to and from shared memory
     scale = float(k_dim) ** -0.5
-    vs, gi, bi = 2 * k_dim, 2 * k_dim + rows, 2 * k_dim + rows + 1  # staged v, g, beta
+    vs, gi, bi = lay.v_at, lay.g_at, lay.g_at + 1  # staged v, g, beta
     lanes = thread_loop(nt, gpu)
 
     @T.macro
@@ -273,6 +281,7 @@ def gated_delta_rule(
     gpu = target.kind.name == "cuda"
     lay = RuleLayout.of(k_dim, v_dim, rows, parts)
     rows, nt, staged = lay.rows, lay.threads, lay.staged
+    v_at, g_at = lay.v_at, lay.g_at
     tiles = v_dim // rows
     shared = "shared" if gpu else "global"
     load_state, token_update, store_state = rule_phases(lay, gpu)
@@ -328,11 +337,11 @@ def gated_delta_rule(
                                 x: T.let[T.int32] = e * nt + tx
                                 if x < k_dim:
                                     kq[x] = k[start + t, kh, x]
-                                elif x < 2 * k_dim:
+                                elif x < v_at:
                                     kq[x] = q[start + t, kh, x - k_dim]
-                                elif x < 2 * k_dim + rows:
-                                    kq[x] = v[start + t, h, col0 + x - 2 * k_dim]
-                                elif x == 2 * k_dim + rows:
+                                elif x < g_at:
+                                    kq[x] = v[start + t, h, col0 + x - v_at]
+                                elif x == g_at:
                                     kq[x] = g[start + t, h]
                                 elif x < staged:
                                     kq[x] = beta[start + t, h]

@@ -47,7 +47,7 @@ def decode_delta_rule(
     gpu = target.kind.name == "cuda"
     lay = RuleLayout.of(k_dim, v_dim, rows, parts)
     rows, nt, staged = lay.rows, lay.threads, lay.staged
-    made = 2 * k_dim + rows  # conv channels a block makes: its k, q and value columns
+    made = lay.g_at  # conv channels a block makes: its k, q and value columns, staged first
     tiles = v_dim // rows
     np_ = l2_parts(k_dim, v_dim)
     shared = "shared" if gpu else "global"
