@@ -156,8 +156,8 @@ class GatedAttention(nn.Module):
             inplace_indices=[8, 9, -1],
             out=[kv.k_pool, kv.v_pool, Tensor.placeholder((n_tok, nh, d), self.dtype)],
         )
-        tensor_cores = prefill and target.kind.name == "cuda" and self.dtype == "bfloat16"
-        tensor_cores = tensor_cores and d % 64 == 0
+        cuda_bf16 = target.kind.name == "cuda" and self.dtype == "bfloat16"
+        tensor_cores = prefill and cuda_bf16 and d % 64 == 0
         inputs = [q, indptr, slots, positions, kv.page_table, k_pool, v_pool, layer]
         if tensor_cores:
             kernel, name = attention_prefill.paged_prefill_mma(nh, nkv, d, target), "attn_prefill"
@@ -221,12 +221,12 @@ class GatedDeltaNet(nn.Module):
         target = Target.current()
         proj = self.in_proj(x)  # [q k v | z | b | a], read in place by the kernels below
         kernel = cfg.linear_conv_kernel_dim
-        state = [self.conv_weight, self.A_log, self.dt_bias]
+        conv_and_gates = [self.conv_weight, self.A_log, self.dt_bias]
         if chunked:  # bf16 on CUDA: the tensor-core kernel (bf16 operands, fp32 state)
             q, k, v, g, beta = op.tensor_ir_op(
                 gdn_prep.gdn_input(hk, hv, dk, dv, kernel, self.dtype, target),
                 "gdn_input",
-                [proj, *state, indptr, slots, conv_pool, layer],
+                [proj, *conv_and_gates, indptr, slots, conv_pool, layer],
                 out=[
                     Tensor.placeholder((n_tok, hk, dk), F32),
                     Tensor.placeholder((n_tok, hk, dk), F32),
@@ -246,7 +246,7 @@ class GatedDeltaNet(nn.Module):
             rec_pool, o = op.tensor_ir_inplace_op(
                 gdn_decode.decode_delta_rule(hk, hv, dk, dv, kernel, self.dtype, target),
                 "gdn_delta_rule_decode",
-                [proj, *state, slots, conv_pool, rec_pool, layer],
+                [proj, *conv_and_gates, slots, conv_pool, rec_pool, layer],
                 inplace_indices=[6, -1],
                 out=[rec_pool, Tensor.placeholder((n_tok, hv, dv), F32)],
             )

@@ -118,16 +118,15 @@ def gdn_input(
     target: Target,
 ) -> PrimFunc:
     """(proj [n_tok, conv_dim + value_dim + 2 hv], conv weight [conv_dim, kernel], A_log [hv],
-    dt_bias [hv], indptr, slots, conv pool, layer) -> conv pool (in place), q and k [n_tok, hk,
-    dk], v [n_tok, hv, dv], g and beta [n_tok, hv], all fp32.
+    dt_bias [hv], indptr, slots, conv pool (read only: gated_norm moves it on), layer) -> q and k
+    [n_tok, hk, dk], v [n_tok, hv, dv], g and beta [n_tok, hv], all fp32.
 
     A block owns up to TILE consecutive tokens of one sequence and one head of q, k or v; a
     lane owns a channel and slides the conv window over the tile's tokens in registers. The
     tiles of sequence b are numbered from indptr[b] // TILE + b on, which leaves room for every
     sequence's ceil(length / TILE) tiles (and one for an empty sequence) in n_tok // TILE +
-    batch blocks a head. Only a sequence's first tile reads its conv state (TILE >= history),
-    so the lane that read a channel's old state is the one that writes its new state: no
-    second pass. The l2 norm of a tile's tokens is one two-level sum through shared memory."""
+    batch blocks a head. Only a sequence's first tile reads its conv state (TILE >= history).
+    The l2 norm of a tile's tokens is one two-level sum through shared memory."""
     hist = kernel - 1
     assert hist <= TILE, "a sequence's first tile must hold every token that reads the state"
     key_dim, value_dim = k_heads * k_dim, v_heads * v_dim
