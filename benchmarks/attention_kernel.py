@@ -11,7 +11,8 @@ of calls (how the decode step runs it: no host launch gaps) and from its kernels
 Prefill: a fresh causal prompt (or 16 ragged ones) attending to itself through the pages. torch
 runs SDPA on contiguous K/V in the same run (GQA expanded): its default backend, whose kernels
 are recorded, and its FlashAttention-2 backend forced. Every case is also checked against
-SDPA's output (max |Δ|). JSON: DIR/attention_bench_result.json and, with --out, a copy there.
+SDPA's output times random output gates (max |Δ|). JSON: DIR/attention_bench_result.json and,
+with --out, a copy there.
 """
 
 from __future__ import annotations
@@ -99,8 +100,12 @@ def make_case(torch, lengths: list[int], queries: list[int], seed: int = 0) -> d
     indptr[1:] = torch.cumsum(torch.tensor(queries), 0)
     n_tok = int(indptr[-1])
     q = torch.randn(n_tok, HEADS, HEAD_DIM, device="cuda", generator=gen, dtype=torch.bfloat16)
+    # qkv_proj's rows, [q_0 gate_0 q_1 gate_1 ... | k | v]: the kernels read the gates there
+    proj = torch.randn(n_tok, (2 * HEADS + 2 * KV_HEADS) * HEAD_DIM, device="cuda",
+                       generator=gen, dtype=torch.bfloat16)  # fmt: skip
     return {
         "q": q,
+        "proj": proj,
         "indptr": indptr.to("cuda"),
         "slots": torch.arange(len(lengths), dtype=torch.int32, device="cuda"),
         "positions": positions.to(torch.int32).to("cuda"),
@@ -184,19 +189,21 @@ def graph_time(torch, fn, calls: int = 10) -> float | None:
     return cuda_time(torch, graph.replay, iters=10) / calls
 
 
-def time_case(torch, tvm, attend, x: dict, ref, bw: float, ws_rows: int, gated: bool) -> dict:
-    """One kernel on one case: time, error against SDPA, share of the copy bandwidth. The
-    split-KV kernel (`gated`) also applies the layer's output gate: here a gate of +30, whose
-    sigmoid rounds to 1, so its output is SDPA's."""
+def gated(torch, o, proj):
+    """HF's gated attention output: round(o * round(sigmoid(gate))), head h's gate beside its
+    query in qkv_proj's row."""
+    gate = proj[:, : 2 * HEADS * HEAD_DIM].reshape(-1, HEADS, 2, HEAD_DIM)[:, :, 1]
+    return (o.bfloat16().float() * torch.sigmoid(gate.float()).bfloat16().float()).bfloat16()
+
+
+def time_case(torch, tvm, attend, x: dict, ref, bw: float, ws_rows: int) -> dict:
+    """One kernel on one case: time, error against SDPA's output times the layer's output gate
+    (random gates: both kernels apply it where they store o), share of the copy bandwidth."""
     o = torch.empty_like(x["q"])
     ws = torch.empty(ws_rows, HEADS, HEAD_DIM, device="cuda")  # the kernel's split budget
     ml = torch.empty(ws_rows, HEADS, 2, device="cuda")
     names = ("q", "indptr", "slots", "positions", "table", "kp", "vp")
-    args = [tvm.runtime.from_dlpack(x[k]) for k in names] + [0]
-    if gated:
-        n_tok = x["q"].shape[0]
-        gate = torch.full((n_tok, 2 * HEADS * HEAD_DIM), 30.0, device="cuda", dtype=x["q"].dtype)
-        args.append(tvm.runtime.from_dlpack(gate))
+    args = [tvm.runtime.from_dlpack(x[k]) for k in names] + [0, tvm.runtime.from_dlpack(x["proj"])]
     args += [tvm.runtime.from_dlpack(t) for t in (o, ws, ml)]
     attend(*args)
     torch.cuda.synchronize()
@@ -216,7 +223,7 @@ def time_case(torch, tvm, attend, x: dict, ref, bw: float, ws_rows: int, gated: 
         # inside the decode step's CUDA graph the kernels run back to back: no launch gaps
         "gpu_us": sum(kernels.values()),
         "copy_bw_fraction_gpu": kv_bytes / (sum(kernels.values()) * 1e-6) / bw,
-        "max_abs_diff": (o.float() - ref.float()).abs().max().item(),
+        "max_abs_diff": (o.float() - gated(torch, ref, x["proj"]).float()).abs().max().item(),
         "kv_bytes": kv_bytes,
         "copy_bw_fraction": kv_bytes / (us * 1e-6) / bw,
         "tokens": x["q"].shape[0],
@@ -264,7 +271,7 @@ def run(out_dir: Path, results: Path | None) -> None:
             row = {"kind": kind, "case": name, "kernel": tp}
             try:
                 budget = DECODE_VARIANTS.get(tp, (0, 128))[1]
-                row.update(time_case(torch, tvm, attend, x, ref, bw, budget, kind == "decode"))
+                row.update(time_case(torch, tvm, attend, x, ref, bw, budget))
                 if sdpa_us is not None:
                     row["sdpa_us"] = sdpa_us
                     row["speed_vs_sdpa"] = sdpa_us / row["us"]

@@ -6,8 +6,9 @@
 ARTIFACT_DIR is an artifact with weights (engine_throughput.py leaves one per variant in its
 WORK dir). Each batch size gets that many sequences of `context` random tokens, prefilled,
 then `steps` decode steps run under torch.profiler, which records every TVM kernel through
-CUPTI, inside CUDA graphs too. Kernels are grouped by name: calls and µs per step, share of
-the step. The step's roofline (weights once, each sequence's GDN state read and written and
+CUPTI, inside CUDA graphs too. Kernels are grouped by name: calls per step, the µs each adds
+to the step's span (its end past the latest end before it) and that share of the span, and
+their CUPTI µs. The step's roofline (weights once, each sequence's GDN state read and written and
 its K/V read, over the copy bandwidth of the same run) heads each table. The prefill of one
 `context`-token prompt gets the same table. JSON: stdout and, with --out, profile_step.json.
 
@@ -43,6 +44,20 @@ def idle_gaps(spans: list[tuple[float, float, str]], top: int = 12) -> dict:
         "idle_us": round(sum(g for g, _, _ in gaps), 1),
         "gaps": [{"us": round(g, 1), "after": a[:60], "before": b[:60]} for g, a, b in gaps[:top]],
     }
+
+
+def added_time(calls_spans: list[list[tuple[float, float, str]]], repeats: int) -> dict:
+    """µs each kernel adds to its call's span, a call on average: how far its end passes the
+    latest end before it (spans sorted by start). Under dependent launch a kernel's CUPTI time
+    includes its wait for the one before; this counts only what it adds, and the kernels' sums
+    plus the idle gaps make the span."""
+    added: dict[str, float] = defaultdict(float)
+    for spans in calls_spans:
+        end = spans[0][0]
+        for _, stop, name in spans:
+            added[name] += max(0.0, stop - end) / repeats
+            end = max(end, stop)
+    return added
 
 
 CALL = "profiled call"  # the record_function range around each call of the profiled function
@@ -94,14 +109,16 @@ def kernel_table(
     per = len(spans) // repeats
     calls_spans = [spans[i * per : (i + 1) * per] for i in range(repeats)]
     span = sum(max(e for _, e, _ in c) - c[0][0] for c in calls_spans) / repeats
+    added = added_time(calls_spans, repeats)
     rows = [
         {
             "kernel": name[:100],
             "calls": calls[name] / repeats,
             "us": round(t, 2),
-            "share": round(t / total, 4),
+            "added_us": round(added[name], 2),
+            "share": round(added[name] / span, 4),
         }
-        for name, t in sorted(us.items(), key=lambda kv: -kv[1])
+        for name, t in sorted(us.items(), key=lambda kv: -added[kv[0]])
     ]
     idle = idle_gaps(calls_spans[-1])
     if host:
@@ -129,9 +146,11 @@ def print_table(title: str, rows: list[dict], total_us: float, span_us: float, t
     kernels = sum(r["calls"] for r in rows)
     print(f"\n### {title}: {span_us:.0f} µs from first kernel to last ({total_us:.0f} µs summed)"
           f", {kernels:.0f} kernels\n")  # fmt: skip
-    print("| kernel | calls | µs | share |\n|---|---|---|---|")
+    print("| kernel | calls | µs added to the span | share of the span | CUPTI µs |")
+    print("|---|---|---|---|---|")
     for r in rows[:top]:
-        print(f"| {r['kernel']} | {r['calls']:g} | {r['us']:.1f} | {100 * r['share']:.1f}% |")
+        print(f"| {r['kernel']} | {r['calls']:g} | {r['added_us']:.1f} | {100 * r['share']:.1f}%"
+              f" | {r['us']:.1f} |")  # fmt: skip
 
 
 def main() -> None:

@@ -158,32 +158,22 @@ class GatedAttention(nn.Module):
         )
         cuda_bf16 = target.kind.name == "cuda" and self.dtype == "bfloat16"
         tensor_cores = prefill and cuda_bf16 and d % 64 == 0
-        inputs = [q, indptr, slots, positions, kv.page_table, k_pool, v_pool, layer]
         if tensor_cores:
             kernel, name = attention_prefill.paged_prefill_mma(nh, nkv, d, target), "attn_prefill"
-        else:  # the split-KV kernel applies the output gate itself
+        else:
             kernel, name = attention.paged_attention(nh, nkv, d, self.dtype, target), "attn_paged"
-            inputs.append(proj)
         o, _, _ = op.tensor_ir_op(
             kernel,
             name,
-            inputs,
+            # both kernels read the output gate from proj and apply it where they store o
+            [q, indptr, slots, positions, kv.page_table, k_pool, v_pool, layer, proj],
             out=[
                 Tensor.placeholder((n_tok, nh, d), self.dtype),
                 Tensor.placeholder((attention.SPLIT_BUDGET, nh, d), F32),
                 Tensor.placeholder((attention.SPLIT_BUDGET, nh, 2), F32),
             ],
         )
-        if tensor_cores:
-            o = op.tensor_ir_op(
-                attention_prep.output_gate(nh, d, self.dtype, target),
-                attention_prep.GATE_NAME,
-                [o, proj],
-                out=Tensor.placeholder((n_tok, nh * d), self.dtype),
-            )
-        else:
-            o = op.reshape(o, (n_tok, nh * d))
-        return self.o_proj(o), KVCache(k_pool, v_pool, kv.page_table)
+        return self.o_proj(op.reshape(o, (n_tok, nh * d))), KVCache(k_pool, v_pool, kv.page_table)
 
 
 class GatedDeltaNet(nn.Module):

@@ -1,7 +1,7 @@
 """Tensor-core paged attention for bf16 prefill on sm_80+: the contract of
-`attention.paged_attention` without its output gate (the same parameters but the gate's, the
-same result up to bf16 rounding of the probabilities; the output gate kernel follows it), for
-chunks of many tokens, where each K/V tile must serve many queries.
+`attention.paged_attention` (the same parameters, output gate included, and the same result up
+to bf16 rounding of the probabilities), for chunks of many tokens, where each K/V tile must
+serve many queries.
 
 A block owns `q_tokens` consecutive query tokens of one sequence and one kv head: q_tokens x
 group rows (every query head of the GQA group), one warp per 16 rows. Per tile of keys
@@ -16,6 +16,10 @@ group rows (every query head of the GQA group), one warp per 16 rows. Per tile o
 4. P, rounded to bf16 in place, is already laid out as mma's A fragment, so
    O = alpha O + P V follows on tensor cores without touching shared memory.
 
+At the end o, rounded, is staged in Q's shared rows, so that the output gate's loads (from
+qkv_proj's row) and o's stores are whole 16-byte chunks; an mma accumulator's lanes hold 4
+bytes of each of 8 rows.
+
 One barrier a tile. Shared rows XOR their 16-byte chunk with row % 8 (ldmatrix reads 8 rows
 at one chunk: 8 different banks). The query tiles of a ragged batch are numbered
 sequence after sequence, at most one unused number a sequence (those blocks exit at once); the
@@ -28,6 +32,7 @@ from tvm.script import tirx as T
 from tvm.target import Target
 from tvm.tirx import PrimFunc
 
+from .attention_prep import gate_product
 from .kv_cache import PAGE_SIZE, first_tile
 from .matmul import acc_coords, ldmatrix_a_coords, ldmatrix_b_coords
 from .pdl import release_dependents, wait_for_producers
@@ -138,6 +143,7 @@ def paged_prefill_mma(
         kp_h: T.handle,
         vp_h: T.handle,
         layer: T.int32,
+        gate_h: T.handle,
         o_h: T.handle,
         ws_acc_h: T.handle,
         ws_ml_h: T.handle,
@@ -153,6 +159,8 @@ def paged_prefill_mma(
         table = T.match_buffer(table_h, (n_slots, width_pt), "int32")
         kp = T.match_buffer(kp_h, (n_layers, n_pages, kv_heads, PAGE_SIZE, d), DTYPE)
         vp = T.match_buffer(vp_h, (n_layers, n_pages, kv_heads, PAGE_SIZE, d), DTYPE)
+        # qkv_proj's rows, whose width is static so that a gate chunk is one 16-byte load
+        gate = T.match_buffer(gate_h, (n_tok, (2 * heads + 2 * kv_heads) * d), DTYPE)
         o = T.match_buffer(o_h, (n_tok, heads, d), DTYPE)
         T.match_buffer(ws_acc_h, (ws_rows, heads, d), "float32")  # unused: one piece
         T.match_buffer(ws_ml_h, (ws_rows, heads, 2), "float32")
@@ -178,6 +186,8 @@ def paged_prefill_mma(
                     m_run = T.sblock_alloc_buffer((2,), "float32", scope="local")
                     l_run = T.sblock_alloc_buffer((2,), "float32", scope="local")
                     m_new = T.sblock_alloc_buffer((2,), "float32", scope="local")
+                    o_vec = T.sblock_alloc_buffer((8,), DTYPE, scope="local")
+                    g_vec = T.sblock_alloc_buffer((8,), DTYPE, scope="local")
                     cnt_sh = T.sblock_alloc_buffer((nt // 32,), "int32", scope=sh)
                     T.evaluate(wait_for_producers(True))  # first: schedules/pdl.py
                     T.evaluate(release_dependents(True))
@@ -295,13 +305,33 @@ def paged_prefill_mma(
                     for hr in T.unroll(2):
                         for sh_ in T.unroll(2):
                             l_run[hr] = l_run[hr] + _lane_xor(l_run[hr], 1 << sh_)
+                    # 5. o, rounded, goes through this warp's rows of q_sh (Q's copies have
+                    # all landed: with no tile, they are waited for here) so that the gate's
+                    # loads and o's stores move whole 16-byte chunks
+                    T.evaluate(T.ptx["cp.async.wait_group"](0))
+                    T.tvm_storage_sync("shared.dyn")
                     for nt8 in T.unroll(d_tiles):
                         for e in T.unroll(4):
                             er, ec = T.meta_var(acc_coords(lane, e))
-                            r: T.let[T.int32] = warp * 16 + er
-                            if found and r // group < n_q:
-                                o[t0 + r // group, kvh * group + r % group, nt8 * 8 + ec] = (
-                                    T.Cast(DTYPE, o_acc[nt8 * 4 + e] / l_run[e // 2])
+                            q_sh[_at(warp * 16 + er, nt8, dch) + ec] = T.Cast(
+                                DTYPE, o_acc[nt8 * 4 + e] / l_run[e // 2]
+                            )
+                    T.tvm_storage_sync("shared.dyn")
+                    for it in T.unroll(rows * dch // nt):
+                        x: T.let[T.int32] = it * nt + tx
+                        r: T.let[T.int32] = x // dch
+                        c: T.let[T.int32] = x % dch * 8
+                        hd: T.let[T.int32] = kvh * group + r % group
+                        if found and r // group < n_q:
+                            for v in T.vectorized(8):
+                                o_vec[v] = q_sh[_at(r, x % dch, dch) + v]
+                            for v in T.vectorized(8):
+                                g_vec[v] = gate[t0 + r // group, hd * 2 * d + d + c + v]
+                            for v in T.unroll(8):
+                                o_vec[v] = gate_product(
+                                    T.Cast("float32", o_vec[v]), T.Cast("float32", g_vec[v]), DTYPE
                                 )
+                            for v in T.vectorized(8):
+                                o[t0 + r // group, hd, c + v] = o_vec[v]
 
     return attn_prefill_mma

@@ -4,13 +4,14 @@ in place.
 qkv_proj writes one row a token: [q_0 | gate_0 | q_1 | gate_1 | ... | k | v] (Qwen3.5's q_proj
 interleaves each head's query and output gate). Relax made ~12 kernels of what sits around the
 attention kernels (splits, two RMSNorms, cos, sin, the two rotations, the K/V append, the gate);
-here it is two:
+here it is one kernel and a formula:
 
 - `attention_input`: q and k RMSNorm (fp32 inside, rounded to the model dtype as the norm
   kernel's output was), RoPE on the first `rotary_dim` dims (neox halves, cos/sin in fp32 from
   positions x inv_freq, rounded once at the store), q written for the attention kernels, k and
   v written straight into their pages (what kv_cache.append_kv did).
-- `output_gate`: round(o * round(sigmoid(gate))), o_proj's input.
+- `gated_output`: round(o * round(sigmoid(gate))), o_proj's input, which both attention
+  kernels apply where they store o.
 
 Written once as a grid of blocks, each a set of lanes (a channel a lane) with phases that meet
 in shared memory; the CPU runs the blocks in parallel and the lanes one after another.
@@ -28,10 +29,8 @@ from .kv_cache import PAGE_SIZE, seq_of_token
 from .loops import block_loop, thread_loop
 from .pdl import release_dependents, wait_for_producers
 
-GATE_LANES = 256  # output_gate: elements a block
 # the input kernel's name keeps "attn_append_kv": it is the layer's K/V append now
 INPUT_NAME = "attn_append_kv_qk_norm_rope"
-GATE_NAME = "attn_output_gate"
 
 
 def inv_freq(rotary_dim: int, theta: float) -> np.ndarray:
@@ -179,46 +178,13 @@ def attention_input(
     return attn_input_fn.with_attr("global_symbol", INPUT_NAME)
 
 
-def gated_output(o, proj, t, h, c, head_dim: int, dtype: str):
-    """HF's gated attention output for channel c of head h of token t: round(o *
-    round(sigmoid(gate))), o already rounded to `dtype` (fp32), the gate beside head h's query
-    in qkv_proj's row ([q_0 gate_0 q_1 gate_1 ... | k | v]). The split-KV attention applies it
-    where it stores o; the tensor-core prefill's output goes through `output_gate`."""
-    g = T.Cast("float32", proj[t, h * 2 * head_dim + head_dim + c])
+def gate_product(o, g, dtype: str):
+    """HF's gated attention output from o (fp32, already rounded to `dtype`) and its gate g
+    (fp32): round(o * round(sigmoid(g)))."""
     return T.Cast(dtype, o * _rounded(T.float32(1) / (T.float32(1) + T.exp(-g)), dtype))
 
 
-def output_gate(heads: int, head_dim: int, dtype: str, target: Target) -> PrimFunc:
-    """(o [n_tok, heads, d], proj [n_tok, width] (head h's gate at h * 2d + d)) ->
-    [n_tok, heads * d]: round(o * round(sigmoid(gate))), rounding where HF's bf16 ops do."""
-    d = head_dim
-    per_tok = heads * d
-    gpu = target.kind.name == "cuda"
-    nt = GATE_LANES
-
-    grid, lanes = block_loop(gpu), thread_loop(nt, gpu)
-
-    @T.prim_func(s_tir=True)
-    def output_gate_fn(o_h: T.handle, x_h: T.handle, out_h: T.handle):
-        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
-        n_tok, width = T.int32(), T.int32()
-        o = T.match_buffer(o_h, (n_tok, heads, d), dtype)
-        x = T.match_buffer(x_h, (n_tok, width), dtype)
-        out = T.match_buffer(out_h, (n_tok, per_tok), dtype)
-        for blk in grid((n_tok * per_tok + nt - 1) // nt):
-            for tx in lanes():
-                with T.sblock("gate"):
-                    T.reads()
-                    T.writes()
-                    T.evaluate(wait_for_producers(gpu))  # first: schedules/pdl.py
-                    T.evaluate(release_dependents(gpu))
-                    i: T.let[T.int32] = blk * nt + tx
-                    tok: T.let[T.int32] = i // per_tok
-                    h: T.let[T.int32] = i % per_tok // d
-                    c: T.let[T.int32] = i % d
-                    if i < n_tok * per_tok:
-                        out[tok, h * d + c] = gated_output(
-                            T.Cast("float32", o[tok, h, c]), x, tok, h, c, d, dtype
-                        )
-
-    return output_gate_fn.with_attr("global_symbol", GATE_NAME)
+def gated_output(o, proj, t, h, c, head_dim: int, dtype: str):
+    """`gate_product` for channel c of head h of token t, its gate read beside head h's query
+    in qkv_proj's row ([q_0 gate_0 q_1 gate_1 ... | k | v])."""
+    return gate_product(o, T.Cast("float32", proj[t, h * 2 * head_dim + head_dim + c]), dtype)

@@ -1,4 +1,4 @@
-"""schedules/attention_prep.py's two kernels against numpy, on the CPU (the GPU kernels' loop
+"""schedules/attention_prep.py's input kernel against numpy, on the CPU (the GPU kernels' loop
 nests run serially), in float32 and bfloat16, and compiled for CUDA.
 
 attention_input: ragged batches (an empty sequence, one token, tokens spanning pages), positions
@@ -14,13 +14,7 @@ import pytest
 import tvm
 from tvm.target import Target
 
-from qwen35_tvm.schedules.attention_prep import (
-    GATE_NAME,
-    INPUT_NAME,
-    attention_input,
-    inv_freq,
-    output_gate,
-)
+from qwen35_tvm.schedules.attention_prep import INPUT_NAME, attention_input, inv_freq
 from qwen35_tvm.schedules.kv_cache import PAGE_SIZE
 
 LLVM = Target("llvm")
@@ -167,30 +161,6 @@ def test_input_catches_swapped_norm_weights_and_a_wrong_rotation() -> None:
     assert np.abs(q - backwards).max() > 0.1
 
 
-def gate_reference(o: np.ndarray, x: np.ndarray, dtype: str) -> np.ndarray:
-    n, heads, d = o.shape
-    gate = x[:, : 2 * heads * d].astype(np.float64).reshape(n, heads, 2 * d)[..., d:]
-    sig = _round(1 / (1 + np.exp(-gate)), dtype)
-    return _round(o.astype(np.float64) * sig, dtype).reshape(n, heads * d)
-
-
-@pytest.mark.parametrize("dtype, tol", [("float32", 1e-6), ("bfloat16", 8e-3)])
-@pytest.mark.parametrize("n, heads, d", [(1, 4, 32), (5, 6, 40), (3, 16, 256), (2, 3, 7)])
-def test_output_gate(n: int, heads: int, d: int, dtype: str, tol: float) -> None:
-    rng = np.random.default_rng(heads * d)
-    o = (rng.normal(size=(n, heads, d)) * 3).astype(_np(dtype))
-    x = (rng.normal(size=(n, (2 * heads + 4) * d)) * 4).astype(_np(dtype))
-    lib = _compile(("gate", heads, d, dtype), output_gate(heads, d, dtype, LLVM))
-    out = tvm.runtime.tensor(np.full((n, heads * d), np.nan, _np(dtype)))
-    lib[GATE_NAME](tvm.runtime.tensor(o), tvm.runtime.tensor(x), out)
-    got = out.numpy().astype(np.float64)
-    ref = gate_reference(o, x, dtype)
-    assert np.abs(got - ref).max() <= tol * max(1.0, np.abs(ref).max())
-    # mutation: the query half of q_proj's row taken as the gate is noticed
-    bad = gate_reference(o, np.roll(x, -d, axis=1), dtype)
-    assert np.abs(got - bad).max() > 0.1
-
-
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_compile_for_cuda(dtype: str) -> None:
     from qwen35_tvm.compile.cuda_toolchain import prepare_cuda_codegen
@@ -198,7 +168,6 @@ def test_compile_for_cuda(dtype: str) -> None:
     prepare_cuda_codegen(["sm_80"])
     cuda = Target({"kind": "cuda", "arch": "sm_80"}, host="llvm")
     for func in (attention_input(16, 4, 256, 64, EPS, dtype, cuda),
-                 attention_input(6, 2, 40, 10, EPS, dtype, cuda),
-                 output_gate(16, 256, dtype, cuda)):  # fmt: skip
+                 attention_input(6, 2, 40, 10, EPS, dtype, cuda)):  # fmt: skip
         lib = tvm.compile(tvm.IRModule({"main": func}), target=cuda)
         assert [m.is_runnable() for m in lib.mod.imports if m.kind == "cuda"] == [True]
