@@ -19,8 +19,9 @@ from ..schedules.kv_cache import PAGE_SIZE
 from .config import ModelConfig
 from .convert import convert_weights, log, write_meta
 from .cuda_toolchain import prepare_cuda_codegen
+from .exports import export_spec, mark_decode_for_cuda_graph
 from .hf_folder import HFModelFolder, resolve_model
-from .model import Qwen35LM, export_spec, mark_decode_for_cuda_graph
+from .model import Qwen35LM
 from .pipeline import relax_pipeline, tir_pipeline
 from .targets import make_target
 from .tokenizer_build import chat_template_of, decodable_width, resolve_tokenizer

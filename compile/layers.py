@@ -200,9 +200,11 @@ class GatedDeltaNet(nn.Module):
         conv_pool: Tensor,
         rec_pool: Tensor,
         chunked: bool,
+        wide: bool = False,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """`chunked` picks the chunkwise-parallel delta rule (prefill) over the recurrent one
-        (decode); both read and update the same state."""
+        (decode); both read and update the same state. `wide`: decode_wide's step, whose
+        recurrent kernel takes gdn_decode.WIDE_LAYOUT."""
         cfg = self.cfg
         n_tok = x.shape[0]
         hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
@@ -233,9 +235,13 @@ class GatedDeltaNet(nn.Module):
                 out=[rec_pool, Tensor.placeholder((n_tok, hv, dv), F32)],
             )
         else:  # one token a sequence: its conv, norms and gates inside the recurrent kernel
+            rule = gdn_decode.decode_delta_rule(
+                hk, hv, dk, dv, kernel, self.dtype, target,
+                **(gdn_decode.WIDE_LAYOUT if wide else {}),
+            )  # fmt: skip
             rec_pool, o = op.tensor_ir_inplace_op(
-                gdn_decode.decode_delta_rule(hk, hv, dk, dv, kernel, self.dtype, target),
-                "gdn_delta_rule_decode",
+                rule,
+                rule.attrs["global_symbol"],
                 [proj, *conv_and_gates, slots, conv_pool, rec_pool, layer],
                 inplace_indices=[6, -1],
                 out=[rec_pool, Tensor.placeholder((n_tok, hv, dv), F32)],

@@ -1,6 +1,7 @@
 """Qwen3.5's language model in TVM Relax (`relax.frontend.nn`): the blocks of compile/layers.py
 stacked under the embedding, the final norm and the logits head, with the functions the
-artifact exports (prefill, decode, decode_wide, the constrained pick and mask, the pools).
+artifact exports (prefill, decode, decode_wide, the constrained pick and mask, the pools;
+their argument shapes are compile/exports.py's).
 
 The full-attention layers keep K/V in our own paged cache (schedules/kv_cache.py): two page
 pools and a page table, all plain tensors, so a decode step can be one CUDA graph.
@@ -9,7 +10,7 @@ pools and a page table, all plain tensors, so a decode step can be one CUDA grap
 from __future__ import annotations
 
 import numpy as np
-from tvm import IRModule, tirx
+from tvm import tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import Tensor, op
 from tvm.target import Target
@@ -145,6 +146,44 @@ class Qwen35LM(nn.Module):
         projections get GEMV schedules; every argument is a buffer the runner keeps at a fixed
         address, so the whole step is one CUDA graph per batch size. `step` [batch, 3] holds
         each row's token id, slot and position: one host-to-device copy a step."""
+        return self._decode(
+            step, logits_out, best_out, logprob_out, k_pool, v_pool, page_table, conv_pool,
+            rec_pool, wide=False,
+        )  # fmt: skip
+
+    def decode_wide(
+        self,
+        step: Tensor,
+        logits_out: Tensor,
+        best_out: Tensor,
+        logprob_out: Tensor,
+        k_pool: Tensor,
+        v_pool: Tensor,
+        page_table: Tensor,
+        conv_pool: Tensor,
+        rec_pool: Tensor,
+    ) -> tuple[Tensor, ...]:
+        """The same step for 8-64 sequences, compiled apart: its projections get tensor-core
+        tiles instead of GEMV schedules (see compile/pipeline.py), and its GDN core blocks of
+        32 state rows (gdn_decode.WIDE_LAYOUT)."""
+        return self._decode(
+            step, logits_out, best_out, logprob_out, k_pool, v_pool, page_table, conv_pool,
+            rec_pool, wide=True,
+        )  # fmt: skip
+
+    def _decode(
+        self,
+        step: Tensor,
+        logits_out: Tensor,
+        best_out: Tensor,
+        logprob_out: Tensor,
+        k_pool: Tensor,
+        v_pool: Tensor,
+        page_table: Tensor,
+        conv_pool: Tensor,
+        rec_pool: Tensor,
+        wide: bool,
+    ) -> tuple[Tensor, ...]:
         batch, hidden = step.shape[0], self.cfg.hidden_size
         x, indptr, slots, positions = op.tensor_ir_op(
             embedding.decode_inputs(hidden, self.dtype, Target.current()),
@@ -159,7 +198,7 @@ class Qwen35LM(nn.Module):
         )
         kv = KVCache(k_pool, v_pool, page_table)
         x, kv, conv_pool, rec_pool = self._stack(
-            x, indptr, slots, positions, kv, conv_pool, rec_pool, chunked=False
+            x, indptr, slots, positions, kv, conv_pool, rec_pool, chunked=False, wide=wide
         )
         logits_out = self.lm_head(self.norm(x), out=logits_out)
         best, best_logprob, _, _ = op.tensor_ir_inplace_op(
@@ -171,9 +210,6 @@ class Qwen35LM(nn.Module):
         )
         return logits_out, best, best_logprob, kv.k_pool, kv.v_pool, conv_pool, rec_pool
 
-    # The same graph for 8-64 sequences, compiled apart so its projections get tensor-core
-    # tiles instead of GEMV schedules (see compile/pipeline.py).
-    decode_wide = decode
 
     def constrained_pick(
         self, logits: Tensor, rows: Tensor, bitmask: Tensor, best_out: Tensor, logprob_out: Tensor
@@ -213,15 +249,17 @@ class Qwen35LM(nn.Module):
         conv_pool: Tensor,
         rec_pool: Tensor,
         chunked: bool,
+        wide: bool = False,
     ) -> tuple[Tensor, KVCache, Tensor, Tensor]:
-        """The decoder layers over embeddings x: hidden states [tokens, hidden] before the norm."""
+        """The decoder layers over embeddings x: hidden states [tokens, hidden] before the norm;
+        `wide`: decode_wide's step (see GatedDeltaNet.forward)."""
         for layer in self.layers:
             h = layer.input_layernorm(x)
             if layer.kind == FULL:
                 h, kv = layer.self_attn(h, indptr, slots, positions, kv, prefill=chunked)
             else:
                 h, conv_pool, rec_pool = layer.linear_attn(
-                    h, indptr, slots, conv_pool, rec_pool, chunked
+                    h, indptr, slots, conv_pool, rec_pool, chunked, wide
                 )
             x = x + h
             x = x + layer.mlp(layer.post_attention_layernorm(x))
@@ -305,88 +343,3 @@ def kv_pool_shapes(cfg: ModelConfig, num_pages, num_slots, pages_per_seq) -> tup
         cfg.head_dim,
     )
     return pool, (num_slots, pages_per_seq)
-
-
-def export_spec(cfg: ModelConfig, widths: VocabWidths, dtype: str) -> dict:
-    """The functions the artifact exports, with their argument shapes."""
-    conv, rec = gdn_pool_shapes(cfg, "n_slots")
-    pool, table = kv_pool_shapes(cfg, "n_pages", "n_slots", "pages_per_seq")
-    state = {
-        "k_pool": nn.spec.Tensor(list(pool), dtype),
-        "v_pool": nn.spec.Tensor(list(pool), dtype),
-        "page_table": nn.spec.Tensor(list(table), "int32"),
-        "conv_pool": nn.spec.Tensor(list(conv), dtype),
-        "rec_pool": nn.spec.Tensor(list(rec), F32),
-    }
-    packed = {"$": {"param_mode": "packed", "effect_mode": "none"}}
-    no_params = {"$": {"param_mode": "none", "effect_mode": "none"}}
-    # A step's logits, the rows among them that are constrained, and one bitmask row each.
-    constrained = {
-        "logits": nn.spec.Tensor(["batch", widths.selection], F32),
-        "rows": nn.spec.Tensor(["n"], "int32"),
-        "bitmask": nn.spec.Tensor(["n", greedy.mask_words(widths.decodable)], "int32"),
-    }
-    return {
-        "prefill": {
-            "input_ids": nn.spec.Tensor(["n_tok"], "int32"),
-            "indptr": nn.spec.Tensor(["n_ptr"], "int32"),
-            "slots": nn.spec.Tensor(["n_seq"], "int32"),
-            "positions": nn.spec.Tensor(["n_tok"], "int32"),
-            "logit_positions": nn.spec.Tensor(["n_out"], "int32"),
-            **state,
-            **packed,
-        },
-        **{
-            name: {
-                "step": nn.spec.Tensor(["batch", 3], "int32"),
-                "logits_out": nn.spec.Tensor(["batch", widths.selection], F32),
-                "best_out": nn.spec.Tensor(["batch"], "int32"),
-                "logprob_out": nn.spec.Tensor(["batch"], F32),
-                **state,
-                **packed,
-            }
-            for name in ("decode", "decode_wide")
-        },
-        "constrained_pick": {
-            **constrained,
-            "best_out": nn.spec.Tensor(["n"], "int32"),
-            "logprob_out": nn.spec.Tensor(["n"], F32),
-            **no_params,
-        },
-        "constrained_mask": {**constrained, **no_params},
-        "create_kv_pools": {"num_pages": int, "num_slots": int, "pages_per_seq": int, **no_params},
-        "assign_pages": {
-            "page_table": nn.spec.Tensor(list(table), "int32"),
-            "slot": nn.spec.Tensor([1], "int32"),
-            "pages": nn.spec.Tensor(["count"], "int32"),
-            **no_params,
-        },
-        "feed_picks": {
-            "step": nn.spec.Tensor(["batch", 3], "int32"),
-            "best": nn.spec.Tensor(["batch"], "int32"),
-            **no_params,
-        },
-        "create_gdn_pools": {"num_slots": int, **no_params},
-        "reset_gdn_slots": {
-            "conv_pool": nn.spec.Tensor(list(conv), dtype),
-            "rec_pool": nn.spec.Tensor(list(rec), F32),
-            "slots": nn.spec.Tensor(["count"], "int32"),
-            **no_params,
-        },
-    }
-
-
-def mark_decode_for_cuda_graph(mod: IRModule, max_batch: int) -> IRModule:
-    """Let TVM's RewriteCUDAGraph capture each decode function whole: one graph per batch size
-    up to `max_batch` (storage is planned once, for `max_batch`). Every argument counts as a
-    fixed input (`num_input` 0): the runner passes views of the same buffers on every call
-    (inputs, outputs, pools), so capturing their addresses is sound."""
-    for name in ("decode", "decode_wide"):
-        mod[name] = mod[name].with_attrs(
-            {
-                "num_input": 0,
-                "tir_var_upper_bound": {"batch": max_batch},
-                "relax.rewrite_cuda_graph.capture_symbolic_vars": ["batch"],
-            }
-        )
-    return mod

@@ -23,6 +23,13 @@ from .gdn_prep import beta_gate, conv_silu, l2_parts, log_decay
 from .loops import block_loop, thread_loop
 from .pdl import release_dependents, wait_for_producers
 
+# decode_wide's block layout (8-64 sequences): 32 state rows a block, 4 threads a row. At 16
+# and 64 sequences it streams the state at 69% and 72% of copy bandwidth against 65% and 66%
+# for gdn.ROWS x gdn.PARTS (gdn_decode_kernel_layouts.json); at one sequence the 16-row blocks
+# add less to a step (profile_step_gdn_layout.json), so decode keeps them.
+WIDE_LAYOUT = {"rows": 32, "parts": 4}
+NAME = "gdn_delta_rule_decode"
+
 
 def decode_delta_rule(
     k_heads: int,
@@ -160,4 +167,6 @@ def decode_delta_rule(
                 token_update(st, kq, red, out, b, h, col0)
                 store_state(pool, slot, layer, h, col0, st)
 
-    return gdn_delta_rule_decode
+    # decode and decode_wide each hold their layout's kernel: one module, two symbols
+    name = NAME if (rows, parts) == (ROWS, PARTS) else f"{NAME}_r{rows}p{parts}"
+    return gdn_delta_rule_decode.with_attr("global_symbol", name)

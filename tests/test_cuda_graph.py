@@ -13,7 +13,7 @@ import tvm
 
 from qwen35_tvm.compile.build import build_module
 from qwen35_tvm.compile.config import ModelConfig
-from qwen35_tvm.compile.model import mark_decode_for_cuda_graph
+from qwen35_tvm.compile.exports import mark_decode_for_cuda_graph
 from qwen35_tvm.compile.pipeline import relax_pipeline
 from qwen35_tvm.compile.random_model import SHAPES
 from qwen35_tvm.compile.targets import make_target

@@ -12,7 +12,7 @@ from test_gdn_prep import LAYER, N_LAYERS, N_SLOTS, make_input, run_input
 from tvm.target import Target
 
 from qwen35_tvm.schedules import gdn
-from qwen35_tvm.schedules.gdn_decode import decode_delta_rule
+from qwen35_tvm.schedules.gdn_decode import WIDE_LAYOUT, decode_delta_rule
 
 LLVM = Target("llvm")
 KERNEL = 4
@@ -31,11 +31,15 @@ def state_pool(dims, seed: int) -> np.ndarray:
     return rng.normal(0.0, 0.5, (N_SLOTS, N_LAYERS, hv, dv, dk)).astype(np.float32)
 
 
-def two_kernels(inp: dict, rec: np.ndarray, dims, dtype: str):
-    """(o, recurrent pool after) from gdn_input and the ragged recurrent kernel."""
+def two_kernels(inp: dict, rec: np.ndarray, dims, dtype: str, layout: dict | None = None):
+    """(o, recurrent pool after) from gdn_input and the ragged recurrent kernel, at the fused
+    kernel's block `layout` (gdn_decode.decode_delta_rule's rows, parts): the same sums in the
+    same order."""
     hk, hv, dk, dv = dims
     q, k, v, g, beta, _ = run_input(inp, dims, KERNEL, dtype)
-    lib = _compile(("rule", dims), gdn.gated_delta_rule(hk, hv, dk, dv, LLVM))
+    layout = layout or {}
+    key = ("rule", dims, tuple(sorted(layout.items())))
+    lib = _compile(key, gdn.gated_delta_rule(hk, hv, dk, dv, LLVM, **layout))
     args = [tvm.runtime.tensor(a) for a in (q, k, v, g, beta, inp["indptr"], inp["slots"])]
     pool = tvm.runtime.tensor(rec.copy())
     out = tvm.runtime.tensor(np.full(v.shape, np.nan, np.float32))
@@ -43,16 +47,18 @@ def two_kernels(inp: dict, rec: np.ndarray, dims, dtype: str):
     return out.numpy(), pool.numpy()
 
 
-def fused(inp: dict, rec: np.ndarray, dims, dtype: str):
+def fused(inp: dict, rec: np.ndarray, dims, dtype: str, layout: dict | None = None):
     """(o, recurrent pool after, conv pool after) from the fused kernel."""
     hk, hv, dk, dv = dims
-    key = ("fused", dims, dtype)
-    lib = _compile(key, decode_delta_rule(hk, hv, dk, dv, KERNEL, dtype, LLVM))
+    layout = layout or {}
+    key = ("fused", dims, dtype, tuple(sorted(layout.items())))
+    func = decode_delta_rule(hk, hv, dk, dv, KERNEL, dtype, LLVM, **layout)
+    lib = _compile(key, func)
     names = ("x", "w", "a_log", "dt_bias", "slots", "pool")
     args = [tvm.runtime.tensor(inp[name].copy()) for name in names]
     pool = tvm.runtime.tensor(rec.copy())
     out = tvm.runtime.tensor(np.full((len(inp["slots"]), hv, dv), np.nan, np.float32))
-    lib["gdn_delta_rule_decode"](*args, pool, LAYER, out)
+    lib[func.attrs["global_symbol"]](*args, pool, LAYER, out)
     return out.numpy(), pool.numpy(), args[-1].numpy()
 
 
@@ -62,16 +68,18 @@ def rel_err(a: np.ndarray, b: np.ndarray) -> float:
 
 DIMS = [(2, 4, 16, 16), (2, 6, 40, 24), (1, 2, 128, 128)]
 BATCHES = [[3], [6, 0, 2, 8, 1]]
+LAYOUTS = {"decode": {}, "decode_wide": WIDE_LAYOUT}
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("slots", BATCHES)
 @pytest.mark.parametrize("dims", DIMS)
-def test_fused_decode_matches_input_then_rule(dims, slots, dtype: str) -> None:
+def test_fused_decode_matches_input_then_rule(dims, slots, dtype: str, layout: str) -> None:
     inp = make_input([1] * len(slots), slots, dims, KERNEL, dtype, seed=len(slots))
     rec = state_pool(dims, seed=7)
-    ref_out, ref_pool = two_kernels(inp, rec, dims, dtype)
-    out, pool, conv = fused(inp, rec, dims, dtype)
+    ref_out, ref_pool = two_kernels(inp, rec, dims, dtype, LAYOUTS[layout])
+    out, pool, conv = fused(inp, rec, dims, dtype, LAYOUTS[layout])
     assert np.isfinite(out).all(), "outputs unwritten or non-finite"
     assert rel_err(out, ref_out) < 1e-5 and rel_err(pool, ref_pool) < 1e-5  # a readable miss
     # the same arithmetic in the same order: equal, so a decode row and the same token in a
@@ -111,7 +119,10 @@ def test_compiles_for_cuda_with_a_barrier_a_phase(dtype: str) -> None:
 
     prepare_cuda_codegen(["sm_80"])
     cuda = Target({"kind": "cuda", "arch": "sm_80"}, host="llvm")
-    fused = _cuda_source(decode_delta_rule(16, 32, 128, 128, KERNEL, dtype, cuda), cuda)
-    assert fused.count("__syncthreads()") <= 8
+    for layout in LAYOUTS.values():
+        fused = _cuda_source(
+            decode_delta_rule(16, 32, 128, 128, KERNEL, dtype, cuda, **layout), cuda
+        )
+        assert fused.count("__syncthreads()") <= 8
     ragged = _cuda_source(gdn.gated_delta_rule(16, 32, 128, 128, cuda), cuda)
     assert ragged.count("__syncthreads()") <= 6
