@@ -5,7 +5,7 @@ torch.matmul (cuBLAS).
 
 Two steps, because the GPU server has no compiler:
   here (nvcc, no GPU):  python benchmarks/gemv_kernel.py build DIR [--arch sm_90] [--rows wide]
-                        [--proj gate_up_proj] [--only ours,*_rms,...]
+                        [--proj gate_up_proj] [--only ours,*_rms,...] [--balance]
   on the GPU server:    python benchmarks/gemv_kernel.py run DIR [--out docs/results]
 
 `build` takes each projection the way the model has it (bf16 x [batch, K] times W [N, K]ᵀ, cast
@@ -113,8 +113,29 @@ def _picked(name: str, only: list[str]) -> bool:
     return any(name == o or (o[:1] == "*" and name.endswith(o[1:])) for o in only)
 
 
+# --balance: probe shapes around N = 2,560 (160 sixteen-row tiles on 132 SMs). If an SM streams
+# ~1/132 of the bandwidth however many blocks it holds, the time follows the most tiles any SM
+# holds: N = 2,112 (132 tiles, one each) and 4,224 (264, two each) should stream near the
+# bound, 2,560 and 2,640 (160 and 165: some SMs two) at ~61% of it. Decides whether split-K
+# across blocks is worth building (docs/performance.md, session 8).
+BALANCE_N, BALANCE_K = (2112, 2560, 2640, 4224), (4096, 9216)
+
+
+def _balance_probes() -> list[dict]:
+    return [
+        {"n": n, "k": k, "residual": True, "names": [f"probe.n{n}_k{k}"]}
+        for k in BALANCE_K
+        for n in BALANCE_N
+    ]
+
+
 def build(
-    out: Path, arch: str, rows: str = "small", only: list[str] | None = None, proj: str = ""
+    out: Path,
+    arch: str,
+    rows: str = "small",
+    only: list[str] | None = None,
+    proj: str = "",
+    balance: bool = False,
 ) -> None:
     import tvm
     from gemm_variants import fused_pair, param_roles, projections
@@ -129,41 +150,41 @@ def build(
     out.mkdir(parents=True, exist_ok=True)
     entries = []
     classes = ("small", "wide") if rows == "both" else (rows,)
-    for model in ("4b", "9b"):
-        for shape in projections((model,)):
-            if not any(name.endswith(f".{proj}") for name in shape["names"]):
+    shapes = [("probe", shape) for shape in _balance_probes()] if balance else [
+        (model, shape) for model in ("4b", "9b") for shape in projections((model,))
+    ]  # fmt: skip
+    for model, shape in shapes:
+        if proj and not any(name.endswith(f".{proj}") for name in shape["names"]):
+            continue
+        n, k, residual = shape["n"], shape["k"], shape["residual"]
+        _, small = fused_pair(n, k, residual, target)
+        small = small.with_attr("dlight.do_not_tensorize", True)
+        for cls in classes:
+            kernels, configs, errors = _kernels(small, cls, target, is_gate_up(shape["names"]))
+            if only:
+                kernels = {nm: f for nm, f in kernels.items() if _picked(nm, only)}
+                configs = {nm: c for nm, c in configs.items() if _picked(nm, only)}
+            if not kernels:
                 continue
-            n, k, residual = shape["n"], shape["k"], shape["residual"]
-            _, small = fused_pair(n, k, residual, target)
-            small = small.with_attr("dlight.do_not_tensorize", True)
-            for cls in classes:
-                kernels, configs, errors = _kernels(small, cls, target, is_gate_up(shape["names"]))
-                if only:
-                    kernels = {nm: f for nm, f in kernels.items() if _picked(nm, only)}
-                    configs = {nm: c for nm, c in configs.items() if _picked(nm, only)}
-                if not kernels:
-                    continue
-                tag = "" if cls == "small" else "wide_"
-                file = f"gemv_{tag}{model}_{n}x{k}{'_res' if residual else ''}.so"
-                mod = tvm.IRModule(
-                    {nm: f.with_attr("global_symbol", nm) for nm, f in kernels.items()}
-                )
-                tvm.compile(mod, target=target).export_library(str(out / file))
-                entries.append(
-                    {
-                        "model": model,
-                        **shape,
-                        "rows": cls,
-                        "file": file,
-                        "roles": param_roles(small),
-                        "out_dtype": match_gemm(small).out_dtype,
-                        "kernels": configs,
-                        "batches": BATCHES[cls],
-                        "check_batches": CHECK_BATCHES[cls],
-                        "build_errors": errors,
-                    }
-                )
-                print(f"built {file}: {sorted(kernels)} {errors or ''}", flush=True)
+            tag = "" if cls == "small" else "wide_"
+            file = f"gemv_{tag}{model}_{n}x{k}{'_res' if residual else ''}.so"
+            mod = tvm.IRModule({nm: f.with_attr("global_symbol", nm) for nm, f in kernels.items()})
+            tvm.compile(mod, target=target).export_library(str(out / file))
+            entries.append(
+                {
+                    "model": model,
+                    **shape,
+                    "rows": cls,
+                    "file": file,
+                    "roles": param_roles(small),
+                    "out_dtype": match_gemm(small).out_dtype,
+                    "kernels": configs,
+                    "batches": BATCHES[cls],
+                    "check_batches": CHECK_BATCHES[cls],
+                    "build_errors": errors,
+                }
+            )
+            print(f"built {file}: {sorted(kernels)} {errors or ''}", flush=True)
     manifest = {"arch": arches, "rows": rows, "entries": entries}
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
 
@@ -392,12 +413,15 @@ def main() -> None:
     p.add_argument(
         "--proj", default="", help="build: these projections only (a name, e.g. gate_up_proj)"
     )
+    p.add_argument(
+        "--balance", action="store_true", help="build: the block-balance probe shapes instead"
+    )
     p.add_argument("--out", type=Path, default=None, help="run: also write the JSON here")
     p.add_argument("--timeout", type=int, default=300, help="seconds per shape (run)")
     args = p.parse_args()
     if args.step == "build":
         only = args.only.split(",") if args.only else None
-        build(args.dir, args.arch, args.rows, only, args.proj)
+        build(args.dir, args.arch, args.rows, only, args.proj, args.balance)
     elif args.step == "run":
         run(args.dir, args.out, args.timeout)
     else:
