@@ -3,9 +3,10 @@
 Each `step()` admits waiting requests that fit (pages for prompt + max_tokens and one GDN
 slot, reserved whole), runs one batched decode for every sequence past its prompt and one
 ragged prefill of up to `prefill_chunk` prompt tokens (one forward: the decode rows ride in the
-prefill as one-token chunks), samples each sequence with its own parameters and generator, and
-frees finished sequences at once. Steady greedy decoding runs a step ahead of the host: a step
-is launched before the tokens of the one before it are read (`_step_ahead`).
+prefill as one-token chunks), samples each sequence with its own parameters and generator
+(runtime/step_sampling.py), and frees finished sequences at once. Steady greedy decoding runs a
+step ahead of the host: a step is launched before the tokens of the one before it are read
+(`_step_ahead`).
 """
 
 from __future__ import annotations
@@ -18,9 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .artifact import Artifact
-from .constrained_rows import apply_bitmasks
 from .generate import PromptError
-from .grammar import apply_bitmask  # numpy only: xgrammar loads with the first grammar
 from .host_picks import PendingPicks
 from .kv_pool import (
     CapacityPool,
@@ -29,11 +28,12 @@ from .kv_pool import (
     pages_for,
     plan_from_free_memory,
 )
-from .model_runner import ModelRunner, StepLogits
-from .sampler import Sampler, SamplingParams, is_effectively_greedy, make_rng
+from .model_runner import ModelRunner
+from .sampler import Sampler, SamplingParams, make_rng
 from .scheduler import Scheduler
 from .sequence import Completion, Output, Request, Sequence, Status
 from .step_costs import StepCosts
+from .step_sampling import Picked, Ready, StepSampler
 
 if TYPE_CHECKING:  # xgrammar loads only with the first constrained request
     from .grammar import GrammarState
@@ -45,9 +45,6 @@ log = logging.getLogger(__name__)
 # with 8,192 (docs/results/engine_chunk*.json): four prompts a step fill the chunked GDN's
 # wide tiles.
 PREFILL_CHUNK = 4096
-
-# A sequence to sample, the logits of its step and its row among them.
-Ready = tuple[Sequence, StepLogits, int]
 
 
 class Engine:
@@ -104,6 +101,7 @@ class Engine:
         self._ahead: tuple[list[Sequence], PendingPicks] | None = None  # launched, not read
         self._chained_at: float | None = None  # when a step chained behind another ended
         self.sampler = Sampler(self.decodable)
+        self.picker = StepSampler(self.runner, self.sampler, self.decodable)
         self._live: dict[int, Sequence] = {}
         self._pending: list[Output] = []  # abort notices, reported by the next step
         self._next_id = 0
@@ -263,7 +261,7 @@ class Engine:
             and all(
                 s.status is Status.RUNNING
                 and s.grammar is None
-                and self._wants_pick(s)
+                and self.picker.wants_pick(s)
                 and len(s.output) + unread < s.max_tokens
                 for s in seqs
             )
@@ -312,7 +310,7 @@ class Engine:
         ready, row = [], 0
         for (seq, n), every in zip(chunks, scored, strict=True):
             if every:
-                self._score_prompt(seq, step.rows()[row : row + n])
+                self.picker.score_prompt(seq, step.rows()[row : row + n])
                 row += n
             else:
                 row += 1
@@ -321,45 +319,11 @@ class Engine:
                 ready.append((seq, step, row - 1))
         return ready
 
-    def _score_prompt(self, seq: Sequence, rows: np.ndarray) -> None:
-        """Row j of the chunk predicts the prompt token after position start + j."""
-        start = seq.num_computed
-        if start == 0:
-            seq.prompt_logprobs.append(None)  # nothing predicts the first token
-            seq.prompt_top_logprobs.append(None)
-        for j, row in enumerate(rows):
-            nxt = start + j + 1
-            if nxt < len(seq.prompt):
-                lp = self.sampler.logprobs(row)[seq.prompt[nxt]]
-                seq.prompt_logprobs.append(float(lp))
-                if seq.top_logprobs:
-                    seq.prompt_top_logprobs.append(self.sampler.top_logprobs(row, seq.top_logprobs))
-
-    def _wants_pick(self, seq: Sequence) -> bool:
-        return not seq.top_logprobs and is_effectively_greedy(seq.params, self.decodable)
-
     def _sample(self, ready: list[Ready]) -> list[Output]:
-        """A greedy sequence that wants no alternatives takes the pick the device made; the
-        others copy their whole row to the host and sample it there. A constrained row never
-        takes the plain pick (it ignores the grammar): `_constrain` masks it first."""
-        constrained = self._constrain(ready)
-        picked: list[tuple[int, float, np.ndarray | None]] = []
-        for seq, logits, i in ready:
-            done = constrained.get((id(logits), i))
-            if isinstance(done, tuple):  # the masked pick, made on the device
-                picked.append((done[0], done[1], None))
-                continue
-            if done is None and logits.best is not None and self._wants_pick(seq):
-                picked.append((int(logits.best[i]), float(logits.best_logprob[i]), None))
-                continue
-            row = logits.rows()[i]
-            if isinstance(done, np.ndarray):  # logits on the host, or no device kernels
-                apply_bitmask(row, done, self.decodable)  # the row is this sequence's alone
-            token = self.sampler.sample(row, seq.params, seq.rng)
-            picked.append((token, float(self.sampler.logprobs(row)[token]), row))
-        return self._emit([(s, *p) for (s, _, _), p in zip(ready, picked, strict=True)])
+        """Each ready sequence's next token (runtime/step_sampling.py), emitted."""
+        return self._emit(self.picker.pick(ready))
 
-    def _emit(self, picked: list[tuple[Sequence, int, float, np.ndarray | None]]) -> list[Output]:
+    def _emit(self, picked: list[Picked]) -> list[Output]:
         """Append each sequence's new token (with its logprob and, for alternatives, its logits
         row), report it, and release the sequences it finishes."""
         outputs = []
@@ -388,17 +352,6 @@ class Engine:
             if reason is not None:
                 self._release(seq)
         return outputs
-
-    def _constrain(self, ready: list[Ready]) -> dict[tuple[int, int], Any]:
-        """The constrained rows' bitmasks, applied where the logits are
-        (runtime/constrained_rows.py). Rows whose grammar allows everything are left out."""
-        groups: dict[int, tuple[StepLogits, list[tuple[int, np.ndarray, bool]]]] = {}
-        for seq, logits, i in ready:
-            bits = seq.grammar.bitmask() if seq.grammar is not None else None
-            if bits is not None:  # waited for the worker, which ran while the GPU stepped
-                entry = (i, bits, self._wants_pick(seq))
-                groups.setdefault(id(logits), (logits, []))[1].append(entry)
-        return apply_bitmasks(self.runner, groups)
 
     # ---- convenience ----------------------------------------------------------------------
 
