@@ -210,7 +210,6 @@ class Qwen35LM(nn.Module):
         )
         return logits_out, best, best_logprob, kv.k_pool, kv.v_pool, conv_pool, rec_pool
 
-
     def constrained_pick(
         self, logits: Tensor, rows: Tensor, bitmask: Tensor, best_out: Tensor, logprob_out: Tensor
     ) -> tuple[Tensor, Tensor]:
