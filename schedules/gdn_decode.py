@@ -167,6 +167,7 @@ def decode_delta_rule(
                 token_update(st, kq, red, out, b, h, col0)
                 store_state(pool, slot, layer, h, col0, st)
 
-    # decode and decode_wide each hold their layout's kernel: one module, two symbols
-    name = NAME if (rows, parts) == (ROWS, PARTS) else f"{NAME}_r{rows}p{parts}"
+    # decode and decode_wide each hold their layout's kernel: one module, two symbols, named by
+    # the layout RuleLayout settled on (rows fall back to a divisor of v_dim)
+    name = NAME if (rows, lay.parts) == (ROWS, PARTS) else f"{NAME}_r{rows}p{lay.parts}"
     return gdn_delta_rule_decode.with_attr("global_symbol", name)

@@ -86,6 +86,20 @@ def test_decode_kernels_wait_before_touching_activations(tiny_cuda) -> None:
             assert PREFETCH in body[: body.index(WAIT)], name
 
 
+def test_decode_and_decode_wide_take_their_gdn_layouts(tiny_cuda) -> None:
+    """decode keeps gdn.ROWS x gdn.PARTS blocks, decode_wide gdn_decode.WIDE_LAYOUT's: both
+    kernels are in the library, each waiting on its producer."""
+    from qwen35_tvm.schedules.gdn_decode import NAME, WIDE_LAYOUT
+
+    _, source = tiny_cuda
+    found = kernels(source)
+    # the tiny model's 16 value columns a head take 16-row blocks: WIDE_LAYOUT's parts show
+    wide = [n for n in found if re.fullmatch(rf"{NAME}_r\d+p{WIDE_LAYOUT['parts']}_kernel", n)]
+    assert len(wide) == 1, sorted(n for n in found if NAME in n)
+    for name in (f"{NAME}_kernel", wide[0]):
+        assert WAIT in found[name][1], name
+
+
 def test_prefill_kernels_wait_before_touching_anything() -> None:
     """The tensor-core kernels the tiny model does not reach (4B shapes): the chunked GDN and
     the prefill attention wait first too. Prefill's GEMMs are checked above."""
