@@ -32,7 +32,7 @@ from tvm.script import tirx as T
 from tvm.target import Target
 from tvm.tirx import PrimFunc
 
-from .attention_prep import gate_product
+from .attention_prep import gate_column, gate_product
 from .kv_cache import PAGE_SIZE, first_tile
 from .matmul import acc_coords, ldmatrix_a_coords, ldmatrix_b_coords
 from .pdl import release_dependents, wait_for_producers
@@ -326,7 +326,7 @@ def paged_prefill_mma(
                             for v in T.vectorized(8):
                                 o_vec[v] = q_sh[_at(r, x % dch, dch) + v]
                             for v in T.vectorized(8):
-                                g_vec[v] = gate[t0 + r // group, hd * 2 * d + d + c + v]
+                                g_vec[v] = gate[t0 + r // group, gate_column(hd, d) + c + v]
                             for v in T.unroll(8):
                                 o_vec[v] = gate_product(
                                     T.Cast("float32", o_vec[v]), T.Cast("float32", g_vec[v]), DTYPE

@@ -184,7 +184,12 @@ def gate_product(o, g, dtype: str):
     return T.Cast(dtype, o * _rounded(T.float32(1) / (T.float32(1) + T.exp(-g)), dtype))
 
 
+def gate_column(h, head_dim: int):
+    """Where head h's output gate starts in qkv_proj's row ([q_0 gate_0 q_1 gate_1 ... | k |
+    v]): beside its query."""
+    return h * 2 * head_dim + head_dim
+
+
 def gated_output(o, proj, t, h, c, head_dim: int, dtype: str):
-    """`gate_product` for channel c of head h of token t, its gate read beside head h's query
-    in qkv_proj's row ([q_0 gate_0 q_1 gate_1 ... | k | v])."""
-    return gate_product(o, T.Cast("float32", proj[t, h * 2 * head_dim + head_dim + c]), dtype)
+    """`gate_product` for channel c of head h of token t."""
+    return gate_product(o, T.Cast("float32", proj[t, gate_column(h, head_dim) + c]), dtype)
