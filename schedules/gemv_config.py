@@ -142,16 +142,18 @@ def wide_config(
 ) -> GemvConfig:
     """One bucket of decode_wide: `n_tiles` batch tiles a pass, the weight ring in shared
     memory (or registers). X bytes read from L2 per weight byte are cols / rows per warp, so
-    the most m-tiles a warp (4, 2, 1) that still give every SM a row tile, unless `m_tiles`
-    is given; then the most weight bytes in flight (k-splitting warps x ring depth) in one
-    wave, with a two-step X ring where it fits."""
+    2 m-tiles a warp where that still gives every SM a row tile, else 1, unless `m_tiles` is
+    given (4 read less X but measured slower in the engine: c16 TPOT 4.351 -> 4.297 ms with 2,
+    and 4.323 with 2 for N = 2,560 too, which leaves SMs idle; engine_wide_mtiles.json); then
+    the most weight bytes in flight (k-splitting warps x ring depth) in one wave, with a
+    two-step X ring where it fits."""
     if n_tiles == 1:
         return default_config(n, k)
     rings = (8, 6, 4, 3) if w_smem else (4, 3, 2)
     tries = sorted(
         ((wk, s) for wk in (8, 4, 2, 1) for s in rings), key=lambda p: (-p[0] * p[1], -p[0])
     )
-    for mt in (m_tiles,) if m_tiles else (4, 2, 1):
+    for mt in (m_tiles,) if m_tiles else (2, 1):
         if not m_tiles and mt > 1 and (cdiv(n, 16 * mt) < SMS or 4 * mt * n_tiles > 128):
             continue  # SMs left idle, or the accumulators alone past half the registers
         for warps_k, stages in tries:
