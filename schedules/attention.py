@@ -6,13 +6,14 @@ first (`kv_cache.append_kv`).
 
 `paged_attention` serves prefill and decode alike: a block owns (token, kv head, split) and all
 `heads / kv_heads` query heads of that kv head, so each K/V element is loaded once for the
-whole GQA group. The kv range of a token is cut into `splits` pieces (flash-decoding) when there
-are few tokens, so one long sequence fills the GPU; a second kernel in the same function merges
-the pieces. Per tile of keys (`tile_pages` pages, whose K and V are loaded together) the block
-runs four phases: partial scores (a thread per key x dim slice), whole scores (a thread per
-head x key), the online softmax (a thread per query head), and P.V (a thread per key group x
-8-dim chunk, accumulating in registers). On the CPU the same loop nest runs its lanes serially,
-so the CPU tests check the GPU kernel's indexing.
+whole GQA group. The kv range of a token is cut into `splits` pieces (flash-decoding) when
+there are few tokens, so one long sequence fills the GPU, each piece at least a tile of pages; a
+second kernel in the same function merges the pieces that hold keys. Per tile of keys
+(`tile_pages` pages, whose K and V are loaded together) the block runs four phases: partial
+scores (a thread per key x dim slice), whole scores (a thread per head x key), the online
+softmax (a thread per query head), and P.V (a thread per key group x 8-dim chunk, accumulating
+in registers). On the CPU the same loop nest runs its lanes serially, so the CPU tests check
+the GPU kernel's indexing.
 """
 
 from __future__ import annotations
@@ -36,6 +37,15 @@ MERGE_UNROLL = 8
 def num_splits(n_tok, budget: int = SPLIT_BUDGET):
     """Pieces each token's kv range is cut into; a TIR expression of the token count."""
     return T.max(1, budget // n_tok)
+
+
+def split_pages(n_pages, splits, min_pages: int):
+    """(pages a piece, pieces holding keys) of a token with `n_pages` pages of keys, a piece at
+    least `min_pages` (a tile's): a one-page piece would load its page twice (a tile clamps to
+    its piece), and every piece costs the merge a read. A short context is cut into fewer
+    pieces; its other blocks find no keys, and the merge skips them."""
+    per_split = T.max((n_pages + splits - 1) // splits, min_pages)
+    return per_split, T.max(1, (n_pages + per_split - 1) // per_split)
 
 
 def _vector(head_dim: int) -> int:
@@ -105,18 +115,19 @@ def paged_attention(
         return (e * parts + p) * vec + i
 
     @T.macro
-    def merge_pieces(ws_acc, ws_ml, t, h, col, first, stride, splits, run, ms, ls, xs):
-        # pieces first, first + stride, ... of column col of (t, h) into a running (max,
-        # numerator, denominator), MERGE_UNROLL loads in flight at a time
+    def merge_pieces(ws_acc, ws_ml, row0, h, col, first, stride, splits, run, ms, ls, xs):
+        # pieces first, first + stride, ... (of `splits`, from workspace row row0) of column
+        # col of head h into a running (max, numerator, denominator), MERGE_UNROLL loads in
+        # flight at a time
         run[0] = T.float32("-inf")
         run[1] = T.float32(0)
         run[2] = T.float32(0)
         for s0 in T.serial((splits - first + stride * MERGE_UNROLL - 1) // (stride * MERGE_UNROLL)):
             for u in T.unroll(MERGE_UNROLL):
                 sp: T.let[T.int32] = T.min((s0 * MERGE_UNROLL + u) * stride + first, splits - 1)
-                ms[u] = ws_ml[t * splits + sp, h, 0]
-                ls[u] = ws_ml[t * splits + sp, h, 1]
-                xs[u] = ws_acc[t * splits + sp, h, col]
+                ms[u] = ws_ml[row0 + sp, h, 0]
+                ls[u] = ws_ml[row0 + sp, h, 1]
+                xs[u] = ws_acc[row0 + sp, h, col]
             for u in T.unroll(MERGE_UNROLL):
                 sp: T.let[T.int32] = (s0 * MERGE_UNROLL + u) * stride + first
                 # empty pieces (max -inf) and clamped repeats add nothing
@@ -186,7 +197,7 @@ def paged_attention(
                 slot: T.let[T.int32] = slots[lo[0]]
                 kv_len: T.let[T.int32] = positions[t] + 1
                 n_kv_pages: T.let[T.int32] = (kv_len + tj - 1) // tj
-                per_split: T.let[T.int32] = (n_kv_pages + splits - 1) // splits
+                per_split: T.let[T.int32] = split_pages(n_kv_pages, splits, tp)[0]
                 layer64: T.let[T.int64] = T.Cast("int64", layer)
                 p0: T.let[T.int32] = T.min(s * per_split, n_kv_pages)
                 p1: T.let[T.int32] = T.min(p0 + per_split, n_kv_pages)
@@ -381,8 +392,12 @@ def paged_attention(
                         xs = T.sblock_alloc_buffer((MERGE_UNROLL,), "float32", scope="local")
                         x: T.let[T.int32] = mb * cols + tx % cols
                         if x < n_cols and splits > 1:
-                            merge_pieces(ws_acc, ws_ml, x // (heads * d), x // d % heads, x % d,
-                                         tx // cols, groups, splits, run, ms, ls, xs)  # fmt: skip
+                            tm: T.let[T.int32] = x // (heads * d)
+                            live: T.let[T.int32] = split_pages(
+                                (positions[tm] + tj) // tj, splits, tp
+                            )[1]
+                            merge_pieces(ws_acc, ws_ml, tm * splits, x // d % heads, x % d,
+                                         tx // cols, groups, live, run, ms, ls, xs)  # fmt: skip
                             m_sh[tx] = run[0]
                             n_sh[tx] = run[1]
                             d_sh[tx] = run[2]

@@ -103,8 +103,9 @@ def attend(heads, kv_heads, d, before, chunk, seed=0, mutate=None, tile_pages=2)
     [(4, 2, 16), (8, 2, 32), (6, 3, 64), (4, 4, 64), (4, 1, 256)],
 )
 def test_decode_rows_split_and_merged(heads, kv_heads, d):
-    # one token a sequence (decode): kv lengths 1, 16, 17, 33, 200 -> several split pieces
-    for before in ([0], [15, 16], [32, 199, 0]):
+    # one token a sequence (decode): kv lengths 1, 16, 17, 33, 200, 701 -> several split
+    # pieces of at least a tile (2 pages), the last one shorter (200: 6 x 2 + 1)
+    for before in ([0], [15, 16], [32, 199, 0], [700]):
         err = attend(heads, kv_heads, d, before, [1] * len(before))
         assert err < 2e-5, (before, err)
 
@@ -137,6 +138,30 @@ def test_comparison_notices_broken_paging(mutate):
 def test_split_count_follows_the_token_count():
     for n, expected in ((1, 128), (16, 8), (64, 2), (128, 1), (4096, 1)):
         assert int(attention.num_splits(tvm.tirx.IntImm("int32", n))) == expected
+
+
+def test_short_contexts_take_fewer_pieces():
+    # (pages, splits, a tile's pages) -> (pages a piece, pieces holding keys)
+    cases = {(1, 128, 2): (2, 1), (13, 42, 2): (2, 7), (69, 128, 2): (2, 35), (69, 8, 2): (9, 8),
+             (2048, 128, 2): (16, 128), (5, 1, 2): (5, 1), (13, 42, 3): (3, 5)}  # fmt: skip
+    for (pages, splits, tile), expected in cases.items():
+        got = attention.split_pages(tvm.tirx.IntImm("int32", pages), splits, tile)
+        assert tuple(int(g) for g in got) == expected
+
+
+def test_merge_notices_a_missing_piece(monkeypatch):
+    """The merge reads only the pieces holding keys: one fewer is noticed (200 and 701 keys
+    of one sequence, 7 and 22 pieces)."""
+    real = attention.split_pages
+
+    def one_short(n_pages, splits, min_pages):
+        per_split, live = real(n_pages, splits, min_pages)
+        return per_split, tvm.tirx.max(1, live - 1)
+
+    monkeypatch.setattr(attention, "split_pages", one_short)
+    monkeypatch.setitem(globals(), "_built", {})
+    for before in ([199], [700]):
+        assert attend(4, 2, 16, before, [1]) > 1e-2
 
 
 def _prefill_kernels(dtype: str, target_kind: str) -> tuple[set, set]:
