@@ -39,6 +39,11 @@ def num_splits(n_tok, budget: int = SPLIT_BUDGET):
     return T.max(1, budget // n_tok)
 
 
+def key_pages(position):
+    """Pages of keys a token at `position` attends to (positions 0..position)."""
+    return (position + PAGE_SIZE) // PAGE_SIZE
+
+
 def split_pages(n_pages, splits, min_pages: int):
     """(pages a piece, pieces holding keys) of a token with `n_pages` pages of keys, a piece at
     least `min_pages` (a tile's): a one-page piece would load its page twice (a tile clamps to
@@ -115,23 +120,23 @@ def paged_attention(
         return (e * parts + p) * vec + i
 
     @T.macro
-    def merge_pieces(ws_acc, ws_ml, row0, h, col, first, stride, splits, run, ms, ls, xs):
-        # pieces first, first + stride, ... (of `splits`, from workspace row row0) of column
+    def merge_pieces(ws_acc, ws_ml, row0, h, col, first, stride, pieces, run, ms, ls, xs):
+        # pieces first, first + stride, ... (of `pieces`, from workspace row row0) of column
         # col of head h into a running (max, numerator, denominator), MERGE_UNROLL loads in
         # flight at a time
         run[0] = T.float32("-inf")
         run[1] = T.float32(0)
         run[2] = T.float32(0)
-        for s0 in T.serial((splits - first + stride * MERGE_UNROLL - 1) // (stride * MERGE_UNROLL)):
+        for s0 in T.serial((pieces - first + stride * MERGE_UNROLL - 1) // (stride * MERGE_UNROLL)):
             for u in T.unroll(MERGE_UNROLL):
-                sp: T.let[T.int32] = T.min((s0 * MERGE_UNROLL + u) * stride + first, splits - 1)
+                sp: T.let[T.int32] = T.min((s0 * MERGE_UNROLL + u) * stride + first, pieces - 1)
                 ms[u] = ws_ml[row0 + sp, h, 0]
                 ls[u] = ws_ml[row0 + sp, h, 1]
                 xs[u] = ws_acc[row0 + sp, h, col]
             for u in T.unroll(MERGE_UNROLL):
                 sp: T.let[T.int32] = (s0 * MERGE_UNROLL + u) * stride + first
                 # empty pieces (max -inf) and clamped repeats add nothing
-                if sp < splits and ms[u] > T.float32("-inf"):
+                if sp < pieces and ms[u] > T.float32("-inf"):
                     mn: T.let[T.float32] = T.max(run[0], ms[u])
                     ca: T.let[T.float32] = T.exp(run[0] - mn)
                     cb: T.let[T.float32] = T.exp(ms[u] - mn)
@@ -196,7 +201,7 @@ def paged_attention(
                 seq_of_token(indptr, n_ptr - 1, t, lo, hi)
                 slot: T.let[T.int32] = slots[lo[0]]
                 kv_len: T.let[T.int32] = positions[t] + 1
-                n_kv_pages: T.let[T.int32] = (kv_len + tj - 1) // tj
+                n_kv_pages: T.let[T.int32] = key_pages(positions[t])
                 per_split: T.let[T.int32] = split_pages(n_kv_pages, splits, tp)[0]
                 layer64: T.let[T.int64] = T.Cast("int64", layer)
                 p0: T.let[T.int32] = T.min(s * per_split, n_kv_pages)
@@ -394,7 +399,7 @@ def paged_attention(
                         if x < n_cols and splits > 1:
                             tm: T.let[T.int32] = x // (heads * d)
                             live: T.let[T.int32] = split_pages(
-                                (positions[tm] + tj) // tj, splits, tp
+                                key_pages(positions[tm]), splits, tp
                             )[1]
                             merge_pieces(ws_acc, ws_ml, tm * splits, x // d % heads, x % d,
                                          tx // cols, groups, live, run, ms, ls, xs)  # fmt: skip
