@@ -15,7 +15,7 @@ from .vocab import VocabWidths
 
 def export_spec(cfg: ModelConfig, widths: VocabWidths, dtype: str) -> dict:
     """The functions the artifact exports, with their argument shapes."""
-    conv, rec = gdn_pool_shapes(cfg, "n_slots")
+    conv, rec, tickets = gdn_pool_shapes(cfg, "n_slots")
     pool, table = kv_pool_shapes(cfg, "n_pages", "n_slots", "pages_per_seq")
     state = {
         "k_pool": nn.spec.Tensor(list(pool), dtype),
@@ -23,6 +23,7 @@ def export_spec(cfg: ModelConfig, widths: VocabWidths, dtype: str) -> dict:
         "page_table": nn.spec.Tensor(list(table), "int32"),
         "conv_pool": nn.spec.Tensor(list(conv), dtype),
         "rec_pool": nn.spec.Tensor(list(rec), F32),
+        "gdn_tickets": nn.spec.Tensor(list(tickets), "int32"),
     }
     packed = {"$": {"param_mode": "packed", "effect_mode": "none"}}
     no_params = {"$": {"param_mode": "none", "effect_mode": "none"}}

@@ -102,6 +102,15 @@ class KVCache(NamedTuple):
     page_table: Tensor
 
 
+class GDNState(NamedTuple):
+    """The Gated DeltaNet layers' state pools, [slots, GDN layers, ...] (schedules/gdn.py),
+    and the fused decode kernel's tickets (schedules/gdn_decode.py, zero between kernels)."""
+
+    conv_pool: Tensor
+    rec_pool: Tensor
+    tickets: Tensor
+
+
 class GatedAttention(nn.Module):
     """Full attention: q carries a per-head output gate; q/k RMSNorm; partial RoPE; GQA."""
 
@@ -197,11 +206,10 @@ class GatedDeltaNet(nn.Module):
         x: Tensor,
         indptr: Tensor,
         slots: Tensor,
-        conv_pool: Tensor,
-        rec_pool: Tensor,
+        state: GDNState,
         chunked: bool,
         wide: bool = False,
-    ) -> tuple[Tensor, Tensor, Tensor]:
+    ) -> tuple[Tensor, GDNState]:
         """`chunked` picks the chunkwise-parallel delta rule (prefill) over the recurrent one
         (decode); both read and update the same state. `wide`: decode_wide's step, whose
         recurrent kernel takes gdn_decode.WIDE_LAYOUT."""
@@ -213,6 +221,7 @@ class GatedDeltaNet(nn.Module):
         target = Target.current()
         proj = self.in_proj(x)  # [q k v | z | b | a], read in place by the kernels below
         kernel = cfg.linear_conv_kernel_dim
+        conv_pool, rec_pool, tickets = state
         conv_and_gates = [self.conv_weight, self.A_log, self.dt_bias]
         if chunked:  # bf16 on CUDA: the tensor-core kernel (bf16 operands, fp32 state)
             q, k, v, g, beta = op.tensor_ir_op(
@@ -234,18 +243,34 @@ class GatedDeltaNet(nn.Module):
                 inplace_indices=[7, -1],
                 out=[rec_pool, Tensor.placeholder((n_tok, hv, dv), F32)],
             )
-        else:  # one token a sequence: its conv, norms and gates inside the recurrent kernel
+        else:  # one token a sequence: its conv, norms, gates and gated norm in one kernel
             rule = gdn_decode.decode_delta_rule(
-                hk, hv, dk, dv, kernel, self.dtype, target,
+                hk, hv, dk, dv, kernel, cfg.rms_norm_eps, self.dtype, target,
                 **(gdn_decode.WIDE_LAYOUT if wide else {}),
             )  # fmt: skip
-            rec_pool, o = op.tensor_ir_inplace_op(
+            conv_pool, rec_pool, tickets, _, o = op.tensor_ir_inplace_op(
                 rule,
                 rule.attrs["global_symbol"],
-                [proj, *conv_and_gates, slots, conv_pool, rec_pool, layer],
-                inplace_indices=[6, -1],
-                out=[rec_pool, Tensor.placeholder((n_tok, hv, dv), F32)],
+                [
+                    proj,
+                    *conv_and_gates,
+                    self.norm_weight,
+                    slots,
+                    conv_pool,
+                    rec_pool,
+                    tickets,
+                    layer,
+                ],  # fmt: skip
+                inplace_indices=[6, 7, 8, -1, -1],
+                out=[
+                    conv_pool,
+                    rec_pool,
+                    tickets,
+                    Tensor.placeholder((n_tok, hv, dv), F32),
+                    Tensor.placeholder((n_tok, cfg.value_dim), self.dtype),
+                ],
             )
+            return self.out_proj(o), GDNState(conv_pool, rec_pool, tickets)
         # Gated RMSNorm: HF rounds the core output to the activation dtype before the norm.
         # The conv state moves here, after every kernel that reads it.
         conv_pool, o = op.tensor_ir_inplace_op(
@@ -255,8 +280,7 @@ class GatedDeltaNet(nn.Module):
             inplace_indices=[5, -1],
             out=[conv_pool, Tensor.placeholder((n_tok, cfg.value_dim), self.dtype)],
         )
-        out = self.out_proj(o)
-        return out, conv_pool, rec_pool
+        return self.out_proj(o), GDNState(conv_pool, rec_pool, tickets)
 
 
 class DecoderLayer(nn.Module):

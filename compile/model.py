@@ -18,12 +18,13 @@ from tvm.target import Target
 from ..schedules import (
     embedding,
     gdn,
+    gdn_decode,
     greedy,
     kv_cache,
     logits,
 )
 from .config import FULL, ModelConfig
-from .layers import DecoderLayer, KVCache, RMSNorm
+from .layers import DecoderLayer, GDNState, KVCache, RMSNorm
 from .vocab import VocabWidths
 
 F32 = "float32"
@@ -104,16 +105,17 @@ class Qwen35LM(nn.Module):
         page_table: Tensor,
         conv_pool: Tensor,
         rec_pool: Tensor,
+        gdn_tickets: Tensor,
     ) -> tuple[Tensor, ...]:
         """Any number of tokens of any number of sequences: logits [len(logit_positions),
         selection] at the given token positions, and each row's greedy pick, so a greedy
         request's first token costs the host 8 bytes rather than a 1 MB row and a softmax. The
         pools come back only because they are updated in place."""
         kv = KVCache(k_pool, v_pool, page_table)
-        x, kv, conv_pool, rec_pool = self._stack(
-            self.embed_tokens(input_ids), indptr, slots, positions, kv, conv_pool, rec_pool,
-            chunked=True,
-        )
+        x, kv, gdn_state = self._stack(
+            self.embed_tokens(input_ids), indptr, slots, positions, kv,
+            GDNState(conv_pool, rec_pool, gdn_tickets), chunked=True,
+        )  # fmt: skip
         hidden = self.norm(op.take(x, logit_positions, axis=0))
         logits_rows = self.lm_head(hidden)
         rows = logits_rows.shape[0]
@@ -127,7 +129,7 @@ class Qwen35LM(nn.Module):
                 *_pick_workspaces(rows),
             ],
         )
-        return logits_rows, best, best_logprob, kv.k_pool, kv.v_pool, conv_pool, rec_pool
+        return logits_rows, best, best_logprob, kv.k_pool, kv.v_pool, *gdn_state
 
     def decode(
         self,
@@ -140,6 +142,7 @@ class Qwen35LM(nn.Module):
         page_table: Tensor,
         conv_pool: Tensor,
         rec_pool: Tensor,
+        gdn_tickets: Tensor,
     ) -> tuple[Tensor, ...]:
         """One token for each of `batch` sequences: logits [batch, selection] and each row's
         greedy pick, written into the given output buffers. Compiled apart from prefill so its
@@ -147,8 +150,8 @@ class Qwen35LM(nn.Module):
         address, so the whole step is one CUDA graph per batch size. `step` [batch, 3] holds
         each row's token id, slot and position: one host-to-device copy a step."""
         return self._decode(
-            step, logits_out, best_out, logprob_out, k_pool, v_pool, page_table, conv_pool,
-            rec_pool, wide=False,
+            step, logits_out, best_out, logprob_out, k_pool, v_pool, page_table,
+            GDNState(conv_pool, rec_pool, gdn_tickets), wide=False,
         )  # fmt: skip
 
     def decode_wide(
@@ -162,13 +165,14 @@ class Qwen35LM(nn.Module):
         page_table: Tensor,
         conv_pool: Tensor,
         rec_pool: Tensor,
+        gdn_tickets: Tensor,
     ) -> tuple[Tensor, ...]:
         """The same step for 8-64 sequences, compiled apart: its projections get tensor-core
         tiles instead of GEMV schedules (see compile/pipeline.py), and its GDN core blocks of
         32 state rows (gdn_decode.WIDE_LAYOUT)."""
         return self._decode(
-            step, logits_out, best_out, logprob_out, k_pool, v_pool, page_table, conv_pool,
-            rec_pool, wide=True,
+            step, logits_out, best_out, logprob_out, k_pool, v_pool, page_table,
+            GDNState(conv_pool, rec_pool, gdn_tickets), wide=True,
         )  # fmt: skip
 
     def _decode(
@@ -180,8 +184,7 @@ class Qwen35LM(nn.Module):
         k_pool: Tensor,
         v_pool: Tensor,
         page_table: Tensor,
-        conv_pool: Tensor,
-        rec_pool: Tensor,
+        gdn_state: GDNState,
         wide: bool,
     ) -> tuple[Tensor, ...]:
         batch, hidden = step.shape[0], self.cfg.hidden_size
@@ -197,8 +200,8 @@ class Qwen35LM(nn.Module):
             ],
         )
         kv = KVCache(k_pool, v_pool, page_table)
-        x, kv, conv_pool, rec_pool = self._stack(
-            x, indptr, slots, positions, kv, conv_pool, rec_pool, chunked=False, wide=wide
+        x, kv, gdn_state = self._stack(
+            x, indptr, slots, positions, kv, gdn_state, chunked=False, wide=wide
         )
         logits_out = self.lm_head(self.norm(x), out=logits_out)
         best, best_logprob, _, _ = op.tensor_ir_inplace_op(
@@ -208,7 +211,7 @@ class Qwen35LM(nn.Module):
             inplace_indices=[1, 2, -1, -1],
             out=[best_out, logprob_out, *_pick_workspaces(batch)],
         )
-        return logits_out, best, best_logprob, kv.k_pool, kv.v_pool, conv_pool, rec_pool
+        return logits_out, best, best_logprob, kv.k_pool, kv.v_pool, *gdn_state
 
     def constrained_pick(
         self, logits: Tensor, rows: Tensor, bitmask: Tensor, best_out: Tensor, logprob_out: Tensor
@@ -245,11 +248,10 @@ class Qwen35LM(nn.Module):
         slots: Tensor,
         positions: Tensor,
         kv: KVCache,
-        conv_pool: Tensor,
-        rec_pool: Tensor,
+        gdn_state: GDNState,
         chunked: bool,
         wide: bool = False,
-    ) -> tuple[Tensor, KVCache, Tensor, Tensor]:
+    ) -> tuple[Tensor, KVCache, GDNState]:
         """The decoder layers over embeddings x: hidden states [tokens, hidden] before the norm;
         `wide`: decode_wide's step (see GatedDeltaNet.forward)."""
         for layer in self.layers:
@@ -257,12 +259,10 @@ class Qwen35LM(nn.Module):
             if layer.kind == FULL:
                 h, kv = layer.self_attn(h, indptr, slots, positions, kv, prefill=chunked)
             else:
-                h, conv_pool, rec_pool = layer.linear_attn(
-                    h, indptr, slots, conv_pool, rec_pool, chunked, wide
-                )
+                h, gdn_state = layer.linear_attn(h, indptr, slots, gdn_state, chunked, wide)
             x = x + h
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return x, kv, conv_pool, rec_pool
+        return x, kv, gdn_state
 
     def create_kv_pools(
         self, num_pages: tirx.Var, num_slots: tirx.Var, pages_per_seq: tirx.Var
@@ -293,11 +293,10 @@ class Qwen35LM(nn.Module):
             out=Tensor.placeholder(step.shape, "int32"),
         )
 
-    def create_gdn_pools(self, num_slots: tirx.Var) -> tuple[Tensor, Tensor]:
-        return (
-            op.zeros(gdn_pool_shapes(self.cfg, num_slots)[0], self.dtype),
-            op.zeros(gdn_pool_shapes(self.cfg, num_slots)[1], F32),
-        )
+    def create_gdn_pools(self, num_slots: tirx.Var) -> tuple[Tensor, Tensor, Tensor]:
+        """Zeroed conv and recurrent pools and decode's tickets (layers.GDNState)."""
+        conv, rec, tickets = gdn_pool_shapes(self.cfg, num_slots)
+        return op.zeros(conv, self.dtype), op.zeros(rec, F32), op.zeros(tickets, "int32")
 
     def reset_gdn_slots(
         self, conv_pool: Tensor, rec_pool: Tensor, slots: Tensor
@@ -320,7 +319,8 @@ class Qwen35LM(nn.Module):
         return out[0], out[1]
 
 
-def gdn_pool_shapes(cfg: ModelConfig, num_slots) -> tuple[tuple, tuple]:
+def gdn_pool_shapes(cfg: ModelConfig, num_slots) -> tuple[tuple, tuple, tuple]:
+    """layers.GDNState's shapes: conv pool, recurrent pool, tickets."""
     n_gdn = len(cfg.linear_layers)
     conv = (num_slots, n_gdn, cfg.conv_dim, cfg.linear_conv_kernel_dim - 1)
     rec = (
@@ -330,7 +330,10 @@ def gdn_pool_shapes(cfg: ModelConfig, num_slots) -> tuple[tuple, tuple]:
         cfg.linear_value_head_dim,
         cfg.linear_key_head_dim,
     )
-    return conv, rec
+    tickets = gdn_decode.tickets_shape(
+        cfg.linear_num_key_heads, cfg.linear_num_value_heads, num_slots
+    )
+    return conv, rec, tickets
 
 
 def kv_pool_shapes(cfg: ModelConfig, num_pages, num_slots, pages_per_seq) -> tuple[tuple, tuple]:

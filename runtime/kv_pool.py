@@ -15,7 +15,7 @@ import tvm
 from .artifact import Artifact
 
 PAGE_SIZE = 16
-_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int32": 4}
 
 
 def pages_for(tokens: int, page_size: int = PAGE_SIZE) -> int:
@@ -77,8 +77,8 @@ def kv_bytes_per_token(artifact: Artifact) -> int:
 
 
 def gdn_bytes_per_slot(artifact: Artifact) -> int:
-    """Conv and recurrent state of one slot, measured on pools the artifact itself creates
-    (so this never restates the model's pool shapes)."""
+    """Conv and recurrent state (and decode's tickets) of one slot, measured on pools the
+    artifact itself creates (so this never restates the model's pool shapes)."""
     pools = artifact.vm["create_gdn_pools"](tvm.runtime.ShapeTuple([1]))
     return sum(_numel(p.shape) * _DTYPE_BYTES[str(p.dtype)] for p in pools)
 

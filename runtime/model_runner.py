@@ -66,7 +66,9 @@ class ModelRunner:
         self.k_pool, self.v_pool, self.page_table = vm["create_kv_pools"](
             shape([self.total_pages]), shape([self.num_slots]), shape([self.pages_per_seq])
         )
-        self.conv_pool, self.rec_pool = vm["create_gdn_pools"](shape([self.num_slots]))
+        # conv pool, recurrent pool and (artifacts since their decode kernel fused the gated
+        # norm) the tickets of its blocks
+        self.gdn_state = tuple(vm["create_gdn_pools"](shape([self.num_slots])))
         self._lengths: dict[int, int] = {}  # slot -> tokens in the cache
         self._capacity: dict[int, int] = {}  # slot -> tokens its pages hold
         n, width = max_batch_size, artifact.widths.selection
@@ -137,7 +139,7 @@ class ModelRunner:
             raise ValueError(f"{len(pages)} pages: a sequence holds 1 to {self.pages_per_seq}")
         slot_ids, page_ids = self._upload(slot=[slot], pages=pages)
         self._assign(self.page_table, slot_ids, page_ids)
-        self._reset(self.conv_pool, self.rec_pool, slot_ids)
+        self._reset(*self.gdn_state[:2], slot_ids)
         self._lengths[slot] = 0
         self._capacity[slot] = len(pages) * self.page_size
 
@@ -289,8 +291,7 @@ class ModelRunner:
             self.k_pool,
             self.v_pool,
             self.page_table,
-            self.conv_pool,
-            self.rec_pool,
+            *self.gdn_state,
             self.artifact.params,
         )
 

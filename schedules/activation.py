@@ -15,7 +15,7 @@ from tvm.script import tirx as T
 from tvm.target import Target
 from tvm.tirx import PrimFunc
 
-from .gdn_prep import _rounded
+from .gdn_prep import rounded
 from .loops import block_loop, thread_loop
 from .pdl import release_dependents, wait_for_producers
 
@@ -33,12 +33,12 @@ def silu_mul(gate: tirx.Expr, up: tirx.Expr) -> tirx.Expr:
 def swiglu_of(gate: tirx.Expr, up: tirx.Expr, dtype: str, gpu: bool) -> tirx.Expr:
     """What the kernel stores for gate and up values as gate_up holds them (expressions of
     its dtype): silu_mul in float32, rounded once to `dtype`. On the CPU the values are rounded
-    by hand: TVM's CPU bf16 legalisation drops a cast to bf16 and back (gdn_prep._rounded),
+    by hand: TVM's CPU bf16 legalisation drops a cast to bf16 and back (gdn_prep.rounded),
     where the kernel's gate_up went through memory."""
 
     def value(v: tirx.Expr) -> tirx.Expr:
         wide = T.Cast("float32", v)
-        return wide if gpu else _rounded(wide, str(v.ty))
+        return wide if gpu else rounded(wide, str(v.ty))
 
     return T.Cast(dtype, silu_mul(value(gate), value(up)))
 

@@ -23,7 +23,7 @@ from tvm.target import Target
 from tvm.tirx import PrimFunc
 
 from .attention_prep import gated_output
-from .gdn_prep import _rounded
+from .gdn_prep import rounded
 from .kv_cache import PAGE_SIZE, seq_of_token
 from .loops import block_loop, thread_loop
 from .pdl import release_dependents, wait_for_producers
@@ -113,7 +113,7 @@ def paged_attention(
     reg_rows = 1 if gpu else nt
 
     def gated(gate, val, t, h, c):
-        return gated_output(_rounded(val, dtype), gate, t, h, c, d, dtype)
+        return gated_output(rounded(val, dtype), gate, t, h, c, d, dtype)
 
     def dim(p, e, i):
         """Score phase: dims of slice p, interleaved so a warp's loads cover whole rows."""

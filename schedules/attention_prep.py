@@ -24,7 +24,7 @@ from tvm.script import tirx as T
 from tvm.target import Target
 from tvm.tirx import PrimFunc
 
-from .gdn_prep import _lanes, _rounded
+from .gdn_prep import _lanes, rounded
 from .kv_cache import PAGE_SIZE, seq_of_token
 from .loops import block_loop, thread_loop
 from .pdl import release_dependents, wait_for_producers
@@ -149,7 +149,7 @@ def attention_input(
                             acc[0] = acc[0] + part[p]
                         if tx < d:
                             # rounded to the model dtype, as the norm kernel's output was
-                            vals[tx] = _rounded(
+                            vals[tx] = rounded(
                                 vals[tx]
                                 * T.rsqrt(acc[0] / T.float32(d) + T.float32(eps))
                                 * T.if_then_else(is_k, kw[tx], qw[tx]),
@@ -181,7 +181,7 @@ def attention_input(
 def gate_product(o, g, dtype: str):
     """HF's gated attention output from o (fp32, already rounded to `dtype`) and its gate g
     (fp32): round(o * round(sigmoid(g)))."""
-    return T.Cast(dtype, o * _rounded(T.float32(1) / (T.float32(1) + T.exp(-g)), dtype))
+    return T.Cast(dtype, o * rounded(T.float32(1) / (T.float32(1) + T.exp(-g)), dtype))
 
 
 def gate_column(h, head_dim: int):

@@ -1,15 +1,22 @@
 """A decode step's Gated DeltaNet core in one kernel: the conv1d, norms and gates of
-gdn_prep.gdn_input, then the recurrent delta rule of gdn.gated_delta_rule, for one token a
-sequence.
+gdn_prep.gdn_input, the recurrent delta rule of gdn.gated_delta_rule and the gated RMSNorm of
+gdn_prep.gated_norm, for one token a sequence.
 
 Each block of the delta rule owns ROWS value columns of one (sequence, head). Here it first
 makes that token's inputs itself, from in_proj's row and the conv state: its k-head's q and k
 (l2-normalised), its own value columns, g and beta. Blocks of one k-head make the same q and
 k, which costs nothing next to the 8 KB of state each moves, and a decode step loses gdn_input's
-launch and its q/k/v round trip. The conv state is only read here: blocks of one k-head all read
-its q and k history, so none may shift it; gdn_prep.gated_norm does, after every block is done.
-Its arithmetic follows gdn_input's and the delta rule's in order, sums included, so a decode
-row's values equal those of the two kernels (bit for bit on the CPU).
+launch and its q/k/v round trip. Its arithmetic follows gdn_input's, the delta rule's and
+gated_norm's in order, sums included, so a decode row's values equal those of the three kernels
+(bit for bit on the CPU).
+
+The gated norm of a head needs all of its value columns, which several blocks make, and the
+conv state's q/k history may move on only after every block of the k-head has read it. On the
+GPU the last block to finish takes each over, found by a ticket: an int32 a (slot, k-head) and
+a (slot, head) that every block of it adds one to, and the last resets (a kernel of ~25 µs
+ends this way instead of launching a ~2.5 µs norm kernel behind it). A block moves its own value
+columns' history itself: no other block reads them. The CPU runs the two as loop nests after
+the blocks'.
 """
 
 from __future__ import annotations
@@ -19,7 +26,16 @@ from tvm.target import Target
 from tvm.tirx import PrimFunc
 
 from .gdn import PARTS, ROWS, RuleLayout, rule_phases
-from .gdn_prep import beta_gate, conv_silu, l2_parts, log_decay
+from .gdn_prep import (
+    beta_gate,
+    conv_silu,
+    gated,
+    head_norm_layout,
+    head_norms,
+    l2_parts,
+    log_decay,
+    rounded,
+)
 from .loops import block_loop, thread_loop
 from .pdl import release_dependents, wait_for_producers
 
@@ -31,21 +47,29 @@ WIDE_LAYOUT = {"rows": 32, "parts": 4}
 NAME = "gdn_delta_rule_decode"
 
 
+def tickets_shape(k_heads: int, v_heads: int, num_slots) -> tuple:
+    """The tickets the kernel counts its blocks with: [slots, k-heads + heads] int32, zero
+    between kernels."""
+    return (num_slots, k_heads + v_heads)
+
+
 def decode_delta_rule(
     k_heads: int,
     v_heads: int,
     k_dim: int,
     v_dim: int,
     kernel: int,
+    eps: float,
     dtype: str,
     target: Target,
     rows: int = ROWS,
     parts: int = PARTS,
 ) -> PrimFunc:
-    """(proj [batch, conv_dim + value_dim + 2 hv], conv weight, A_log, dt_bias, slots, conv
-    pool (read), recurrent pool (updated in place), layer) -> o [batch, hv, dv] fp32: token b
-    of sequence b, as gdn_input followed by gated_delta_rule would give, without the conv
-    state's shift (gdn_prep.gated_norm's `conv` does it)."""
+    """(proj [batch, conv_dim + value_dim + 2 hv], conv weight, A_log, dt_bias, norm weight
+    [dv], slots, conv pool, recurrent pool, tickets (the three updated in place), layer) ->
+    o [batch, hv, dv] fp32 (the delta rule's output, a workspace), out [batch, hv * dv] (the
+    gated norm's, out_proj's input): token b of sequence b as gdn_input, gated_delta_rule and
+    gated_norm would give them."""
     hist = kernel - 1
     key_dim, value_dim = k_heads * k_dim, v_heads * v_dim
     conv_dim = 2 * key_dim + value_dim
@@ -57,9 +81,69 @@ def decode_delta_rule(
     made = lay.g_at  # conv channels a block makes: its k, q and value columns, staged first
     tiles = v_dim // rows
     np_ = l2_parts(k_dim, v_dim)
+    _, norm_lanes, norm_parts = head_norm_layout(v_heads, v_dim)
+    assert norm_parts <= nt, "a head's partial sums need a lane each"
     shared = "shared" if gpu else "global"
     load_state, token_update, store_state = rule_phases(lay, gpu)
     grid, lanes = block_loop(gpu), thread_loop(nt, gpu)
+    norms = head_norms(1, norm_parts, norm_lanes, v_dim, eps, lanes)
+
+    @T.macro
+    def shift_history(conv, x, b, slot, layer, c):
+        # the window's newest kernel - 1 inputs become channel c's history (each read first)
+        for j in T.unroll(hist - 1):
+            conv[slot, layer, c, j] = conv[slot, layer, c, j + 1]
+        conv[slot, layer, c, hist - 1] = x[b, c]
+
+    @T.macro
+    def shift_qk(conv, x, b, slot, layer, kh, active):
+        for tx in lanes():
+            with T.sblock("qk_history"):
+                T.reads()
+                T.writes()
+                for e in T.unroll((2 * k_dim + nt - 1) // nt):
+                    i: T.let[T.int32] = e * nt + tx
+                    if active:
+                        if i < 2 * k_dim:
+                            c: T.let[T.int32] = T.if_then_else(
+                                i < k_dim, kh * k_dim + i, key_dim + kh * k_dim + i - k_dim
+                            )
+                            shift_history(conv, x, b, slot, layer, c)
+
+    @T.macro
+    def head_norm(o_ws, x, nw, out, vals, part, inv, b, h, active):
+        # gated_norm's arithmetic for head h of token b, from the whole head's o
+        for tx in lanes():
+            with T.sblock("head_values"):
+                T.reads()
+                T.writes()
+                reg = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                for e in T.unroll((norm_lanes + nt - 1) // nt):
+                    c: T.let[T.int32] = e * nt + tx
+                    if c < norm_lanes:
+                        vals[c] = T.float32(0)
+                        if active:
+                            if c < v_dim:
+                                if gpu:  # other blocks wrote it: from L2, not a stale L1 line
+                                    T.ptx.ld.relaxed.gpu.global_.f32(
+                                        reg[0], T.address_of(o_ws[b, h, c])
+                                    )
+                                else:
+                                    reg[0] = o_ws[b, h, c]
+                                vals[c] = rounded(reg[0], dtype)
+        norms(vals, part, inv)
+        for tx in lanes():
+            with T.sblock("head_gate"):
+                T.reads()
+                T.writes()
+                for e in T.unroll((v_dim + nt - 1) // nt):
+                    c: T.let[T.int32] = e * nt + tx
+                    if active:
+                        if c < v_dim:
+                            out[b, h * v_dim + c] = gated(
+                                vals[c], inv[0], nw[c],
+                                T.Cast("float32", x[b, conv_dim + h * v_dim + c]), dtype,
+                            )  # fmt: skip
 
     @T.prim_func(s_tir=True)
     def gdn_delta_rule_decode(
@@ -67,23 +151,29 @@ def decode_delta_rule(
         w_h: T.handle,
         a_log_h: T.handle,
         dt_bias_h: T.handle,
+        nw_h: T.handle,
         slots_h: T.handle,
         conv_h: T.handle,
         pool_h: T.handle,
+        tickets_h: T.handle,
         layer: T.int32,
+        o_ws_h: T.handle,
         out_h: T.handle,
     ):
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
         batch, n_slots, n_layers = T.int32(), T.int32(), T.int32()
-        c_slots, c_layers = T.int32(), T.int32()
+        c_slots, c_layers, t_slots = T.int32(), T.int32(), T.int32()
         x = T.match_buffer(x_h, (batch, width), dtype)
         w = T.match_buffer(w_h, (conv_dim, kernel), dtype)
         a_log = T.match_buffer(a_log_h, (v_heads,), "float32")
         dt_bias = T.match_buffer(dt_bias_h, (v_heads,), "float32")
+        nw = T.match_buffer(nw_h, (v_dim,), "float32")
         slots = T.match_buffer(slots_h, (batch,), "int32")
         conv = T.match_buffer(conv_h, (c_slots, c_layers, conv_dim, hist), dtype)
         pool = T.match_buffer(pool_h, (n_slots, n_layers, v_heads, v_dim, k_dim), "float32")
-        out = T.match_buffer(out_h, (batch, v_heads, v_dim), "float32")
+        tickets = T.match_buffer(tickets_h, (t_slots, k_heads + v_heads), "int32")
+        o_ws = T.match_buffer(o_ws_h, (batch, v_heads, v_dim), "float32")
+        out = T.match_buffer(out_h, (batch, value_dim), dtype)
         for blk in grid(batch * v_heads * tiles):
             with T.sblock("delta_rule"):
                 T.reads()
@@ -92,14 +182,20 @@ def decode_delta_rule(
                 kq = T.sblock_alloc_buffer((staged,), "float32", scope=shared)
                 raw = T.sblock_alloc_buffer((2 * k_dim,), "float32", scope=shared)  # k, q
                 red = T.sblock_alloc_buffer((2 * nt,), "float32", scope=shared)
-                T.evaluate(wait_for_producers(gpu))  # first: schedules/pdl.py
-                T.evaluate(release_dependents(gpu))
+                vals = T.sblock_alloc_buffer((norm_lanes,), "float32", scope=shared)
+                part = T.sblock_alloc_buffer((norm_parts,), "float32", scope=shared)
+                inv = T.sblock_alloc_buffer((1,), "float32", scope=shared)
+                ticket = T.sblock_alloc_buffer((2,), "int32", scope=shared)
                 b: T.let[T.int32] = blk // (v_heads * tiles)
                 h: T.let[T.int32] = blk // tiles % v_heads
                 col0: T.let[T.int32] = blk % tiles * rows
                 kh: T.let[T.int32] = h // group
                 slot: T.let[T.int32] = slots[b]
+                # before the wait (schedules/pdl.py): the state and the slots were written
+                # two or more kernels back, so its load overlaps in_proj's tail
                 load_state(pool, slot, layer, h, col0, st)
+                T.evaluate(wait_for_producers(gpu))
+                T.evaluate(release_dependents(gpu))
                 # the token's inputs, staged as gated_delta_rule stages them: [k | q | v | g | beta]
                 for tx in lanes():
                     with T.sblock("conv"):
@@ -128,6 +224,8 @@ def decode_delta_rule(
                                     raw[i] = conv_silu(wt, win, kernel, dtype)
                                 else:
                                     kq[i] = conv_silu(wt, win, kernel, dtype)
+                                    # only this block reads its value columns' history
+                                    shift_history(conv, x, b, slot, layer, c)
                         if tx == 0:
                             kq[made] = log_decay(
                                 T.Cast("float32", x[b, conv_dim + value_dim + v_heads + h]),
@@ -164,8 +262,53 @@ def decode_delta_rule(
                                 for p in T.unroll(np_):
                                     acc[0] = acc[0] + red[i // k_dim * np_ + p]
                                 kq[i] = raw[i] * (T.float32(1) / T.sqrt(acc[0] + T.float32(1e-6)))
-                token_update(st, kq, red, out, b, h, col0)
+                token_update(st, kq, red, o_ws, b, h, col0)
+                if gpu:
+                    # o and the reads of the q/k history done before the tickets are taken
+                    for _tx in lanes():
+                        with T.sblock("publish"):
+                            T.reads()
+                            T.writes()
+                            T.evaluate(T.cuda.thread_fence())
+                    T.tvm_storage_sync("shared")
+                    for tx in lanes():
+                        with T.sblock("tickets"):
+                            T.reads()
+                            T.writes()
+                            if tx < 2:
+                                at: T.let[T.int32] = T.if_then_else(tx == 0, kh, k_heads + h)
+                                ticket[tx] = T.cuda.atomic_add(T.address_of(tickets[slot, at]), 1)
                 store_state(pool, slot, layer, h, col0, st)
+                if gpu:
+                    last_of_k: T.let[T.bool] = ticket[0] == group * tiles - 1
+                    last_of_head: T.let[T.bool] = ticket[1] == tiles - 1
+                    head_norm(o_ws, x, nw, out, vals, part, inv, b, h, last_of_head)
+                    shift_qk(conv, x, b, slot, layer, kh, last_of_k)
+                    for tx in lanes():
+                        with T.sblock("reset"):
+                            T.reads()
+                            T.writes()
+                            if tx == 0:
+                                if last_of_k:
+                                    tickets[slot, kh] = 0
+                                if last_of_head:
+                                    tickets[slot, k_heads + h] = 0
+        if not gpu:  # the blocks' ends, after all of them (a loop nest is a barrier)
+            for bh in grid(batch * v_heads):
+                with T.sblock("gated_norm"):
+                    T.reads()
+                    T.writes()
+                    vals = T.sblock_alloc_buffer((norm_lanes,), "float32", scope=shared)
+                    part = T.sblock_alloc_buffer((norm_parts,), "float32", scope=shared)
+                    inv = T.sblock_alloc_buffer((1,), "float32", scope=shared)
+                    head_norm(o_ws, x, nw, out, vals, part, inv, bh // v_heads, bh % v_heads,
+                              True)  # fmt: skip
+            for bk in grid(batch * k_heads):
+                with T.sblock("qk_shift"):
+                    T.reads()
+                    T.writes()
+                    shift_qk(conv, x, bk // k_heads, slots[bk // k_heads], layer, bk % k_heads,
+                             True)  # fmt: skip
 
     # decode and decode_wide each hold their layout's kernel: one module, two symbols, named by
     # the layout RuleLayout settled on (rows fall back to a divisor of v_dim)

@@ -74,7 +74,7 @@ def _row_norms(rows: int, parts: int, nt: int, lanes, finish):
     return norms
 
 
-def _rounded(v, dtype: str):
+def rounded(v, dtype: str):
     """fp32 v rounded (to nearest even) to `dtype` and back. By hand for bf16: TVM's CPU bf16
     legalisation drops a cast to bf16 and back, and a bf16 local buffer is kept in fp32."""
     if dtype == "float32":
@@ -85,6 +85,27 @@ def _rounded(v, dtype: str):
     return T.reinterpret("float32", (bits + T.uint32(0x7FFF) + odd) & T.uint32(0xFFFF0000))
 
 
+def head_norm_layout(v_heads: int, v_dim: int) -> tuple[int, int, int]:
+    """gated_norm's (heads a block, lanes a head, partial sums a head): the order its RMSNorm
+    sums a head's squares in, which gdn_decode's fused norm follows."""
+    rows = next(r for r in (HEADS, 4, 2, 1) if v_heads % r == 0)
+    nt = _lanes(max(v_dim, rows))
+    return rows, nt, min(nt // rows, 16)
+
+
+def head_norms(rows: int, parts: int, nt: int, v_dim: int, eps: float, lanes):
+    """The gated norm's 1/rms of `rows` heads: a macro (vals, part, inv) as _row_norms'."""
+    return _row_norms(
+        rows, parts, nt, lanes, lambda sq: T.rsqrt(sq / T.float32(v_dim) + T.float32(eps))
+    )
+
+
+def gated(o, inv, weight, z, dtype: str):
+    """One output of the gated RMSNorm: round(o · 1/rms · weight) · silu(z), in `dtype`."""
+    silu = z * (T.float32(1) / (T.float32(1) + T.exp(-z)))
+    return T.Cast(dtype, rounded(o * inv * weight, dtype) * silu)
+
+
 def beta_gate(b):
     """beta = sigmoid(b), b read from in_proj's row."""
     return T.float32(1) / (T.float32(1) + T.exp(-b))
@@ -93,9 +114,7 @@ def beta_gate(b):
 def log_decay(a, a_log, dt_bias):
     """g = -exp(A_log) * softplus(a + dt_bias), a read from in_proj's row."""
     s = a + dt_bias
-    return -T.exp(a_log) * T.if_then_else(
-        s > T.float32(20), s, T.log(T.float32(1) + T.exp(s))
-    )
+    return -T.exp(a_log) * T.if_then_else(s > T.float32(20), s, T.log(T.float32(1) + T.exp(s)))
 
 
 def conv_silu(wt, win, kernel: int, dtype: str):
@@ -105,7 +124,7 @@ def conv_silu(wt, win, kernel: int, dtype: str):
     acc = wt[0] * win[0]
     for i in range(1, kernel):
         acc = acc + wt[i] * win[i]
-    return _rounded(acc / (T.float32(1) + T.exp(-acc)), dtype)
+    return rounded(acc / (T.float32(1) + T.exp(-acc)), dtype)
 
 
 def gdn_input(
@@ -280,18 +299,14 @@ def gated_norm(
     the kernels before this one (gdn_input, gdn_decode) only read the state, from many blocks,
     so it moves here, after all of them."""
     hist = kernel - 1
-    rows = next(r for r in (HEADS, 4, 2, 1) if v_heads % r == 0)
+    rows, nt, parts = head_norm_layout(v_heads, v_dim)
     gpu = target.kind.name == "cuda"
-    nt = _lanes(max(v_dim, rows))
-    parts = nt // rows if nt // rows <= 16 else 16  # partial sums a head
     groups = v_heads // rows
     shifts = -(-conv_dim // nt)  # conv-state blocks a sequence
     shared = "shared" if gpu else "global"
 
     grid, lanes = block_loop(gpu), thread_loop(nt, gpu)
-    norms = _row_norms(
-        rows, parts, nt, lanes, lambda sq: T.rsqrt(sq / T.float32(v_dim) + T.float32(eps))
-    )
+    norms = head_norms(rows, parts, nt, v_dim, eps, lanes)
 
     @T.prim_func(s_tir=True)
     def gated_norm_fn(
@@ -354,7 +369,7 @@ def gated_norm(
                         for r in T.unroll(rows):
                             vals[r * nt + tx] = T.float32(0)
                             if blk < n_tok * groups and tx < v_dim:
-                                vals[r * nt + tx] = _rounded(o[tok, h0 + r, tx], dtype)
+                                vals[r * nt + tx] = rounded(o[tok, h0 + r, tx], dtype)
                                 zs[r * nt + tx] = T.Cast(
                                     "float32", x[tok, conv_dim + (h0 + r) * v_dim + tx]
                                 )
@@ -365,11 +380,8 @@ def gated_norm(
                         T.writes()
                         if blk < n_tok * groups and tx < v_dim:
                             for r in T.unroll(rows):
-                                zf: T.let[T.float32] = zs[r * nt + tx]
-                                out[tok, (h0 + r) * v_dim + tx] = T.Cast(
-                                    dtype,
-                                    _rounded(vals[r * nt + tx] * inv[r] * w[tx], dtype)
-                                    * (zf * (T.float32(1) / (T.float32(1) + T.exp(-zf)))),
+                                out[tok, (h0 + r) * v_dim + tx] = gated(
+                                    vals[r * nt + tx], inv[r], w[tx], zs[r * nt + tx], dtype
                                 )
 
     return gated_norm_fn.with_attr("global_symbol", "gdn_gated_norm")

@@ -4,9 +4,11 @@ instead of following it. A decode step is ~300 short kernels in a row, and each 
 2-4 µs to that ramp.
 
 The contract, one statement each, at the top of every block's threads:
-- `wait_for_producers()` before the kernel reads anything an earlier kernel wrote and before it
-  writes anything at all (an earlier kernel may still read a buffer the memory planner hands
-  this one). Only constant data (weights) may be read, or prefetched, before it.
+- `wait_for_producers()` before the kernel reads anything the kernel before it wrote and
+  before it writes anything at all (an earlier kernel may still read a buffer the memory
+  planner hands this one). Constant data (weights) may be read, or prefetched, before it, and
+  so may what was written two or more kernels back: the kernel before released this one only
+  after its own wait, which returned once its producer had finished.
 - `release_dependents()` after that wait: the next kernel may then be scheduled. Released
   after the wait, not before, so at most one kernel waits on SMs behind a running one.
 

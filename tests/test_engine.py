@@ -231,7 +231,8 @@ def test_capacity_is_reported_and_derived_from_a_byte_budget(tiny_compiled):
         cfg["linear_num_value_heads"] * cfg["linear_value_head_dim"]
     )
     rec = cfg["linear_num_value_heads"] * cfg["linear_value_head_dim"] * cfg["linear_key_head_dim"]
-    gdn_slot = n_gdn * (conv_dim * (cfg["linear_conv_kernel_dim"] - 1) + rec) * 4
+    tickets = cfg["linear_num_key_heads"] + cfg["linear_num_value_heads"]  # decode's, int32
+    gdn_slot = (n_gdn * (conv_dim * (cfg["linear_conv_kernel_dim"] - 1) + rec) + tickets) * 4
     assert kv_bytes_per_token(art) == kv_token
     assert gdn_bytes_per_slot(art) == gdn_slot
     plan = plan_capacity(art, 8 * gdn_slot + 100 * 16 * kv_token + 16 * kv_token - 1, 8)

@@ -1,18 +1,19 @@
-"""schedules/gdn_decode.py's fused decode kernel against the two kernels it replaces in a decode
-step, gdn_prep.gdn_input then gdn.gated_delta_rule, on the CPU (the GPU loop nest run serially):
-one token a sequence, non-contiguous slots of multi-layer pools, float32 and bfloat16, the
-tiny model's head dims, GQA with dk != dv, and the 4B head dims."""
+"""schedules/gdn_decode.py's fused decode kernel against the three kernels it replaces in a
+decode step, gdn_prep.gdn_input, gdn.gated_delta_rule and gdn_prep.gated_norm, on the CPU (the
+GPU loop nest run serially): one token a sequence, non-contiguous slots of multi-layer pools,
+float32 and bfloat16, the tiny model's head dims, GQA with dk != dv, and the 4B head dims. The
+GPU's tickets are checked in its source (the CPU runs the blocks' ends as loop nests)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import tvm
-from test_gdn_prep import LAYER, N_LAYERS, N_SLOTS, make_input, run_input
+from test_gdn_prep import EPS, LAYER, N_LAYERS, N_SLOTS, make_input, run_input, run_norm
 from tvm.target import Target
 
 from qwen35_tvm.schedules import gdn
-from qwen35_tvm.schedules.gdn_decode import WIDE_LAYOUT, decode_delta_rule
+from qwen35_tvm.schedules.gdn_decode import WIDE_LAYOUT, decode_delta_rule, tickets_shape
 
 LLVM = Target("llvm")
 KERNEL = 4
@@ -31,10 +32,14 @@ def state_pool(dims, seed: int) -> np.ndarray:
     return rng.normal(0.0, 0.5, (N_SLOTS, N_LAYERS, hv, dv, dk)).astype(np.float32)
 
 
-def two_kernels(inp: dict, rec: np.ndarray, dims, dtype: str, layout: dict | None = None):
-    """(o, recurrent pool after) from gdn_input and the ragged recurrent kernel, at the fused
-    kernel's block `layout` (gdn_decode.decode_delta_rule's rows, parts): the same sums in the
-    same order."""
+def norm_weight(dims) -> np.ndarray:
+    return np.random.default_rng(5).normal(1.0, 0.3, dims[3]).astype(np.float32)
+
+
+def three_kernels(inp: dict, rec: np.ndarray, dims, dtype: str, layout: dict | None = None):
+    """(o, gated norm's output, recurrent pool after, conv pool after) from gdn_input, the
+    ragged recurrent kernel at the fused kernel's block `layout` (gdn_decode.decode_delta_rule's
+    rows, parts) and gated_norm: the same sums in the same order."""
     hk, hv, dk, dv = dims
     q, k, v, g, beta, _ = run_input(inp, dims, KERNEL, dtype)
     layout = layout or {}
@@ -44,22 +49,31 @@ def two_kernels(inp: dict, rec: np.ndarray, dims, dtype: str, layout: dict | Non
     pool = tvm.runtime.tensor(rec.copy())
     out = tvm.runtime.tensor(np.full(v.shape, np.nan, np.float32))
     lib["main"](*args, pool, LAYER, out)
-    return out.numpy(), pool.numpy()
+    gated, conv = run_norm(out.numpy(), inp["x"], norm_weight(dims), inp, dtype)
+    return out.numpy(), gated, pool.numpy(), conv
 
 
-def fused(inp: dict, rec: np.ndarray, dims, dtype: str, layout: dict | None = None):
-    """(o, recurrent pool after, conv pool after) from the fused kernel."""
+def fused(inp: dict, rec: np.ndarray, dims, dtype: str, layout: dict | None = None, eps=EPS):
+    """(o, gated norm's output, recurrent pool after, conv pool after, tickets after) from the
+    fused kernel."""
     hk, hv, dk, dv = dims
     layout = layout or {}
-    key = ("fused", dims, dtype, tuple(sorted(layout.items())))
-    func = decode_delta_rule(hk, hv, dk, dv, KERNEL, dtype, LLVM, **layout)
+    key = ("fused", dims, dtype, eps, tuple(sorted(layout.items())))
+    func = decode_delta_rule(hk, hv, dk, dv, KERNEL, eps, dtype, LLVM, **layout)
     lib = _compile(key, func)
-    names = ("x", "w", "a_log", "dt_bias", "slots", "pool")
-    args = [tvm.runtime.tensor(inp[name].copy()) for name in names]
+    n = len(inp["slots"])
+    weights = [tvm.runtime.tensor(inp[name].copy()) for name in ("x", "w", "a_log", "dt_bias")]
+    conv = tvm.runtime.tensor(inp["pool"].copy())
     pool = tvm.runtime.tensor(rec.copy())
-    out = tvm.runtime.tensor(np.full((len(inp["slots"]), hv, dv), np.nan, np.float32))
-    lib[func.attrs["global_symbol"]](*args, pool, LAYER, out)
-    return out.numpy(), pool.numpy(), args[-1].numpy()
+    tickets = tvm.runtime.tensor(np.zeros(tickets_shape(hk, hv, N_SLOTS), np.int32))
+    o = tvm.runtime.tensor(np.full((n, hv, dv), np.nan, np.float32))
+    out = tvm.runtime.tensor(np.full((n, hv * dv), np.nan, inp["x"].dtype))
+    lib[func.attrs["global_symbol"]](
+        *weights, tvm.runtime.tensor(norm_weight(dims)), tvm.runtime.tensor(inp["slots"]), conv,
+        pool, tickets, LAYER, o, out,
+    )  # fmt: skip
+    gated = out.numpy().astype(np.float32)
+    return o.numpy(), gated, pool.numpy(), conv.numpy(), tickets.numpy()
 
 
 def rel_err(a: np.ndarray, b: np.ndarray) -> float:
@@ -75,18 +89,22 @@ LAYOUTS = {"decode": {}, "decode_wide": WIDE_LAYOUT}
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("slots", BATCHES)
 @pytest.mark.parametrize("dims", DIMS)
-def test_fused_decode_matches_input_then_rule(dims, slots, dtype: str, layout: str) -> None:
+def test_fused_decode_matches_the_three_kernels(dims, slots, dtype: str, layout: str) -> None:
     inp = make_input([1] * len(slots), slots, dims, KERNEL, dtype, seed=len(slots))
     rec = state_pool(dims, seed=7)
-    ref_out, ref_pool = two_kernels(inp, rec, dims, dtype, LAYOUTS[layout])
-    out, pool, conv = fused(inp, rec, dims, dtype, LAYOUTS[layout])
-    assert np.isfinite(out).all(), "outputs unwritten or non-finite"
-    assert rel_err(out, ref_out) < 1e-5 and rel_err(pool, ref_pool) < 1e-5  # a readable miss
+    ref_o, ref_gated, ref_pool, ref_conv = three_kernels(inp, rec, dims, dtype, LAYOUTS[layout])
+    o, gated, pool, conv, tickets = fused(inp, rec, dims, dtype, LAYOUTS[layout])
+    assert np.isfinite(o).all() and np.isfinite(gated).all(), "outputs unwritten or non-finite"
+    assert rel_err(o, ref_o) < 1e-5 and rel_err(pool, ref_pool) < 1e-5  # a readable miss
+    assert rel_err(gated, ref_gated) < 1e-5
     # the same arithmetic in the same order: equal, so a decode row and the same token in a
-    # prefill chunk start from the same q, k, v and gates
-    np.testing.assert_array_equal(out, ref_out)
+    # prefill chunk start from the same q, k, v and gates and end with the same norm
+    np.testing.assert_array_equal(o, ref_o)
+    np.testing.assert_array_equal(gated, ref_gated)
     np.testing.assert_array_equal(pool, ref_pool)
-    np.testing.assert_array_equal(conv, inp["pool"])  # read only: gated_norm moves it
+    np.testing.assert_array_equal(conv.astype(np.float32), ref_conv.astype(np.float32))
+    assert not np.array_equal(conv.astype(np.float32), inp["pool"].astype(np.float32))
+    assert not tickets.any()  # the CPU takes none; the GPU's last blocks reset theirs
     untouched = np.ones(N_SLOTS, bool)
     untouched[slots] = False
     np.testing.assert_array_equal(pool[untouched], rec[untouched])
@@ -98,9 +116,19 @@ def test_comparison_catches_a_wrong_history() -> None:
     dims, slots = DIMS[1], BATCHES[1]
     inp = make_input([1] * len(slots), slots, dims, KERNEL, "float32", seed=2)
     rec = state_pool(dims, seed=7)
-    ref_out, _ = two_kernels(inp, rec, dims, "float32")
-    out, _, _ = fused({**inp, "slots": inp["slots"][::-1].copy()}, rec, dims, "float32")
-    assert rel_err(out, ref_out) > 1e-3
+    ref_o, ref_gated, _, _ = three_kernels(inp, rec, dims, "float32")
+    o, gated, _, _, _ = fused({**inp, "slots": inp["slots"][::-1].copy()}, rec, dims, "float32")
+    assert rel_err(o, ref_o) > 1e-3 and rel_err(gated, ref_gated) > 1e-3
+
+
+def test_comparison_catches_a_wrong_norm() -> None:
+    # mutation: the gated norm with another epsilon is no longer equal to gated_norm's
+    dims, slots = DIMS[0], BATCHES[0]
+    inp = make_input([1] * len(slots), slots, dims, KERNEL, "float32", seed=3)
+    rec = state_pool(dims, seed=7)
+    _, ref_gated, _, _ = three_kernels(inp, rec, dims, "float32")
+    _, gated, _, _, _ = fused(inp, rec, dims, "float32", eps=1.0)
+    assert rel_err(gated, ref_gated) > 1e-3
 
 
 def _cuda_source(func, target) -> str:
@@ -121,8 +149,11 @@ def test_compiles_for_cuda_with_a_barrier_a_phase(dtype: str) -> None:
     cuda = Target({"kind": "cuda", "arch": "sm_80"}, host="llvm")
     for layout in LAYOUTS.values():
         fused = _cuda_source(
-            decode_delta_rule(16, 32, 128, 128, KERNEL, dtype, cuda, **layout), cuda
+            decode_delta_rule(16, 32, 128, 128, KERNEL, EPS, dtype, cuda, **layout), cuda
         )
-        assert fused.count("__syncthreads()") <= 8
+        assert fused.count("__syncthreads()") <= 14
+        # the blocks' tickets: o made visible, then counted; the last block reads o from L2
+        assert fused.count("atomicAdd(") == 1 and "__threadfence()" in fused
+        assert "ld.relaxed.gpu.global.f32" in fused
     ragged = _cuda_source(gdn.gated_delta_rule(16, 32, 128, 128, cuda), cuda)
     assert ragged.count("__syncthreads()") <= 6
