@@ -243,24 +243,15 @@ class GatedDeltaNet(nn.Module):
                 inplace_indices=[7, -1],
                 out=[rec_pool, Tensor.placeholder((n_tok, hv, dv), F32)],
             )
-        else:  # one token a sequence: its conv, norms, gates and gated norm in one kernel
+        elif not wide:  # one token a sequence: its conv, norms, gates and gated norm in one kernel
             rule = gdn_decode.decode_delta_rule(
-                hk, hv, dk, dv, kernel, cfg.rms_norm_eps, self.dtype, target,
-                **(gdn_decode.WIDE_LAYOUT if wide else {}),
-            )  # fmt: skip
+                hk, hv, dk, dv, kernel, cfg.rms_norm_eps, self.dtype, target
+            )
             conv_pool, rec_pool, tickets, _, o = op.tensor_ir_inplace_op(
                 rule,
                 rule.attrs["global_symbol"],
-                [
-                    proj,
-                    *conv_and_gates,
-                    self.norm_weight,
-                    slots,
-                    conv_pool,
-                    rec_pool,
-                    tickets,
-                    layer,
-                ],  # fmt: skip
+                [proj, *conv_and_gates, self.norm_weight, slots, conv_pool, rec_pool, tickets,
+                 layer],  # fmt: skip
                 inplace_indices=[6, 7, 8, -1, -1],
                 out=[
                     conv_pool,
@@ -271,6 +262,18 @@ class GatedDeltaNet(nn.Module):
                 ],
             )
             return self.out_proj(o), GDNState(conv_pool, rec_pool, tickets)
+        else:  # decode_wide: the same without the gated norm (gdn_decode.decode_delta_rule)
+            rule = gdn_decode.decode_delta_rule(
+                hk, hv, dk, dv, kernel, cfg.rms_norm_eps, self.dtype, target,
+                **gdn_decode.WIDE_LAYOUT, gated=False,
+            )  # fmt: skip
+            rec_pool, o = op.tensor_ir_inplace_op(
+                rule,
+                rule.attrs["global_symbol"],
+                [proj, *conv_and_gates, slots, conv_pool, rec_pool, layer],
+                inplace_indices=[6, -1],
+                out=[rec_pool, Tensor.placeholder((n_tok, hv, dv), F32)],
+            )
         # Gated RMSNorm: HF rounds the core output to the activation dtype before the norm.
         # The conv state moves here, after every kernel that reads it.
         conv_pool, o = op.tensor_ir_inplace_op(

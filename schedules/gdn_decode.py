@@ -29,11 +29,11 @@ from .gdn import PARTS, ROWS, RuleLayout, rule_phases
 from .gdn_prep import (
     beta_gate,
     conv_silu,
-    gated,
     head_norm_layout,
     head_norms,
     l2_parts,
     log_decay,
+    norm_gate,
     rounded,
 )
 from .loops import block_loop, thread_loop
@@ -64,12 +64,18 @@ def decode_delta_rule(
     target: Target,
     rows: int = ROWS,
     parts: int = PARTS,
+    gated: bool = True,
 ) -> PrimFunc:
-    """(proj [batch, conv_dim + value_dim + 2 hv], conv weight, A_log, dt_bias, norm weight
-    [dv], slots, conv pool, recurrent pool, tickets (the three updated in place), layer) ->
-    o [batch, hv, dv] fp32 (the delta rule's output, a workspace), out [batch, hv * dv] (the
-    gated norm's, out_proj's input): token b of sequence b as gdn_input, gated_delta_rule and
-    gated_norm would give them."""
+    """With `gated`: (proj [batch, conv_dim + value_dim + 2 hv], conv weight, A_log, dt_bias,
+    norm weight [dv], slots, conv pool, recurrent pool, tickets (the three updated in place),
+    layer) -> o [batch, hv, dv] fp32 (the delta rule's output, a workspace), out [batch, hv *
+    dv] (the gated norm's, out_proj's input): token b of sequence b as gdn_input,
+    gated_delta_rule and gated_norm would give them.
+
+    Without: (proj, conv weight, A_log, dt_bias, slots, conv pool (read only), recurrent pool,
+    layer) -> o, which gated_norm takes on (and moves the conv history). decode_wide's kernel:
+    at 16 sequences its 2,048 blocks run in two waves, and the tickets' fence and atomics
+    lengthen every block (c16 TPOT 4.254 -> 4.358 ms gated, engine_gdn_fused_norm.json)."""
     hist = kernel - 1
     key_dim, value_dim = k_heads * k_dim, v_heads * v_dim
     conv_dim = 2 * key_dim + value_dim
@@ -87,6 +93,19 @@ def decode_delta_rule(
     load_state, token_update, store_state = rule_phases(lay, gpu)
     grid, lanes = block_loop(gpu), thread_loop(nt, gpu)
     norms = head_norms(1, norm_parts, norm_lanes, v_dim, eps, lanes)
+    windows = (made + nt - 1) // nt  # conv windows a lane makes
+
+    def channel(i, kh, h, col0):
+        # the conv channel of staged input i: k, then q of k-head kh, then the block's values
+        return T.if_then_else(
+            i < k_dim,
+            key_dim + kh * k_dim + i,
+            T.if_then_else(
+                i < 2 * k_dim,
+                kh * k_dim + i - k_dim,
+                2 * key_dim + h * v_dim + col0 + i - 2 * k_dim,
+            ),
+        )
 
     @T.macro
     def shift_history(conv, x, b, slot, layer, c):
@@ -140,40 +159,14 @@ def decode_delta_rule(
                     c: T.let[T.int32] = e * nt + tx
                     if active:
                         if c < v_dim:
-                            out[b, h * v_dim + c] = gated(
+                            out[b, h * v_dim + c] = norm_gate(
                                 vals[c], inv[0], nw[c],
                                 T.Cast("float32", x[b, conv_dim + h * v_dim + c]), dtype,
                             )  # fmt: skip
 
-    @T.prim_func(s_tir=True)
-    def gdn_delta_rule_decode(
-        x_h: T.handle,
-        w_h: T.handle,
-        a_log_h: T.handle,
-        dt_bias_h: T.handle,
-        nw_h: T.handle,
-        slots_h: T.handle,
-        conv_h: T.handle,
-        pool_h: T.handle,
-        tickets_h: T.handle,
-        layer: T.int32,
-        o_ws_h: T.handle,
-        out_h: T.handle,
-    ):
-        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
-        batch, n_slots, n_layers = T.int32(), T.int32(), T.int32()
-        c_slots, c_layers, t_slots = T.int32(), T.int32(), T.int32()
-        x = T.match_buffer(x_h, (batch, width), dtype)
-        w = T.match_buffer(w_h, (conv_dim, kernel), dtype)
-        a_log = T.match_buffer(a_log_h, (v_heads,), "float32")
-        dt_bias = T.match_buffer(dt_bias_h, (v_heads,), "float32")
-        nw = T.match_buffer(nw_h, (v_dim,), "float32")
-        slots = T.match_buffer(slots_h, (batch,), "int32")
-        conv = T.match_buffer(conv_h, (c_slots, c_layers, conv_dim, hist), dtype)
-        pool = T.match_buffer(pool_h, (n_slots, n_layers, v_heads, v_dim, k_dim), "float32")
-        tickets = T.match_buffer(tickets_h, (t_slots, k_heads + v_heads), "int32")
-        o_ws = T.match_buffer(o_ws_h, (batch, v_heads, v_dim), "float32")
-        out = T.match_buffer(out_h, (batch, value_dim), dtype)
+    @T.macro
+    def blocks(x, w, a_log, dt_bias, nw, slots, conv, pool, tickets, layer, o_ws, out, batch,
+               gated):  # fmt: skip
         for blk in grid(batch * v_heads * tiles):
             with T.sblock("delta_rule"):
                 T.reads()
@@ -191,41 +184,42 @@ def decode_delta_rule(
                 col0: T.let[T.int32] = blk % tiles * rows
                 kh: T.let[T.int32] = h // group
                 slot: T.let[T.int32] = slots[b]
-                # before the wait (schedules/pdl.py): the state and the slots were written
-                # two or more kernels back, so its load overlaps in_proj's tail
+                # before the wait (schedules/pdl.py): the state, the conv history and the slots
+                # were written two or more kernels back, so their loads overlap in_proj's tail
                 load_state(pool, slot, layer, h, col0, st)
-                T.evaluate(wait_for_producers(gpu))
-                T.evaluate(release_dependents(gpu))
                 # the token's inputs, staged as gated_delta_rule stages them: [k | q | v | g | beta]
                 for tx in lanes():
                     with T.sblock("conv"):
                         T.reads()
                         T.writes()
-                        win = T.sblock_alloc_buffer((kernel,), "float32", scope="local")
+                        wts = T.sblock_alloc_buffer((windows, kernel), "float32", scope="local")
+                        wins = T.sblock_alloc_buffer((windows, kernel), "float32", scope="local")
                         wt = T.sblock_alloc_buffer((kernel,), "float32", scope="local")
-                        for e in T.unroll((made + nt - 1) // nt):
+                        win = T.sblock_alloc_buffer((kernel,), "float32", scope="local")
+                        for e in T.unroll(windows):
                             i: T.let[T.int32] = e * nt + tx
                             if i < made:
-                                c: T.let[T.int32] = T.if_then_else(
-                                    i < k_dim,
-                                    key_dim + kh * k_dim + i,
-                                    T.if_then_else(
-                                        i < 2 * k_dim,
-                                        kh * k_dim + i - k_dim,
-                                        2 * key_dim + h * v_dim + col0 + i - 2 * k_dim,
-                                    ),
-                                )
+                                c: T.let[T.int32] = channel(i, kh, h, col0)
                                 for j in T.unroll(kernel):
-                                    wt[j] = T.Cast("float32", w[c, j])
+                                    wts[e, j] = T.Cast("float32", w[c, j])
                                 for j in T.unroll(hist):
-                                    win[j] = T.Cast("float32", conv[slot, layer, c, j])
+                                    wins[e, j] = T.Cast("float32", conv[slot, layer, c, j])
+                        T.evaluate(wait_for_producers(gpu))
+                        T.evaluate(release_dependents(gpu))
+                        for e in T.unroll(windows):
+                            i: T.let[T.int32] = e * nt + tx
+                            if i < made:
+                                c: T.let[T.int32] = channel(i, kh, h, col0)
+                                for j in T.unroll(kernel):
+                                    wt[j] = wts[e, j]
+                                    win[j] = wins[e, j]
                                 win[hist] = T.Cast("float32", x[b, c])
                                 if i < 2 * k_dim:
                                     raw[i] = conv_silu(wt, win, kernel, dtype)
                                 else:
                                     kq[i] = conv_silu(wt, win, kernel, dtype)
-                                    # only this block reads its value columns' history
-                                    shift_history(conv, x, b, slot, layer, c)
+                                    if gated:  # only this block reads its values' history
+                                        shift_history(conv, x, b, slot, layer, c)
                         if tx == 0:
                             kq[made] = log_decay(
                                 T.Cast("float32", x[b, conv_dim + value_dim + v_heads + h]),
@@ -263,7 +257,7 @@ def decode_delta_rule(
                                     acc[0] = acc[0] + red[i // k_dim * np_ + p]
                                 kq[i] = raw[i] * (T.float32(1) / T.sqrt(acc[0] + T.float32(1e-6)))
                 token_update(st, kq, red, o_ws, b, h, col0)
-                if gpu:
+                if gated and gpu:
                     # o and the reads of the q/k history done before the tickets are taken
                     for _tx in lanes():
                         with T.sblock("publish"):
@@ -279,7 +273,7 @@ def decode_delta_rule(
                                 at: T.let[T.int32] = T.if_then_else(tx == 0, kh, k_heads + h)
                                 ticket[tx] = T.cuda.atomic_add(T.address_of(tickets[slot, at]), 1)
                 store_state(pool, slot, layer, h, col0, st)
-                if gpu:
+                if gated and gpu:
                     last_of_k: T.let[T.bool] = ticket[0] == group * tiles - 1
                     last_of_head: T.let[T.bool] = ticket[1] == tiles - 1
                     head_norm(o_ws, x, nw, out, vals, part, inv, b, h, last_of_head)
@@ -293,7 +287,7 @@ def decode_delta_rule(
                                     tickets[slot, kh] = 0
                                 if last_of_head:
                                     tickets[slot, k_heads + h] = 0
-        if not gpu:  # the blocks' ends, after all of them (a loop nest is a barrier)
+        if gated and not gpu:  # the blocks' ends, after all of them (a nest is a barrier)
             for bh in grid(batch * v_heads):
                 with T.sblock("gated_norm"):
                     T.reads()
@@ -310,7 +304,66 @@ def decode_delta_rule(
                     shift_qk(conv, x, bk // k_heads, slots[bk // k_heads], layer, bk % k_heads,
                              True)  # fmt: skip
 
+
+    @T.prim_func(s_tir=True)
+    def gdn_delta_rule_decode_gated(
+        x_h: T.handle,
+        w_h: T.handle,
+        a_log_h: T.handle,
+        dt_bias_h: T.handle,
+        nw_h: T.handle,
+        slots_h: T.handle,
+        conv_h: T.handle,
+        pool_h: T.handle,
+        tickets_h: T.handle,
+        layer: T.int32,
+        o_ws_h: T.handle,
+        out_h: T.handle,
+    ):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        batch, n_slots, n_layers = T.int32(), T.int32(), T.int32()
+        c_slots, c_layers, t_slots = T.int32(), T.int32(), T.int32()
+        x = T.match_buffer(x_h, (batch, width), dtype)
+        w = T.match_buffer(w_h, (conv_dim, kernel), dtype)
+        a_log = T.match_buffer(a_log_h, (v_heads,), "float32")
+        dt_bias = T.match_buffer(dt_bias_h, (v_heads,), "float32")
+        nw = T.match_buffer(nw_h, (v_dim,), "float32")
+        slots = T.match_buffer(slots_h, (batch,), "int32")
+        conv = T.match_buffer(conv_h, (c_slots, c_layers, conv_dim, hist), dtype)
+        pool = T.match_buffer(pool_h, (n_slots, n_layers, v_heads, v_dim, k_dim), "float32")
+        tickets = T.match_buffer(tickets_h, (t_slots, k_heads + v_heads), "int32")
+        o_ws = T.match_buffer(o_ws_h, (batch, v_heads, v_dim), "float32")
+        out = T.match_buffer(out_h, (batch, value_dim), dtype)
+        blocks(x, w, a_log, dt_bias, nw, slots, conv, pool, tickets, layer, o_ws, out, batch, True)
+
+    @T.prim_func(s_tir=True)
+    def gdn_delta_rule_decode(
+        x_h: T.handle,
+        w_h: T.handle,
+        a_log_h: T.handle,
+        dt_bias_h: T.handle,
+        slots_h: T.handle,
+        conv_h: T.handle,
+        pool_h: T.handle,
+        layer: T.int32,
+        o_h: T.handle,
+    ):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        batch, n_slots, n_layers = T.int32(), T.int32(), T.int32()
+        c_slots, c_layers = T.int32(), T.int32()
+        x = T.match_buffer(x_h, (batch, width), dtype)
+        w = T.match_buffer(w_h, (conv_dim, kernel), dtype)
+        a_log = T.match_buffer(a_log_h, (v_heads,), "float32")
+        dt_bias = T.match_buffer(dt_bias_h, (v_heads,), "float32")
+        slots = T.match_buffer(slots_h, (batch,), "int32")
+        conv = T.match_buffer(conv_h, (c_slots, c_layers, conv_dim, hist), dtype)
+        pool = T.match_buffer(pool_h, (n_slots, n_layers, v_heads, v_dim, k_dim), "float32")
+        o = T.match_buffer(o_h, (batch, v_heads, v_dim), "float32")
+        blocks(x, w, a_log, dt_bias, None, slots, conv, pool, None, layer, o, None, batch, False)
+
     # decode and decode_wide each hold their layout's kernel: one module, two symbols, named by
     # the layout RuleLayout settled on (rows fall back to a divisor of v_dim)
     name = NAME if (rows, lay.parts) == (ROWS, PARTS) else f"{NAME}_r{rows}p{lay.parts}"
+    if gated:
+        return gdn_delta_rule_decode_gated.with_attr("global_symbol", name + "_gated")
     return gdn_delta_rule_decode.with_attr("global_symbol", name)

@@ -100,7 +100,7 @@ def head_norms(rows: int, parts: int, nt: int, v_dim: int, eps: float, lanes):
     )
 
 
-def gated(o, inv, weight, z, dtype: str):
+def norm_gate(o, inv, weight, z, dtype: str):
     """One output of the gated RMSNorm: round(o · 1/rms · weight) · silu(z), in `dtype`."""
     silu = z * (T.float32(1) / (T.float32(1) + T.exp(-z)))
     return T.Cast(dtype, rounded(o * inv * weight, dtype) * silu)
@@ -380,7 +380,7 @@ def gated_norm(
                         T.writes()
                         if blk < n_tok * groups and tx < v_dim:
                             for r in T.unroll(rows):
-                                out[tok, (h0 + r) * v_dim + tx] = gated(
+                                out[tok, (h0 + r) * v_dim + tx] = norm_gate(
                                     vals[r * nt + tx], inv[r], w[tx], zs[r * nt + tx], dtype
                                 )
 

@@ -57,7 +57,7 @@ KERNEL_ATTR = "qwen35.kernel"  # set to "gemv" on the kernel, so tests can tell 
 def _dispatch(n: int, k: int, buckets: Buckets, gpu: bool, *fold):
     """A macro choosing, by the batch at run time, the kernel of the first bucket holding it
     (each bucket its own kernel, with its own registers and launch bounds). `fold`: the
-    epilogue, rms_eps and pair of gemv_body.pass_kernel."""
+    epilogue, rms_eps, pair and extra shapes of gemv_body.pass_kernel."""
     (limit, cfg), rest = buckets[0], buckets[1:]
     first = pass_kernel(n, k, cfg, gpu, *fold)
     if not rest:
@@ -109,7 +109,7 @@ def gemv_kernel(
         raise ValueError(f"n {n} must be even with swiglu: gate and up rows")
     gpu = target.kind.name == "cuda"
     pair = (lambda gate, up: swiglu_of(gate, up, out_dtype, gpu)) if swiglu else None
-    body = _dispatch(n, k, buckets, gpu, epilogue, rms_eps, pair)
+    body = _dispatch(n, k, buckets, gpu, epilogue, rms_eps, pair, extra_shapes)
     attrs = {"tirx.is_scheduled": True, "tirx.noalias": True, KERNEL_ATTR: "gemv"}
     return fused_gemm_func("gemv", body, n, k, extra_shapes, extra_dtypes, out_dtype, attrs,
                            n // 2 if swiglu else n)  # fmt: skip

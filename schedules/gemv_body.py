@@ -39,6 +39,7 @@ def pass_kernel(
     epilogue: Epilogue,
     rms_eps: float | None,
     pair: Pair | None = None,
+    extra_shapes: tuple[str, ...] = (),
 ):
     """A macro (x, w, out, extras, batch) that launches the kernel of one config: row tiles
     on blockIdx.x, passes of cfg.cols batch rows on blockIdx.y. With `rms_eps` the last extra
@@ -50,7 +51,9 @@ def pass_kernel(
         cfg.m_tiles, cfg.warps_k, cfg.unroll, cfg.stages, cfg.rows, cfg.step
     )  # fmt: skip
     nt, xr, cols, n_acc = cfg.n_tiles, cfg.x_ring, cfg.cols, 4 * cfg.m_tiles * cfg.n_tiles
-    tiles, weight_row, store = block_rows(n, k, cfg, epilogue, rms_eps, pair)
+    tiles, weight_row, store, load_early, early_size = block_rows(
+        n, k, cfg, epilogue, rms_eps, pair, extra_shapes
+    )
     min_blocks = min_blocks_per_sm(tiles * rb, cfg)
     n_steps = cdiv(k, step)
     per_warp = cdiv(n_steps, wks)
@@ -277,10 +280,14 @@ def pass_kernel(
                     # the folded norm's: each row's squares, the weight at a load's 8 k
                     sq = T.sblock_alloc_buffer((nt,), "float32", scope="local")
                     nwv = T.sblock_alloc_buffer((VEC,), "float32", scope="local")
+                    # the epilogue's extras (a residual), read now rather than after the stream
+                    early = T.sblock_alloc_buffer((max(early_size, 1),), "float32", scope="local")
                     if dependent:
                         prefetch_weights(w, tile, wk, tx)
                         T.evaluate(wait_for_producers(gpu))
                         T.evaluate(release_dependents(gpu))
+                    if load_early is not None:
+                        load_early(extras, early, wk, tx, tile, col, batch)
                     for i in T.unroll(n_acc):
                         acc[i] = T.float32(0)
                     for j in T.unroll(nt):
@@ -301,7 +308,8 @@ def pass_kernel(
                     for t in T.unroll(nt):
                         to_part(acc, 0, part, wk, tx, t)
                         T.tvm_storage_sync("shared")
-                        store(out, extras, part, wk, tx, tile, col, t, batch, sq_sh)
+                        store(out, extras, part, wk, tx, tile, col, t, batch, sq_sh,
+                              early if load_early is not None else None)  # fmt: skip
                         if t + 1 < nt:
                             T.tvm_storage_sync("shared")  # before the next n-tile's writes
 
@@ -345,7 +353,7 @@ def pass_kernel(
                     with T.sblock("store"):
                         T.reads()
                         T.writes()
-                        store(out, extras, part, wk, tx, tile, col, t, batch, sq_sh)
+                        store(out, extras, part, wk, tx, tile, col, t, batch, sq_sh, None)
 
     tile_body = tile_gpu if gpu else tile_cpu
 

@@ -22,19 +22,51 @@ Pair = Callable[[tirx.Expr, tirx.Expr], tirx.Expr]  # (gate, up) epilogue values
 class Rows(NamedTuple):
     tiles: int  # row tiles: blocks a pass
     weight_row: Callable[[Index], Index]  # a block's row tile * rows + r -> its weight row
-    store: Any  # macro (out, extras, part, wk, tx, tile, col, t, batch, sq_sh)
+    store: Any  # macro (out, extras, part, wk, tx, tile, col, t, batch, sq_sh, early)
+    # macro (extras, early, wk, tx, tile, col, batch): the epilogue's extras of every output
+    # the thread stores, into the local buffer `early` (`early_size` values), or None
+    load_early: Any
+    early_size: int
+
+
+class _Early:
+    """An extra of one output, loaded early into a register: indexed like the extra's buffer
+    by the epilogue, read from the register."""
+
+    def __init__(self, early, at, dtype: str):
+        self.early, self.at, self.dtype = early, at, dtype
+
+    def __getitem__(self, _index):
+        return T.Cast(self.dtype, self.early[self.at])
 
 
 def block_rows(
-    n: int, k: int, cfg: GemvConfig, epilogue: Epilogue, rms_eps: float | None, pair: Pair | None
+    n: int,
+    k: int,
+    cfg: GemvConfig,
+    epilogue: Epilogue,
+    rms_eps: float | None,
+    pair: Pair | None,
+    extra_shapes: tuple[str, ...] = (),
 ) -> Rows:
     """The rows of the kernel of one config over a weight of n rows: n outputs, or n / 2 with
-    `pair` (gemv_kernel's `swiglu`)."""
+    `pair` (gemv_kernel's `swiglu`). The epilogue's extras (a residual) may be loaded at the
+    kernel's start, so their latency hides behind the weight stream instead of following it:
+    not where `pair` takes two columns a thread."""
     wks, rb, rms = cfg.warps_k, cfg.rows, rms_eps is not None
     paired = pair is not None
     n_out, ob = (n // 2, rb // 2) if paired else (n, rb)  # output columns: all, a block's
     outs = ob * TILE_COLS  # outputs of a block per n-tile
     store_iters = cdiv(outs, cfg.threads)
+    kinds = extra_shapes[:-1] if rms else extra_shapes  # the epilogue's
+    # one extra (a residual, a bias), held as fp32 (exact for bf16 and fp32 extras)
+    early_size = cfg.n_tiles * store_iters if len(kinds) == 1 and not paired else 0
+
+    def output(i, wk, tx, tile, col, t):
+        # (o, r, row, b): a thread's i-th output of n-tile t; consecutive threads take
+        # consecutive outputs, so stores are coalesced
+        o = i * cfg.threads + wk * 32 + tx
+        return o, o % ob, tile * ob + o % ob, out_row(col, t, o // ob)
 
     def weight_row(v):
         # rows past n are clamped: they feed only accumulators that are never stored
@@ -56,16 +88,29 @@ def block_rows(
             ss = T.meta_var(row_squares(sq_sh, t * TILE_COLS + c))
             total[i] = total[i] * T.rsqrt(ss / T.float32(k) + T.float32(rms_eps))
 
+    def early_at(t, i):
+        return t * store_iters + i
+
+    def extra_at(extras, b, row):
+        return {"mn": lambda: extras[0][b, row], "n": lambda: extras[0][row],
+                "m": lambda: extras[0][b]}[kinds[0]]()  # fmt: skip
+
     @T.macro
-    def store(out, extras, part, wk, tx, tile, col, t, batch, sq_sh):
+    def load_early(extras, early, wk, tx, tile, col, batch):
+        for t in T.unroll(cfg.n_tiles):
+            for i in T.unroll(store_iters):
+                at = T.meta_var(output(i, wk, tx, tile, col, t))
+                # clamped: an output past n or the batch is never stored
+                rc: T.let[T.int32] = T.min(at[2], n_out - 1)
+                bc: T.let[T.int32] = T.min(at[3], batch - 1)
+                early[early_at(t, i)] = T.Cast("float32", extra_at(extras, bc, rc))
+
+    @T.macro
+    def store(out, extras, part, wk, tx, tile, col, t, batch, sq_sh, early):
         total = T.sblock_alloc_buffer((1 + paired,), "float32", scope="local")
         ex = extras[:-1] if rms else extras
         for i in T.unroll(store_iters):
-            # consecutive threads take consecutive outputs: coalesced
-            o: T.let[T.int32] = i * cfg.threads + wk * 32 + tx
-            r: T.let[T.int32] = o % ob
-            row: T.let[T.int32] = tile * ob + r  # the output's column
-            b: T.let[T.int32] = out_row(col, t, o // ob)
+            o, r, row, b = T.meta_var(output(i, wk, tx, tile, col, t))
             if o < outs and row < n_out and b < batch:
                 if paired:
                     gate, up = T.meta_var(pair_rows(r))
@@ -75,6 +120,11 @@ def block_rows(
                                        epilogue(total[1], b, n_out + row, ex))  # fmt: skip
                 else:
                     row_sum(total, 0, part, o // ob, r, t, sq_sh)
-                    out[b, row] = epilogue(total[0], b, row, ex)
+                    if early is None:
+                        out[b, row] = epilogue(total[0], b, row, ex)
+                    else:
+                        held = T.meta_var(_Early(early, early_at(t, i), str(ex[0].dtype)))
+                        out[b, row] = epilogue(total[0], b, row, [held])
 
-    return Rows(cdiv(n_out, ob), weight_row, store)
+    return Rows(cdiv(n_out, ob), weight_row, store, load_early if early_size else None,
+                early_size)  # fmt: skip

@@ -83,9 +83,11 @@ def test_decode_kernels_wait_before_touching_activations(tiny_cuda) -> None:
         params, body = found[name]
         assert body.count(WAIT) == 1, name
         if name.startswith(GDN_DECODE):  # reads, and only reads, what was written two or more
-            # kernels back: the recurrent state and the slots (schedules/pdl.py)
-            assert set(touched_before_wait(params, body)) == {"pool_ptr", "slots_ptr"}, name
-            assert not re.search(r"pool_ptr[^;=]*\] =", body[: body.index(WAIT)]), name
+            # kernels back: the recurrent state, the conv history, the slots (schedules/pdl.py)
+            early = {"pool_ptr", "conv_ptr", "slots_ptr", "w_ptr"}
+            assert set(touched_before_wait(params, body)) == early, name
+            head = body[: body.index(WAIT)]
+            assert not [p for p in params if re.search(rf"\b{p}\[[^;=]*\] = ", head)], name
             continue
         assert touched_before_wait(params, body) in ([], ["w_ptr"]), name
         if touched_before_wait(params, body):  # only a GEMV's weight, only prefetched
@@ -93,8 +95,9 @@ def test_decode_kernels_wait_before_touching_activations(tiny_cuda) -> None:
 
 
 def test_decode_and_decode_wide_take_their_gdn_layouts(tiny_cuda) -> None:
-    """decode keeps gdn.ROWS x gdn.PARTS blocks, decode_wide gdn_decode.WIDE_LAYOUT's: both
-    kernels are in the library, each waiting on its producer."""
+    """decode keeps gdn.ROWS x gdn.PARTS blocks and the gated norm, decode_wide
+    gdn_decode.WIDE_LAYOUT's without it: both kernels are in the library, each waiting on its
+    producer, and only decode's takes tickets."""
     from qwen35_tvm.schedules.gdn_decode import NAME, WIDE_LAYOUT
 
     _, source = tiny_cuda
@@ -102,8 +105,9 @@ def test_decode_and_decode_wide_take_their_gdn_layouts(tiny_cuda) -> None:
     # the tiny model's 16 value columns a head take 16-row blocks: WIDE_LAYOUT's parts show
     wide = [n for n in found if re.fullmatch(rf"{NAME}_r\d+p{WIDE_LAYOUT['parts']}_kernel", n)]
     assert len(wide) == 1, sorted(n for n in found if NAME in n)
-    for name in (f"{NAME}_kernel", wide[0]):
+    for name in (f"{NAME}_gated_kernel", wide[0]):
         assert WAIT in found[name][1], name
+        assert ("tickets_ptr" in found[name][0]) == (name == f"{NAME}_gated_kernel"), name
 
 
 def test_prefill_kernels_wait_before_touching_anything() -> None:
