@@ -294,12 +294,37 @@ def test_k_tail_zero_fills_the_shared_ring() -> None:
     assert "@!p st.shared.v4.u32" in cuda.inspect_source()
 
 
+def _residual(acc, row, col, extras):
+    return tvm.tirx.Cast("bfloat16", acc) + extras[0][row, col]
+
+
+@pytest.mark.parametrize("rows", ["small", "wide"])
+def test_residual_is_loaded_before_the_weight_stream(rows: str) -> None:
+    """The epilogue's residual is read right after the kernel's wait, into a register the store
+    reads: its latency hides behind the stream (CUDA source; the CPU tests check the values)."""
+    func = gemv_kernel(2560, 4096, CUDA, plan(2560, 4096, rows), ("mn",), ("bfloat16",),
+                       "bfloat16", _residual)  # fmt: skip
+    lib = tvm.compile(tvm.IRModule({"main": func}), target=CUDA)
+    (cuda,) = [m for m in lib.mod.imports if m.kind == "cuda"]
+    src = cuda.inspect_source()
+    bodies = [c for c in src.split("__global__")[1:] if c.split("\n", 1)[0].endswith("{")]
+    assert len(bodies) == len(plan(2560, 4096, rows) if rows == "wide" else [0])
+    for body in bodies:  # each bucket's kernel
+        reads = [m.start() for m in re.finditer(r"ex_0_ptr\[", body)]
+        first_mma = body.index("mma.sync")
+        assert reads and max(reads) < first_mma, body[:200]  # one a batch tile
+        assert re.search(r"out_ptr\[[^;]*\] = [^;]*early_ptr", body), body[:200]
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 def test_wide_kernels_do_not_spill(tmp_path) -> None:
     """ptxas -v on decode_wide's kernels (every bucket) at the 4B shapes: no spills, and the
     launch bounds met (ptxas fits the registers to them, spilling if it must)."""
     for n, k in [(12352, 2560), (2560, 4096), (18432, 2560), (2560, 9216)]:
-        func = gemv_kernel(n, k, CUDA, plan(n, k, "wide"), out_dtype="bfloat16")
+        # o_proj / out_proj and down add the residual: it is loaded early, into registers
+        extras = dict(extra_shapes=("mn",), extra_dtypes=("bfloat16",), epilogue=_residual)
+        func = gemv_kernel(n, k, CUDA, plan(n, k, "wide"), out_dtype="bfloat16",
+                           **(extras if n == 2560 else {}))  # fmt: skip
         mod = tvm.IRModule({"main": func.with_attr("global_symbol", "g")})
         lib = tvm.compile(mod, target=CUDA)  # no nvcc here: TVM keeps the source
         (cuda,) = [m for m in lib.mod.imports if m.kind == "cuda"]
