@@ -1,5 +1,5 @@
 """Benchmark of a decode step's Gated DeltaNet core: the fused kernel (schedules/gdn_decode.py)
-against the two it replaces, gdn_input then the recurrent delta rule.
+against the kernels it replaces, gdn_input, the recurrent delta rule and the gated norm.
 
 Two steps, because the GPU server has no compiler:
   here (nvcc, no GPU):  python benchmarks/gdn_decode_kernel.py build DIR [--arch sm_90]
@@ -11,11 +11,13 @@ against the two-kernel path on the same GPU (max relative difference of outputs 
 bound 1e-5: the same arithmetic in the same order, bit-equal on the CPU, where nvcc may
 contract a multiply-add differently) and against a
 float64 torch reference of conv, norms, gates and recurrence (bound 1e-2: the conv output is
-rounded to bf16, where float64 can land on the neighbouring value). Times are CUPTI kernel
-times (fused, and gdn_input + recurrent); the state's bytes (read and written) over the copy
-bandwidth of the same run give the fused kernel's share of it. `fused_wide` is the fused
-kernel at decode_wide's block layout (gdn_decode.WIDE_LAYOUT), checked against the float64
-reference.
+rounded to bf16, where float64 can land on the neighbouring value). `fused` is decode's kernel,
+with the gated norm: its output is checked against gated_norm's on the two-kernel output (bound
+1e-2: bf16 outputs), its conv history against gated_norm's move of it, and its tickets must be
+zero again after it. Times are CUPTI kernel times (fused, and gdn_input + recurrent + gated
+norm); the state's bytes (read and written) over the copy bandwidth of the same run give the
+fused kernel's share of it. `fused_wide` is decode_wide's kernel (gdn_decode.WIDE_LAYOUT, no
+gated norm), checked against the float64 reference.
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ KEY_DIM, VALUE_DIM = K_HEADS * K_DIM, V_HEADS * V_DIM
 CONV_DIM = 2 * KEY_DIM + VALUE_DIM
 WIDTH = CONV_DIM + VALUE_DIM + 2 * V_HEADS
 BATCHES = (1, 16, 64)
-KERNELS = ("fused", "input", "recurrent", "fused_wide")
+KERNELS = ("fused", "input", "recurrent", "norm", "fused_wide")
+EPS = 1e-6
 
 
 def build(out: Path, arch: str) -> None:
@@ -54,17 +57,20 @@ def build(out: Path, arch: str) -> None:
     from qwen35_tvm.compile.targets import make_target
     from qwen35_tvm.schedules.gdn import gated_delta_rule
     from qwen35_tvm.schedules.gdn_decode import WIDE_LAYOUT, decode_delta_rule
-    from qwen35_tvm.schedules.gdn_prep import gdn_input
+    from qwen35_tvm.schedules.gdn_prep import gated_norm, gdn_input
 
     target, arches = make_target("cuda", arch)
     prepare_cuda_codegen(arches)
     out.mkdir(parents=True, exist_ok=True)
     dims = (K_HEADS, V_HEADS, K_DIM, V_DIM)
     funcs = {
-        "fused": decode_delta_rule(*dims, KERNEL, "bfloat16", target),
+        "fused": decode_delta_rule(*dims, KERNEL, EPS, "bfloat16", target),
         "input": gdn_input(*dims, KERNEL, "bfloat16", target),
         "recurrent": gated_delta_rule(*dims, target),
-        "fused_wide": decode_delta_rule(*dims, KERNEL, "bfloat16", target, **WIDE_LAYOUT),
+        "norm": gated_norm(V_HEADS, V_DIM, CONV_DIM, KERNEL, EPS, "bfloat16", target),
+        "fused_wide": decode_delta_rule(
+            *dims, KERNEL, EPS, "bfloat16", target, **WIDE_LAYOUT, gated=False
+        ),
     }
     for name, func in funcs.items():
         func = func.with_attr("global_symbol", "main")
@@ -90,6 +96,7 @@ def make_inputs(torch, batch: int, seed: int = 0) -> dict:
         "slots": slots,
         "conv": randn(N_SLOTS, N_LAYERS, CONV_DIM, KERNEL - 1, dtype=bf16),
         "pool": randn(N_SLOTS, N_LAYERS, V_HEADS, V_DIM, K_DIM, scale=0.5),
+        "norm_w": randn(V_DIM, scale=0.3) + 1.0,
     }
 
 
@@ -149,18 +156,31 @@ def run(out_dir: Path, results: Path | None) -> None:
             staged += [torch.empty(batch, V_HEADS, device="cuda", dtype=f32) for _ in "gb"]
             pools = {name: inp["pool"].clone() for name in ("fused", "two", "fused_wide")}
             outs = {name: torch.empty(batch, V_HEADS, V_DIM, device="cuda") for name in pools}
+            convs = {name: inp["conv"].clone() for name in ("fused", "two")}
+            gated = {name: torch.empty(batch, VALUE_DIM, device="cuda", dtype=torch.bfloat16)
+                     for name in ("fused", "two")}  # fmt: skip
+            tickets = torch.zeros(N_SLOTS, K_HEADS + V_HEADS, device="cuda", dtype=torch.int32)
             common = [dl(inp[k]) for k in ("x", "w", "a_log", "dt_bias")]
             calls = {
-                **{name: [*common, dl(inp["slots"]), dl(inp["conv"]), dl(pools[name]), LAYER,
-                          dl(outs[name])] for name in ("fused", "fused_wide")},
+                "fused": [*common, dl(inp["norm_w"]), dl(inp["slots"]), dl(convs["fused"]),
+                          dl(pools["fused"]), dl(tickets), LAYER, dl(outs["fused"]),
+                          dl(gated["fused"])],
+                "fused_wide": [*common, dl(inp["slots"]), dl(inp["conv"]),
+                               dl(pools["fused_wide"]), LAYER, dl(outs["fused_wide"])],
                 "input": [*common, dl(inp["indptr"]), dl(inp["slots"]), dl(inp["conv"]), LAYER,
                           *(dl(t) for t in staged)],
                 "recurrent": [*(dl(t) for t in staged), dl(inp["indptr"]), dl(inp["slots"]),
                               dl(pools["two"]), LAYER, dl(outs["two"])],
+                "norm": [dl(outs["two"]), dl(inp["x"]), dl(inp["norm_w"]), dl(inp["indptr"]),
+                         dl(inp["slots"]), dl(convs["two"]), LAYER, dl(gated["two"])],
             }  # fmt: skip
             for name in KERNELS:
                 fns[name](*calls[name])
             torch.cuda.synchronize()
+            # decode's kernel: its gated norm and conv history as gated_norm's, its tickets reset
+            row["rel_gated_vs_two"] = rel(gated["fused"], gated["two"])
+            row["conv_history_equal"] = bool(torch.equal(convs["fused"], convs["two"]))
+            row["tickets_zero"] = not bool(tickets.any())
             exact_out, exact_pool = reference(torch, inp)
             touched = exact_pool[inp["slots"].long(), LAYER]
             for name, o in outs.items():
@@ -172,10 +192,11 @@ def run(out_dir: Path, results: Path | None) -> None:
             row["rel_state_vs_two"] = rel(pools["fused"], two_pool)
             row["ok"] = max(row["rel_out_vs_two"], row["rel_state_vs_two"]) < 1e-5 and max(
                 row["rel_out_fused"], row["rel_state_fused"], row["rel_out_fused_wide"],
-                row["rel_state_fused_wide"]) < 1e-2  # fmt: skip
+                row["rel_state_fused_wide"], row["rel_gated_vs_two"]) < 1e-2 and row[
+                "conv_history_equal"] and row["tickets_zero"]  # fmt: skip
             for name in KERNELS:  # timing re-runs the calls: the values no longer matter
                 row[f"{name}_us"] = kernel_time_us(torch, lambda f=fns[name], a=calls[name]: f(*a))
-            row["two_kernels_us"] = row["input_us"] + row["recurrent_us"]
+            row["replaced_us"] = row["input_us"] + row["recurrent_us"] + row["norm_us"]
             state_bytes = batch * V_HEADS * V_DIM * K_DIM * 4 * 2
             row["fused_copy_bw_fraction"] = state_bytes / (row["fused_us"] * 1e-6) / bw
             row["fused_wide_copy_bw_fraction"] = state_bytes / (row["fused_wide_us"] * 1e-6) / bw
@@ -188,13 +209,13 @@ def run(out_dir: Path, results: Path | None) -> None:
     if results is not None:
         results.mkdir(parents=True, exist_ok=True)
         (results / "gdn_decode_kernel.json").write_text(json.dumps(result, indent=1))
-    print("| batch | fused µs | gdn_input + recurrent µs | fused % of copy bw | fused r32p4 µs "
-          "(% of copy bw) | ok |\n|---|---|---|---|---|---|")  # fmt: skip
+    print("| batch | fused µs | gdn_input + recurrent + gated norm µs | fused % of copy bw | "
+          "fused r32p4 µs (% of copy bw) | ok |\n|---|---|---|---|---|---|")  # fmt: skip
     nan = float("nan")
     for r in rows:
         share = 100 * r.get("fused_copy_bw_fraction", nan)
         other = 100 * r.get("fused_wide_copy_bw_fraction", nan)
-        print(f"| {r['batch']} | {r.get('fused_us', nan):.1f} | {r.get('two_kernels_us', nan):.1f}"
+        print(f"| {r['batch']} | {r.get('fused_us', nan):.1f} | {r.get('replaced_us', nan):.1f}"
               f" | {share:.0f}% | {r.get('fused_wide_us', nan):.1f} ({other:.0f}%)"
               f" | {r.get('ok')} |")  # fmt: skip
 
