@@ -8,12 +8,12 @@ first (`kv_cache.append_kv`).
 `heads / kv_heads` query heads of that kv head, so each K/V element is loaded once for the
 whole GQA group. The kv range of a token is cut into `splits` pieces (flash-decoding) when
 there are few tokens, so one long sequence fills the GPU, each piece at least a tile of pages; a
-second kernel in the same function merges the pieces that hold keys. Per tile of keys
-(`tile_pages` pages, whose K and V are loaded together) the block runs four phases: partial
-scores (a thread per key x dim slice), whole scores (a thread per head x key), the online
-softmax (a thread per query head), and P.V (a thread per key group x 8-dim chunk, accumulating
-in registers). On the CPU the same loop nest runs its lanes serially, so the CPU tests check
-the GPU kernel's indexing.
+second kernel in the same function merges the pieces that hold keys (attention_merge.py).
+Per tile of keys (`tile_pages` pages, whose K and V are loaded together) the block runs four
+phases: partial scores (a thread per key x dim slice), whole scores (a thread per head x key),
+the online softmax (a thread per query head), and P.V (a thread per key group x 8-dim chunk,
+accumulating in registers). On the CPU the same loop nest runs its lanes serially, so the CPU
+tests check the GPU kernel's indexing.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from tvm.script import tirx as T
 from tvm.target import Target
 from tvm.tirx import PrimFunc
 
+from .attention_merge import key_pages, merge_phase, split_pages
 from .attention_prep import gated_output
 from .gdn_prep import rounded
 from .kv_cache import PAGE_SIZE, seq_of_token
@@ -31,26 +32,11 @@ from .pdl import release_dependents, wait_for_producers
 # Split pieces of all tokens together: with few tokens each one's kv range is cut so that
 # tokens x splits stays at this many (x kv heads blocks), enough to fill an H200's 132 SMs.
 SPLIT_BUDGET = 128
-MERGE_UNROLL = 8
 
 
 def num_splits(n_tok, budget: int = SPLIT_BUDGET):
     """Pieces each token's kv range is cut into; a TIR expression of the token count."""
     return T.max(1, budget // n_tok)
-
-
-def key_pages(position):
-    """Pages of keys a token at `position` attends to (positions 0..position)."""
-    return (position + PAGE_SIZE) // PAGE_SIZE
-
-
-def split_pages(n_pages, splits, min_pages: int):
-    """(pages a piece, pieces holding keys) of a token with `n_pages` pages of keys, a piece at
-    least `min_pages` (a tile's): a one-page piece would load its page twice (a tile clamps to
-    its piece), and every piece costs the merge a read. A short context is cut into fewer
-    pieces; its other blocks find no keys, and the merge skips them."""
-    per_split = T.max((n_pages + splits - 1) // splits, min_pages)
-    return per_split, T.max(1, (n_pages + per_split - 1) // per_split)
 
 
 def _vector(head_dim: int) -> int:
@@ -101,10 +87,6 @@ def paged_attention(
     kt = tp * tj  # keys a tile: `tp` pages a step, loaded together
     n_v = tp * chunk_passes * keys_per_group * vec  # a thread's share of a tile's V
 
-    dm = 16  # merge of many pieces: columns a block
-    if nt % dm:
-        raise ValueError(f"{nt} threads a block do not split into groups of {dm} columns")
-
     def v_at(u, cp, jj, i):
         return ((u * chunk_passes + cp) * keys_per_group + jj) * vec + i
     reg = "local" if gpu else "global"
@@ -119,30 +101,7 @@ def paged_attention(
         """Score phase: dims of slice p, interleaved so a warp's loads cover whole rows."""
         return (e * parts + p) * vec + i
 
-    @T.macro
-    def merge_pieces(ws_acc, ws_ml, row0, h, col, first, stride, pieces, run, ms, ls, xs):
-        # pieces first, first + stride, ... (of `pieces`, from workspace row row0) of column
-        # col of head h into a running (max, numerator, denominator), MERGE_UNROLL loads in
-        # flight at a time
-        run[0] = T.float32("-inf")
-        run[1] = T.float32(0)
-        run[2] = T.float32(0)
-        for s0 in T.serial((pieces - first + stride * MERGE_UNROLL - 1) // (stride * MERGE_UNROLL)):
-            for u in T.unroll(MERGE_UNROLL):
-                sp: T.let[T.int32] = T.min((s0 * MERGE_UNROLL + u) * stride + first, pieces - 1)
-                ms[u] = ws_ml[row0 + sp, h, 0]
-                ls[u] = ws_ml[row0 + sp, h, 1]
-                xs[u] = ws_acc[row0 + sp, h, col]
-            for u in T.unroll(MERGE_UNROLL):
-                sp: T.let[T.int32] = (s0 * MERGE_UNROLL + u) * stride + first
-                # empty pieces (max -inf) and clamped repeats add nothing
-                if sp < pieces and ms[u] > T.float32("-inf"):
-                    mn: T.let[T.float32] = T.max(run[0], ms[u])
-                    ca: T.let[T.float32] = T.exp(run[0] - mn)
-                    cb: T.let[T.float32] = T.exp(ms[u] - mn)
-                    run[1] = run[1] * ca + cb * xs[u]
-                    run[2] = run[2] * ca + cb * ls[u]
-                    run[0] = mn
+    merge = merge_phase(heads, d, nt, tp, ws_rows, gpu, gated)
 
     @T.prim_func(s_tir=True)
     def attn_paged(
@@ -370,60 +329,6 @@ def paged_attention(
                                         ws_ml[t * splits + s, kvh * group + g, 1] = ml_sh[
                                             g * 2 + 1
                                         ]
-        # Merge the split pieces, a block per `cols` output columns (of the flattened [token,
-        # head, dim] output) split over `groups` thread groups that take the pieces
-        # round-robin, then combined in shared memory. Many pieces (few tokens): 16 columns,
-        # many groups; a few pieces: a column a thread, all pieces at once. Nothing to do with
-        # one split (tested inside each phase: a barrier may not fall inside a condition).
-        cols: T.let[T.int32] = T.Select(splits > MERGE_UNROLL, dm, nt)
-        groups: T.let[T.int32] = nt // cols
-        n_cols: T.let[T.int32] = T.min(n_tok, ws_rows) * heads * d
-        for mb in grid((n_cols + cols - 1) // cols):
-            with T.sblock("merge"):
-                T.reads()
-                T.writes()
-                m_sh = T.sblock_alloc_buffer((nt,), "float32", scope=shared)
-                n_sh = T.sblock_alloc_buffer((nt,), "float32", scope=shared)
-                d_sh = T.sblock_alloc_buffer((nt,), "float32", scope=shared)
-                T.evaluate(wait_for_producers(gpu))  # first: schedules/pdl.py
-                T.evaluate(release_dependents(gpu))
-                for tx in lanes():
-                    with T.sblock("merge_groups"):
-                        T.reads()
-                        T.writes()
-                        run = T.sblock_alloc_buffer((3,), "float32", scope="local")
-                        ms = T.sblock_alloc_buffer((MERGE_UNROLL,), "float32", scope="local")
-                        ls = T.sblock_alloc_buffer((MERGE_UNROLL,), "float32", scope="local")
-                        xs = T.sblock_alloc_buffer((MERGE_UNROLL,), "float32", scope="local")
-                        x: T.let[T.int32] = mb * cols + tx % cols
-                        if x < n_cols and splits > 1:
-                            tm: T.let[T.int32] = x // (heads * d)
-                            live: T.let[T.int32] = split_pages(
-                                key_pages(positions[tm]), splits, tp
-                            )[1]
-                            merge_pieces(ws_acc, ws_ml, tm * splits, x // d % heads, x % d,
-                                         tx // cols, groups, live, run, ms, ls, xs)  # fmt: skip
-                            m_sh[tx] = run[0]
-                            n_sh[tx] = run[1]
-                            d_sh[tx] = run[2]
-                for tx in lanes():
-                    with T.sblock("merge_store"):
-                        T.reads()
-                        T.writes()
-                        tot = T.sblock_alloc_buffer((3,), "float32", scope="local")
-                        x: T.let[T.int32] = mb * cols + tx
-                        if tx < cols and x < n_cols and splits > 1:
-                            tot[0] = T.float32("-inf")
-                            for g in T.serial(groups):
-                                tot[0] = T.max(tot[0], m_sh[g * cols + tx])
-                            tot[1] = T.float32(0)
-                            tot[2] = T.float32(0)
-                            for g in T.serial(groups):
-                                w: T.let[T.float32] = T.exp(m_sh[g * cols + tx] - tot[0])
-                                tot[1] += w * n_sh[g * cols + tx]
-                                tot[2] += w * d_sh[g * cols + tx]
-                            o[x // (heads * d), x // d % heads, x % d] = gated(
-                                gate, tot[1] / tot[2], x // (heads * d), x // d % heads, x % d
-                            )
+        merge(o, ws_acc, ws_ml, positions, gate, splits, n_tok)
 
     return attn_paged

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import tvm
 
-from qwen35_tvm.schedules import attention, kv_cache
+from qwen35_tvm.schedules import attention, attention_merge, kv_cache
 
 PAGE = kv_cache.PAGE_SIZE
 LAYERS, POOL_PAGES, SLOTS, TABLE_WIDTH = 2, 160, 5, 48
@@ -145,20 +145,20 @@ def test_short_contexts_take_fewer_pieces():
     cases = {(1, 128, 2): (2, 1), (13, 42, 2): (2, 7), (69, 128, 2): (2, 35), (69, 8, 2): (9, 8),
              (2048, 128, 2): (16, 128), (5, 1, 2): (5, 1), (13, 42, 3): (3, 5)}  # fmt: skip
     for (pages, splits, tile), expected in cases.items():
-        got = attention.split_pages(tvm.tirx.IntImm("int32", pages), splits, tile)
+        got = attention_merge.split_pages(tvm.tirx.IntImm("int32", pages), splits, tile)
         assert tuple(int(g) for g in got) == expected
 
 
 def test_merge_notices_a_missing_piece(monkeypatch):
     """The merge reads only the pieces holding keys: one fewer is noticed (200 and 701 keys
     of one sequence, 7 and 22 pieces)."""
-    real = attention.split_pages
+    real = attention_merge.split_pages
 
     def one_short(n_pages, splits, min_pages):
         per_split, live = real(n_pages, splits, min_pages)
         return per_split, tvm.tirx.max(1, live - 1)
 
-    monkeypatch.setattr(attention, "split_pages", one_short)
+    monkeypatch.setattr(attention_merge, "split_pages", one_short)
     monkeypatch.setitem(globals(), "_built", {})
     for before in ([199], [700]):
         assert attend(4, 2, 16, before, [1]) > 1e-2

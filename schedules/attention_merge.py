@@ -1,0 +1,125 @@
+"""The merge of paged_attention's split pieces (schedules/attention.py), and how a token's keys
+are cut into them: a token's kv range is cut into pieces of at least a tile of pages, each
+piece's block leaves its running (max, sum, P.V) in a workspace row, and a second kernel of the
+same function merges the pieces that hold keys and stores the gated output."""
+
+from __future__ import annotations
+
+from tvm.script import tirx as T
+
+from .kv_cache import PAGE_SIZE
+from .loops import block_loop, thread_loop
+from .pdl import release_dependents, wait_for_producers
+
+MERGE_UNROLL = 8  # a thread's workspace loads in flight
+MERGE_COLS = 16  # merge of many pieces: columns a block
+
+
+def key_pages(position):
+    """Pages of keys a token at `position` attends to (positions 0..position)."""
+    return (position + PAGE_SIZE) // PAGE_SIZE
+
+
+def split_pages(n_pages, splits, min_pages: int):
+    """(pages a piece, pieces holding keys) of a token with `n_pages` pages of keys, a piece at
+    least `min_pages` (a tile's): a one-page piece would load its page twice (a tile clamps to
+    its piece), and every piece costs the merge a read. A short context is cut into fewer
+    pieces; its other blocks find no keys, and the merge skips them."""
+    per_split = T.max((n_pages + splits - 1) // splits, min_pages)
+    return per_split, T.max(1, (n_pages + per_split - 1) // per_split)
+
+
+@T.macro
+def merge_pieces(ws_acc, ws_ml, row0, h, col, first, stride, pieces, run, ms, ls, xs):
+    # pieces first, first + stride, ... (of `pieces`, from workspace row row0) of column
+    # col of head h into a running (max, numerator, denominator), MERGE_UNROLL loads in
+    # flight at a time
+    run[0] = T.float32("-inf")
+    run[1] = T.float32(0)
+    run[2] = T.float32(0)
+    for s0 in T.serial((pieces - first + stride * MERGE_UNROLL - 1) // (stride * MERGE_UNROLL)):
+        for u in T.unroll(MERGE_UNROLL):
+            sp: T.let[T.int32] = T.min((s0 * MERGE_UNROLL + u) * stride + first, pieces - 1)
+            ms[u] = ws_ml[row0 + sp, h, 0]
+            ls[u] = ws_ml[row0 + sp, h, 1]
+            xs[u] = ws_acc[row0 + sp, h, col]
+        for u in T.unroll(MERGE_UNROLL):
+            sp: T.let[T.int32] = (s0 * MERGE_UNROLL + u) * stride + first
+            # empty pieces (max -inf) and clamped repeats add nothing
+            if sp < pieces and ms[u] > T.float32("-inf"):
+                mn: T.let[T.float32] = T.max(run[0], ms[u])
+                ca: T.let[T.float32] = T.exp(run[0] - mn)
+                cb: T.let[T.float32] = T.exp(ms[u] - mn)
+                run[1] = run[1] * ca + cb * xs[u]
+                run[2] = run[2] * ca + cb * ls[u]
+                run[0] = mn
+
+
+def merge_phase(heads: int, d: int, nt: int, tile_pages: int, ws_rows: int, gpu: bool, gated):
+    """The merge kernel as a macro (o, ws_acc, ws_ml, positions, gate, splits, n_tok) for blocks
+    of `nt` threads; `gated(gate, value, t, h, c)` gives the stored output."""
+    dm, tp = MERGE_COLS, tile_pages
+    if nt % dm:
+        raise ValueError(f"{nt} threads a block do not split into groups of {dm} columns")
+    shared = "shared" if gpu else "global"
+    grid, lanes = block_loop(gpu), thread_loop(nt, gpu)
+
+    @T.macro
+    def merge(o, ws_acc, ws_ml, positions, gate, splits, n_tok):
+        # Merge the split pieces, a block per `cols` output columns (of the flattened [token,
+        # head, dim] output) split over `groups` thread groups that take the pieces
+        # round-robin, then combined in shared memory. Many pieces (few tokens): 16 columns,
+        # many groups; a few pieces: a column a thread, all pieces at once. Nothing to do with
+        # one split (tested inside each phase: a barrier may not fall inside a condition).
+        cols: T.let[T.int32] = T.Select(splits > MERGE_UNROLL, dm, nt)
+        groups: T.let[T.int32] = nt // cols
+        n_cols: T.let[T.int32] = T.min(n_tok, ws_rows) * heads * d
+        for mb in grid((n_cols + cols - 1) // cols):
+            with T.sblock("merge"):
+                T.reads()
+                T.writes()
+                m_sh = T.sblock_alloc_buffer((nt,), "float32", scope=shared)
+                n_sh = T.sblock_alloc_buffer((nt,), "float32", scope=shared)
+                d_sh = T.sblock_alloc_buffer((nt,), "float32", scope=shared)
+                T.evaluate(wait_for_producers(gpu))  # first: schedules/pdl.py
+                T.evaluate(release_dependents(gpu))
+                for tx in lanes():
+                    with T.sblock("merge_groups"):
+                        T.reads()
+                        T.writes()
+                        run = T.sblock_alloc_buffer((3,), "float32", scope="local")
+                        ms = T.sblock_alloc_buffer((MERGE_UNROLL,), "float32", scope="local")
+                        ls = T.sblock_alloc_buffer((MERGE_UNROLL,), "float32", scope="local")
+                        xs = T.sblock_alloc_buffer((MERGE_UNROLL,), "float32", scope="local")
+                        x: T.let[T.int32] = mb * cols + tx % cols
+                        if x < n_cols and splits > 1:
+                            tm: T.let[T.int32] = x // (heads * d)
+                            live: T.let[T.int32] = split_pages(
+                                key_pages(positions[tm]), splits, tp
+                            )[1]
+                            merge_pieces(ws_acc, ws_ml, tm * splits, x // d % heads, x % d,
+                                         tx // cols, groups, live, run, ms, ls, xs)  # fmt: skip
+                            m_sh[tx] = run[0]
+                            n_sh[tx] = run[1]
+                            d_sh[tx] = run[2]
+                for tx in lanes():
+                    with T.sblock("merge_store"):
+                        T.reads()
+                        T.writes()
+                        tot = T.sblock_alloc_buffer((3,), "float32", scope="local")
+                        x: T.let[T.int32] = mb * cols + tx
+                        if tx < cols and x < n_cols and splits > 1:
+                            tot[0] = T.float32("-inf")
+                            for g in T.serial(groups):
+                                tot[0] = T.max(tot[0], m_sh[g * cols + tx])
+                            tot[1] = T.float32(0)
+                            tot[2] = T.float32(0)
+                            for g in T.serial(groups):
+                                w: T.let[T.float32] = T.exp(m_sh[g * cols + tx] - tot[0])
+                                tot[1] += w * n_sh[g * cols + tx]
+                                tot[2] += w * d_sh[g * cols + tx]
+                            o[x // (heads * d), x // d % heads, x % d] = gated(
+                                gate, tot[1] / tot[2], x // (heads * d), x // d % heads, x % d
+                            )
+
+    return merge
