@@ -13,10 +13,11 @@ gated_norm's in order, sums included, so a decode row's values equal those of th
 The gated norm of a head needs all of its value columns, which several blocks make, and the
 conv state's q/k history may move on only after every block of the k-head has read it. On the
 GPU the last block to finish takes each over, found by a ticket: an int32 a (slot, k-head) and
-a (slot, head) that every block of it adds one to, and the last resets (a kernel of ~25 µs
-ends this way instead of launching a ~2.5 µs norm kernel behind it). A block moves its own value
-columns' history itself: no other block reads them. The CPU runs the two as loop nests after
-the blocks'.
+a (slot, head) that every block of it adds one to, and the last resets. That spares decode the
+norm kernel behind this one (~2.5 µs a layer at one sequence); decode_wide's blocks, in two
+waves, lose more to the tickets than that, so its kernel leaves the norm to gated_norm
+(`gated`). A block moves its own value columns' history itself: no other block reads them.
+The CPU runs the two as loop nests after the blocks'.
 """
 
 from __future__ import annotations
