@@ -124,11 +124,8 @@ def decode_delta_rule(
                 for e in T.unroll((2 * k_dim + nt - 1) // nt):
                     i: T.let[T.int32] = e * nt + tx
                     if active:
-                        if i < 2 * k_dim:
-                            c: T.let[T.int32] = T.if_then_else(
-                                i < k_dim, kh * k_dim + i, key_dim + kh * k_dim + i - k_dim
-                            )
-                            shift_history(conv, x, b, slot, layer, c)
+                        if i < 2 * k_dim:  # k-head kh's k and q channels
+                            shift_history(conv, x, b, slot, layer, channel(i, kh, 0, 0))
 
     @T.macro
     def head_norm(o_ws, x, nw, out, vals, part, inv, b, h, active):
