@@ -236,13 +236,31 @@ class GatedDeltaNet(nn.Module):
                     Tensor.placeholder((n_tok, hv), F32),
                 ],
             )
-            rec_pool, o = op.tensor_ir_inplace_op(
-                gdn_chunked.chunked_gated_delta_rule(hk, hv, dk, dv, target, act_dtype=self.dtype),
-                "gdn_delta_rule",
-                [q, k, v, g, beta, indptr, slots, rec_pool, layer],
-                inplace_indices=[7, -1],
-                out=[rec_pool, Tensor.placeholder((n_tok, hv, dv), F32)],
-            )
+            two = gdn_chunked.two_pass(hk, hv, dk, dv, target, self.dtype)
+            if two is None:  # fp32 or the CPU: one kernel
+                rec_pool, o = op.tensor_ir_inplace_op(
+                    gdn_chunked.chunked_gated_delta_rule(
+                        hk, hv, dk, dv, target, act_dtype=self.dtype
+                    ),
+                    "gdn_delta_rule",
+                    [q, k, v, g, beta, indptr, slots, rec_pool, layer],
+                    inplace_indices=[7, -1],
+                    out=[rec_pool, Tensor.placeholder((n_tok, hv, dv), F32)],
+                )
+            else:  # every chunk's state-free part at once, then the serial walk over chunks
+                work = op.tensor_ir_op(
+                    two.prep,
+                    "gdn_chunk_prep",
+                    [q, k, v, g, beta, indptr],
+                    out=[Tensor.placeholder(s, d) for s, d in two.workspace(n_tok, slots.shape[0])],
+                )
+                rec_pool, o = op.tensor_ir_inplace_op(
+                    two.scan,
+                    "gdn_chunk_scan",
+                    [*work, indptr, slots, rec_pool, layer],
+                    inplace_indices=[8, -1],
+                    out=[rec_pool, Tensor.placeholder((n_tok, hv, dv), F32)],
+                )
         elif not wide:  # one token a sequence: its conv, norms, gates and gated norm in one kernel
             rule = gdn_decode.decode_delta_rule(
                 hk, hv, dk, dv, kernel, cfg.rms_norm_eps, self.dtype, target

@@ -20,9 +20,13 @@ sm_80+).
 
 from __future__ import annotations
 
-from tvm.target import Target
-from tvm.tirx import PrimFunc
+from typing import NamedTuple
 
+from tvm.target import Target
+from tvm.tirx import Expr, PrimFunc
+
+from .gdn_chunk_prep import chunk_prep, prep_shared_bytes, workspace_rows
+from .gdn_chunk_scan import chunk_scan, scan_shared_bytes
 from .gdn_chunked_fp32 import GPU_COL_TILE, GPU_THREADS, SOLVE_BLOCK, gdn_chunked_fp32
 from .gdn_chunked_fp32 import shared_bytes as fp32_shared_bytes
 from .gdn_chunked_mma import shared_bytes as mma_shared_bytes
@@ -97,3 +101,64 @@ def chunked_gated_delta_rule(
                 f"more than sm_{arch} has: use a smaller chunk or col_tile"
             )
     return gdn_chunked_fp32(k_heads, v_heads, k_dim, v_dim, chunk, nt_, ct, sb, gpu)
+
+
+class TwoPass(NamedTuple):
+    """Prefill's tensor-core chunked GDN as two kernels (gdn_chunk_prep, gdn_chunk_scan) and
+    the workspace the first hands the second."""
+
+    prep: PrimFunc
+    scan: PrimFunc
+    chunk: int
+    k_heads: int
+    v_heads: int
+    k_dim: int
+    v_dim: int
+
+    def workspace(self, n_tok: Expr | int, n_seq: Expr | int) -> list[tuple]:
+        """(shape, dtype) of K, Q, W, U0, P and G, in the order both kernels take them."""
+        rows = workspace_rows(n_tok, n_seq, self.chunk)
+        hk, hv, dk, dv, bf16 = self.k_heads, self.v_heads, self.k_dim, self.v_dim, "bfloat16"
+        return [
+            ((rows, hk, dk), bf16),
+            ((rows, hk, dk), bf16),
+            ((rows, hv, dk), bf16),
+            ((rows, hv, dv), bf16),
+            ((rows, hv, self.chunk), bf16),
+            ((hv, rows), "float32"),
+        ]
+
+
+# (chunk, value columns a scan block). H200, 4B heads (gdn_kernel.json, session 12): C32 t64
+# matches C64 t32 at 1 x 1,024 (111 us a layer), loses 8% at 1 x 8,192 (798 against 734 us)
+# and wins wherever several sequences share a step (16 x 1,024: 1,030 against 1,570 us): its
+# blocks take 95 KiB of shared memory, two an SM, where C64's take 157 KiB.
+TWO_PASS = (32, 64)
+
+
+def two_pass(
+    k_heads: int,
+    v_heads: int,
+    k_dim: int,
+    v_dim: int,
+    target: Target,
+    act_dtype: str = "bfloat16",
+    chunk: int | None = None,
+    col_tile: int | None = None,
+) -> TwoPass | None:
+    """The two-pass kernels where they apply (bf16 activations on CUDA sm_80+, dims that tile),
+    else None (the caller takes `chunked_gated_delta_rule`)."""
+    gpu = target.kind.name == "cuda"
+    arch = int(str(target.attrs.get("arch", "sm_80"))[3:]) if gpu else 0
+    c, ct = chunk or TWO_PASS[0], col_tile or min(TWO_PASS[1], v_dim)
+    if not gpu or arch < 80 or act_dtype != "bfloat16":
+        return None
+    if k_dim % 64 or v_dim % 32 or k_dim + v_dim > 256 or v_heads % k_heads:
+        return None
+    limit = _SMEM_KIB.get(arch, 99) * 1024
+    dyn, static = scan_shared_bytes(c, ct, k_dim)
+    if sum(prep_shared_bytes(c, k_dim, v_dim)) > limit or dyn + static > limit:
+        raise ValueError(f"chunk {c} x col_tile {ct}: too much shared memory for sm_{arch}")
+    prep = chunk_prep(k_heads, v_heads, k_dim, v_dim, c)
+    scan = chunk_scan(k_heads, v_heads, k_dim, v_dim, c, ct)
+    return TwoPass(prep, scan, c, k_heads, v_heads, k_dim, v_dim)

@@ -118,12 +118,14 @@ def test_prefill_kernels_wait_before_touching_anything() -> None:
 
     from qwen35_tvm.compile.cuda_toolchain import prepare_cuda_codegen
     from qwen35_tvm.schedules.attention_prefill import paged_prefill_mma
-    from qwen35_tvm.schedules.gdn_chunked import chunked_gated_delta_rule
+    from qwen35_tvm.schedules.gdn_chunked import two_pass
 
     prepare_cuda_codegen(["sm_90"])
     target = Target({"kind": "cuda", "arch": "sm_90"}, host="llvm")
+    gdn = two_pass(16, 32, 128, 128, target, "bfloat16")
     funcs = {
-        "gdn": chunked_gated_delta_rule(16, 32, 128, 128, target, act_dtype="bfloat16"),
+        "gdn prep": gdn.prep,
+        "gdn scan": gdn.scan,
         "attention": paged_prefill_mma(16, 4, 256, target),
     }
     for what, func in funcs.items():

@@ -172,6 +172,74 @@ def test_algorithm_matches_reference(c: int) -> None:
     assert max_rel_err(bad_out, ref_out) > 1e-2
 
 
+def two_pass_model(x: dict, c: int, mutate: str = "") -> tuple[np.ndarray, np.ndarray]:
+    """gdn_chunk_prep then gdn_chunk_scan per (sequence, value head), rounding to bf16 where
+    they store or feed mma and fp32 elsewhere. `mutate`: "solve" drops the off-diagonal rows of
+    the blocked solve, "state" drops W Sᵀ (U = U0)."""
+    f32 = np.float32
+    pool = x["pool"].copy()
+    n, hv, dv = x["v"].shape
+    hk, dk = x["k"].shape[1:]
+    out = np.full((n, hv, dv), np.nan, f32)
+    low = np.tril(np.ones((c, c), bool), -1)
+    for b, slot in enumerate(x["slots"]):
+        start, length = x["indptr"][b], x["indptr"][b + 1] - x["indptr"][b]
+        for h in range(hv):
+            kh = h // (hv // hk)
+            st = pool[slot, LAYER, h].astype(f32)  # [dv, dk]
+            for t0 in range(start, start + length, c):
+                # the first pass: no state
+                nv = min(c, start + length - t0)
+                rows = t0 + np.minimum(np.arange(c), nv - 1)
+                live = np.arange(c) < nv
+                k32 = np.where(live[:, None], x["k"][rows, kh], 0).astype(f32)
+                kb, qb = bf16(k32), bf16(np.where(live[:, None], x["q"][rows, kh], 0))
+                gs = np.cumsum(np.where(live, x["g"][rows, h], 0)).astype(f32)
+                bs = np.where(live, x["beta"][rows, h], 0).astype(f32)
+                dec = np.exp(np.minimum(gs[:, None] - gs[None, :], 0)).astype(f32)
+                am = np.where(low, bs[:, None] * dec * (kb @ kb.T), 0).astype(f32)
+                pb = bf16(np.where(low | np.eye(c, dtype=bool), dec * (qb @ kb.T), 0))
+                v = np.where(live[:, None], x["v"][rows, h], 0).astype(f32)
+                rs = (bs[:, None] * np.concatenate([np.exp(gs)[:, None] * k32, v], 1)).astype(f32)
+                xb = np.zeros_like(rs)
+                for r0 in range(0, c, 16):
+                    if r0 and mutate != "solve":
+                        rs[r0 : r0 + 16] -= bf16(am[r0 : r0 + 16, :r0]) @ xb[:r0]
+                    uu = rs[r0 : r0 + 16].copy()
+                    for j in range(16):
+                        uu[j + 1 :] -= am[r0 + j + 1 : r0 + 16, r0 + j, None] * uu[j]
+                    xb[r0 : r0 + 16] = bf16(uu)
+                w, u0 = xb[:, :dk], xb[:, dk:]
+                # the second pass: the state
+                sb = bf16(st)
+                u = u0 - (0 if mutate == "state" else w @ sb.T)
+                ub = bf16(u)
+                wub = bf16(np.exp(gs[-1] - gs)[:, None] * u)
+                o = (np.exp(gs)[:, None] * (qb @ sb.T) + pb @ ub) * f32(dk**-0.5)
+                out[t0 : t0 + nv, h] = o[:nv]
+                st = st * np.exp(gs[-1]) + wub.T @ kb
+            pool[slot, LAYER, h] = st
+    return out, pool
+
+
+@pytest.mark.parametrize("c", [32, 64])
+def test_two_pass_algorithm_matches_reference(c: int) -> None:
+    """The prep/scan split (U = U0 - W Sᵀ) at ragged lengths from non-zero states, within the
+    bf16 bound; dropping either the solve's off-diagonal rows or W Sᵀ must break it."""
+    from test_gdn_kernels import make_inputs, max_rel_err, reference
+
+    lengths = [1, c - 1, c, c + 1, 0, 2 * c + 5]
+    x = make_inputs(lengths, [7, 2, 5, 0, 3, 8], 1, 2, 128, 128, seed=4)
+    ref_out, ref_pool = reference(x)
+    out, pool = two_pass_model(x, c)
+    err_out, err_pool = max_rel_err(out, ref_out), max_rel_err(pool, ref_pool)
+    print(f"C={c}: two passes, max rel error: outputs {err_out:.2e}, states {err_pool:.2e}")
+    assert err_out < 1e-2 and err_pool < 1e-2, (err_out, err_pool)
+    for mutate in ("solve", "state"):
+        bad_out, bad_pool = two_pass_model(x, c, mutate)
+        assert max(max_rel_err(bad_out, ref_out), max_rel_err(bad_pool, ref_pool)) > 1e-2
+
+
 def scan_model(g: np.ndarray, nv: int, c: int, carry: bool = True) -> np.ndarray:
     """The kernel's decay scan (mma_launch's scan_g): 32-token pieces, each an inclusive
     Hillis-Steele scan over the lanes by shuffle-up (a lane below the distance keeps its own

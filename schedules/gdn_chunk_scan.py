@@ -1,0 +1,281 @@
+"""Prefill's chunked GDN, second pass (CUDA sm_80+, tensor cores): the serial walk over a
+sequence's chunks that carries the state, on `gdn_chunk_prep`'s workspace.
+
+A block owns (sequence, value head, `col_tile` value columns); 8 warps. The state S (rows =
+value columns) stays fp32 in the accumulators of its update for the whole sequence, with a bf16
+copy in shared memory as an operand. Per chunk, with W, U0, P, G, K and Q from the first pass:
+1. [W; Q] x Sᵀ (one matmul): U = U0 - W Sᵀ and e^(G_last - G) U as bf16, e^G Q Sᵀ in fp32;
+2. O = scale (e^G Q Sᵀ + P U) (stored), S <- e^G_last S + (e^(G_last - G) U)ᵀ K, and S's copy.
+Two barriers a chunk. The next chunk's operands arrive by cp.async into a second stage while
+this one computes, so the loop waits on no global load. The buffers the two phases exchange
+(S's copy, U, its decayed copy, e^G Q Sᵀ) live in static shared memory, which TVM's barrier
+planner tracks apart from the dynamic stages: a phase reads one kind and writes the other.
+"""
+
+from __future__ import annotations
+
+from tvm.script import tirx as T
+from tvm.tirx import PrimFunc
+
+from .gdn_chunk_prep import FPAD, THREADS
+from .gdn_mma_tiles import WARPS, a_lane, acc_rc, b_lane, job_tile, n_group, swz
+from .kv_cache import first_tile
+from .pdl import release_dependents, wait_for_producers
+from .ptx import cp_async_16, ldmatrix_x4, mma_bf16
+
+DTYPE = "bfloat16"
+STAGES = 2
+
+
+def scan_shared_bytes(c: int, ct: int, dk: int) -> tuple[int, int]:
+    """(dynamic, static) shared memory of a block."""
+    stage = 2 * (3 * c * dk + c * ct + c * c) + 4 * c
+    static = 2 * (ct * dk + 2 * c * ct) + 4 * c * (ct + FPAD)
+    return STAGES * stage, static
+
+
+def chunk_scan(k_heads: int, v_heads: int, dk: int, dv: int, chunk: int, col_tile: int) -> PrimFunc:
+    """(K, Q, W, U0, P, G from gdn_chunk_prep; indptr, slots, pool, layer) -> (pool, out): the
+    state pool updated in place, out [n_tok, v_heads, dv] fp32."""
+    c, ct, group, nt = chunk, col_tile, v_heads // k_heads, THREADS
+    if c % 16 or dv % ct or ct % 32 or dk % 64 or v_heads % k_heads:
+        raise ValueError(f"chunk {c} (16 |), col_tile {ct} (32 | ct | dv), dk {dk} (64 |)")
+    if scan_shared_bytes(c, ct, dk)[1] > 48 * 1024:
+        raise ValueError(
+            f"chunk {c} x col_tile {ct}: exchanged tiles over 48 KiB of static shared memory"
+        )
+    scale = float(dk) ** -0.5
+    tiles = dv // ct
+    ft = ct + FPAD
+    sh = "shared.dyn"
+    wq_n, k_n, u_n, p_n = 2 * c * dk, c * dk, c * ct, c * c  # elements a stage
+    dch, uch, pch = dk // 8, ct // 8, c // 8  # 16-byte chunks a row
+    # 1. [W; Q] (2C rows) x Sᵀ (ct columns), over dk
+    m1_mt, m1_n8 = 2 * c // 16, ct // 8
+    m1_ng = n_group(m1_n8, m1_mt)
+    m1_jobs = m1_mt * m1_n8 // m1_ng // WARPS
+    # 2. P (C x C) x U (C x ct); the state: (wU)ᵀ (ct x C) x K (C x dk), one job a warp
+    o_mt, o_n8 = c // 16, ct // 8
+    o_ng = n_group(o_n8, o_mt)
+    o_jobs = o_mt * o_n8 // o_ng // WARPS
+    s_mt, s_n8 = ct // 16, dk // 8
+    s_ng = s_mt * s_n8 // WARPS
+    if s_n8 % s_ng or s_ng % 2:
+        raise ValueError(f"state tile {ct} x {dk} does not split into {WARPS} warp tiles")
+    # 16-byte copies a thread a stage: W and Q rows, K rows, U0's columns, P rows, G (fp32)
+    wq_c, k_c, u_c, p_c = (-(-n // nt) for n in (2 * c * dch, c * dch, c * uch, c * pch))
+
+    @T.macro
+    def load_stage(kb, qb, w, u, p, gc, wq_s, k_s, u_s, p_s, g_s, stage, row0, h, kh, col0, tx):
+        for e in T.unroll(wq_c):  # rows 0..C-1 W, C..2C-1 Q
+            x: T.let[T.int32] = e * nt + tx
+            r: T.let[T.int32] = x // dch % c
+            at: T.let[T.int32] = stage * wq_n + swz(x // dch, x % dch * 8, dk)
+            if x < c * dch:
+                T.evaluate(cp_async_16(
+                    wq_s.data, at, w.data, ((row0 + r) * v_heads + h) * dk + x % dch * 8
+                ))  # fmt: skip
+            elif x < 2 * c * dch:
+                T.evaluate(cp_async_16(
+                    wq_s.data, at, qb.data, ((row0 + r) * k_heads + kh) * dk + x % dch * 8
+                ))  # fmt: skip
+        for e in T.unroll(k_c):
+            x: T.let[T.int32] = e * nt + tx
+            if x < c * dch:
+                T.evaluate(cp_async_16(
+                    k_s.data, stage * k_n + swz(x // dch, x % dch * 8, dk), kb.data,
+                    ((row0 + x // dch) * k_heads + kh) * dk + x % dch * 8,
+                ))  # fmt: skip
+        for e in T.unroll(u_c):
+            x: T.let[T.int32] = e * nt + tx
+            if x < c * uch:
+                T.evaluate(cp_async_16(
+                    u_s.data, stage * u_n + swz(x // uch, x % uch * 8, ct), u.data,
+                    ((row0 + x // uch) * v_heads + h) * dv + col0 + x % uch * 8,
+                ))  # fmt: skip
+        for e in T.unroll(p_c):
+            x: T.let[T.int32] = e * nt + tx
+            if x < c * pch:
+                T.evaluate(cp_async_16(
+                    p_s.data, stage * p_n + swz(x // pch, x % pch * 8, c), p.data,
+                    ((row0 + x // pch) * v_heads + h) * c + x % pch * 8,
+                ))  # fmt: skip
+        if tx < c // 4:  # G: 4 fp32 a copy
+            T.evaluate(T.s_tir.cp_async_raw.legacy(
+                g_s.data, stage * c + tx * 4, gc.data, h * gc.shape[1] + row0 + tx * 4, 16,
+                dtype="float32",
+            ))  # fmt: skip
+        T.evaluate(T.ptx["cp.async.commit_group"]())
+
+    @T.prim_func(s_tir=True)
+    def gdn_chunk_scan(
+        kb_h: T.handle,
+        qb_h: T.handle,
+        w_h: T.handle,
+        u_h: T.handle,
+        p_h: T.handle,
+        gc_h: T.handle,
+        indptr_h: T.handle,
+        slots_h: T.handle,
+        pool_h: T.handle,
+        layer: T.int32,
+        out_h: T.handle,
+    ):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        n_rows, n_tok, n_ptr, batch = T.int32(), T.int32(), T.int32(), T.int32()
+        n_slots, n_layers = T.int32(), T.int32()
+        kb = T.match_buffer(kb_h, (n_rows, k_heads, dk), DTYPE)
+        qb = T.match_buffer(qb_h, (n_rows, k_heads, dk), DTYPE)
+        w = T.match_buffer(w_h, (n_rows, v_heads, dk), DTYPE)
+        u = T.match_buffer(u_h, (n_rows, v_heads, dv), DTYPE)
+        p = T.match_buffer(p_h, (n_rows, v_heads, c), DTYPE)
+        gc = T.match_buffer(gc_h, (v_heads, n_rows), "float32")
+        indptr = T.match_buffer(indptr_h, (n_ptr,), "int32")
+        slots = T.match_buffer(slots_h, (batch,), "int32")
+        pool = T.match_buffer(pool_h, (n_slots, n_layers, v_heads, dv, dk), "float32")
+        out = T.match_buffer(out_h, (n_tok, v_heads, dv), "float32")
+        for blk in T.thread_binding(batch * v_heads * tiles, thread="blockIdx.x"):
+            for tx in T.thread_binding(nt, thread="threadIdx.x"):
+                with T.sblock("gdn_chunk_scan"):
+                    T.reads()
+                    T.writes()
+                    wq_s = T.sblock_alloc_buffer((STAGES * wq_n,), DTYPE, scope=sh)
+                    k_s = T.sblock_alloc_buffer((STAGES * k_n,), DTYPE, scope=sh)
+                    u_s = T.sblock_alloc_buffer((STAGES * u_n,), DTYPE, scope=sh)
+                    p_s = T.sblock_alloc_buffer((STAGES * p_n,), DTYPE, scope=sh)
+                    g_s = T.sblock_alloc_buffer((STAGES * c,), "float32", scope=sh)
+                    sb = T.sblock_alloc_buffer((ct * dk,), DTYPE, scope="shared")
+                    ub = T.sblock_alloc_buffer((c * ct,), DTYPE, scope="shared")
+                    wub = T.sblock_alloc_buffer((c * ct,), DTYPE, scope="shared")
+                    os_ = T.sblock_alloc_buffer((c * ft,), "float32", scope="shared")
+                    st = T.sblock_alloc_buffer((s_ng * 4,), "float32", scope="local")
+                    acc = T.sblock_alloc_buffer((max(m1_ng, o_ng) * 4,), "float32",
+                                                scope="local")  # fmt: skip
+                    af = T.sblock_alloc_buffer((8,), DTYPE, scope="local")
+                    bf = T.sblock_alloc_buffer((8,), DTYPE, scope="local")
+                    gi = T.sblock_alloc_buffer((2,), "float32", scope="local")
+                    gl = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                    uv = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                    T.evaluate(wait_for_producers(True))  # first: schedules/pdl.py
+                    T.evaluate(release_dependents(True))
+                    b: T.let[T.int32] = blk // (v_heads * tiles)
+                    h: T.let[T.int32] = blk // tiles % v_heads
+                    col0: T.let[T.int32] = blk % tiles * ct
+                    kh: T.let[T.int32] = h // group
+                    start: T.let[T.int32] = indptr[b]
+                    length: T.let[T.int32] = indptr[b + 1] - start
+                    slot: T.let[T.int32] = slots[b]
+                    first: T.let[T.int32] = first_tile(indptr, b, c)
+                    warp: T.let[T.int32] = tx // 32
+                    lane: T.let[T.int32] = tx % 32
+                    smt: T.let[T.int32] = warp // (s_n8 // s_ng)  # the warp's state tile
+                    sn0: T.let[T.int32] = warp % (s_n8 // s_ng) * s_ng
+                    for i in T.unroll(s_ng * 4):
+                        sr, sc = T.meta_var(acc_rc(lane, i % 4))
+                        st[i] = pool[slot, layer, h, col0 + smt * 16 + sr, (sn0 + i // 4) * 8 + sc]
+                        sb[swz(smt * 16 + sr, (sn0 + i // 4) * 8 + sc, dk)] = T.Cast(DTYPE, st[i])
+                    if length > 0:
+                        load_stage(kb, qb, w, u, p, gc, wq_s, k_s, u_s, p_s, g_s, 0, first * c,
+                                   h, kh, col0, tx)  # fmt: skip
+                    for ch in T.serial((length + c - 1) // c):
+                        stage: T.let[T.int32] = ch % STAGES
+                        nv: T.let[T.int32] = T.min(c, length - ch * c)
+                        T.evaluate(T.ptx["cp.async.wait_group"](0))
+                        T.tvm_storage_sync("shared.dyn")  # one barrier serves both kinds
+                        if ch * c + c < length:
+                            load_stage(kb, qb, w, u, p, gc, wq_s, k_s, u_s, p_s, g_s, 1 - stage,
+                                       (first + ch + 1) * c, h, kh, col0, tx)  # fmt: skip
+                        # 1. [W; Q] x Sᵀ -> U, e^(G_last - G) U (bf16), e^G Q Sᵀ (fp32)
+                        gl[0] = g_s[stage * c + c - 1]  # a store: TVM's shared planner wants one
+                        for jb in T.unroll(m1_jobs):
+                            mt, n0 = T.meta_var(job_tile(jb * WARPS + warp, m1_ng, m1_n8))
+                            for i in T.unroll(m1_ng * 4):
+                                acc[i] = T.float32(0)
+                            for kk in T.unroll(dk // 16):
+                                ar, ac = T.meta_var(a_lane(lane, kk, False))
+                                T.evaluate(ldmatrix_x4(
+                                    af, 0, wq_s, stage * wq_n + swz(mt * 16 + ar, ac, dk)
+                                ))  # fmt: skip
+                                for np_ in T.unroll(m1_ng // 2):
+                                    br, bc = T.meta_var(b_lane(lane, kk, False))
+                                    T.evaluate(ldmatrix_x4(
+                                        bf, 0, sb, swz((n0 + np_ * 2) * 8 + br, bc, dk)
+                                    ))  # fmt: skip
+                                    for h2 in T.unroll(2):
+                                        T.evaluate(mma_bf16(
+                                            af.data, 0, bf.data, h2 * 4,
+                                            acc.data, (np_ * 2 + h2) * 4,
+                                        ))  # fmt: skip
+                            for hr in T.unroll(2):
+                                gi[hr] = g_s[stage * c + (mt * 16 + lane // 4 + hr * 8) % c]
+                            for i in T.unroll(m1_ng * 4):
+                                er, ec = T.meta_var(acc_rc(lane, i % 4))
+                                row: T.let[T.int32] = mt * 16 + er
+                                col: T.let[T.int32] = (n0 + i // 4) * 8 + ec
+                                ri: T.let[T.int32] = row % c
+                                g_i: T.let[T.float32] = gi[i % 4 // 2]
+                                if row < c:
+                                    uv[0] = (
+                                        T.Cast("float32", u_s[stage * u_n + swz(ri, col, ct)])
+                                        - acc[i]
+                                    )
+                                    ub[swz(ri, col, ct)] = T.Cast(DTYPE, uv[0])
+                                    wub[swz(ri, col, ct)] = T.Cast(
+                                        DTYPE, T.exp(gl[0] - g_i) * uv[0]
+                                    )
+                                else:
+                                    os_[ri * ft + col] = T.exp(g_i) * acc[i]
+                        T.tvm_storage_sync("shared")
+                        # 2. the state update, S's copy, and the outputs
+                        for i in T.unroll(s_ng * 4):
+                            st[i] = st[i] * T.exp(gl[0])
+                        for kk in T.unroll(c // 16):
+                            ar, ac = T.meta_var(a_lane(lane, kk, True))
+                            T.evaluate(ldmatrix_x4(af, 0, wub, swz(ar, smt * 16 + ac, ct), True))
+                            for np_ in T.unroll(s_ng // 2):
+                                br, bc = T.meta_var(b_lane(lane, kk, True))
+                                T.evaluate(ldmatrix_x4(
+                                    bf, 0, k_s,
+                                    stage * k_n + swz(br, (sn0 + np_ * 2) * 8 + bc, dk), True,
+                                ))  # fmt: skip
+                                for h2 in T.unroll(2):
+                                    T.evaluate(mma_bf16(
+                                        af.data, 0, bf.data, h2 * 4, st.data, (np_ * 2 + h2) * 4
+                                    ))  # fmt: skip
+                        for jb in T.unroll(o_jobs):
+                            mt, n0 = T.meta_var(job_tile(jb * WARPS + warp, o_ng, o_n8))
+                            for i in T.unroll(o_ng * 4):
+                                er, ec = T.meta_var(acc_rc(lane, i % 4))
+                                acc[i] = os_[(mt * 16 + er) * ft + (n0 + i // 4) * 8 + ec]
+                            for kk in T.unroll(c // 16):
+                                ar, ac = T.meta_var(a_lane(lane, kk, False))
+                                T.evaluate(ldmatrix_x4(
+                                    af, 0, p_s, stage * p_n + swz(mt * 16 + ar, ac, c)
+                                ))  # fmt: skip
+                                for np_ in T.unroll(o_ng // 2):
+                                    br, bc = T.meta_var(b_lane(lane, kk, True))
+                                    T.evaluate(ldmatrix_x4(
+                                        bf, 0, ub, swz(br, (n0 + np_ * 2) * 8 + bc, ct), True
+                                    ))  # fmt: skip
+                                    for h2 in T.unroll(2):
+                                        T.evaluate(mma_bf16(
+                                            af.data, 0, bf.data, h2 * 4,
+                                            acc.data, (np_ * 2 + h2) * 4,
+                                        ))  # fmt: skip
+                            for i in T.unroll(o_ng * 4):
+                                er, ec = T.meta_var(acc_rc(lane, i % 4))
+                                if mt * 16 + er < nv:
+                                    out[
+                                        start + ch * c + mt * 16 + er, h,
+                                        col0 + (n0 + i // 4) * 8 + ec,
+                                    ] = acc[i] * T.float32(scale)  # fmt: skip
+                        for i in T.unroll(s_ng * 4):
+                            sr, sc = T.meta_var(acc_rc(lane, i % 4))
+                            sb[swz(smt * 16 + sr, (sn0 + i // 4) * 8 + sc, dk)] = T.Cast(
+                                DTYPE, st[i]
+                            )
+                    for i in T.unroll(s_ng * 4):
+                        sr, sc = T.meta_var(acc_rc(lane, i % 4))
+                        pool[slot, layer, h, col0 + smt * 16 + sr, (sn0 + i // 4) * 8 + sc] = st[i]
+
+    return gdn_chunk_scan

@@ -1,0 +1,88 @@
+"""Prefill's two-pass chunked GDN (schedules/gdn_chunk_prep.py, gdn_chunk_scan.py) without a
+GPU: where it is routed, that both kernels lower and assemble for sm_80 and sm_90, what the
+scan's serial loop holds, and the workspace both agree on. The arithmetic is checked in numpy
+by tests/test_gdn_mma_emulated.py (two_pass_model) and on the H200 against a float64
+recurrence by benchmarks/gdn_kernel.py."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import tvm
+from tvm.target import Target
+
+from qwen35_tvm.compile.cuda_toolchain import prepare_cuda_codegen
+from qwen35_tvm.schedules.gdn_chunk_prep import workspace_rows
+from qwen35_tvm.schedules.gdn_chunked import two_pass
+
+LLVM = Target("llvm")
+
+
+def _cuda(arch: str) -> Target:
+    prepare_cuda_codegen([arch])
+    return Target({"kind": "cuda", "arch": arch}, host="llvm")
+
+
+def _source(func, target: Target) -> str:
+    lib = tvm.compile(tvm.IRModule({"main": func}), target=target)
+    cuda = [m for m in lib.mod.imports if m.kind == "cuda"]
+    assert len(cuda) == 1 and cuda[0].is_runnable(), "CUDA source fallback, not a binary"
+    return cuda[0].inspect_source()
+
+
+def test_routing() -> None:
+    sm90 = _cuda("sm_90")
+    assert two_pass(16, 32, 128, 128, sm90, "bfloat16") is not None
+    assert two_pass(16, 32, 128, 128, sm90, "float32") is None  # fp32 models: one fp32 kernel
+    assert two_pass(16, 32, 128, 128, LLVM, "bfloat16") is None  # the CPU too
+    assert two_pass(2, 4, 16, 16, sm90, "bfloat16") is None  # head dims mma cannot tile
+    assert two_pass(16, 32, 128, 128, _cuda("sm_75"), "bfloat16") is None  # no bf16 mma
+
+
+def test_workspace_covers_every_chunk_number() -> None:
+    # first_tile(indptr, s, C) = indptr[s] // C + s: the last sequence's last chunk number is
+    # below n_tok // C + n_seq, for any lengths
+    c = 64
+    for lengths in ([1], [64], [65], [1, 1, 1], [63, 130, 0, 7], [1024] * 16):
+        starts = [sum(lengths[:s]) for s in range(len(lengths))]
+        rows = workspace_rows(sum(lengths), len(lengths), c)
+        for s, n in enumerate(lengths):
+            chunks = -(-n // c)
+            assert chunks == 0 or (starts[s] // c + s + chunks) * c <= rows
+        # and no two sequences share a chunk number
+        numbers = [starts[s] // c + s + i for s, n in enumerate(lengths) for i in range(-(-n // c))]
+        assert len(set(numbers)) == len(numbers)
+    two = two_pass(16, 32, 128, 128, _cuda("sm_90"), "bfloat16")
+    assert two.chunk == 32
+    shapes = two.workspace(1024, 1)
+    assert [s for s, _ in shapes] == [
+        (1056, 16, 128), (1056, 16, 128), (1056, 32, 128), (1056, 32, 128), (1056, 32, 32),
+        (32, 1056),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_kernels_assemble(arch: str) -> None:
+    target = _cuda(arch)
+    two = two_pass(16, 32, 128, 128, target, "bfloat16")
+    prep, scan = _source(two.prep, target), _source(two.scan, target)
+    # the scan's serial loop: two barriers a chunk, nothing but cp.async reads global memory
+    # for the next chunk (the state is read before the loop and written after it)
+    loop = scan[scan.index("for (int ch = 0;") :]
+    assert scan.count("__syncthreads()") == loop.count("__syncthreads()") == 2
+    assert "cp.async.wait_group 0" in scan and loop.count("ptx_cp_async") > 0
+    for operand in ("w_ptr", "qb_ptr", "kb_ptr", "u_ptr", "p_ptr", "gc_ptr"):
+        loads = re.findall(rf"= [^;]*\b{operand}\[", loop)
+        assert loads == [], f"{operand} read in the loop other than by cp.async"
+    assert "pool_ptr[" not in loop[: loop.index("__syncthreads()")]
+    # the first pass stores every workspace operand
+    for operand in ("w_ptr", "u_ptr", "p_ptr", "kb_ptr", "qb_ptr", "gc_ptr"):
+        assert re.search(rf"\b{operand}\[[^\]]*\] = ", prep), operand
+
+
+def test_shared_memory_limits() -> None:
+    with pytest.raises(ValueError, match="shared memory"):
+        two_pass(16, 32, 128, 128, _cuda("sm_90"), "bfloat16", chunk=64, col_tile=64)
+    with pytest.raises(ValueError, match="shared memory"):  # sm_80's 163 KiB
+        two_pass(16, 32, 128, 128, _cuda("sm_80"), "bfloat16", chunk=128, col_tile=32)
