@@ -7,11 +7,11 @@ Two steps, because the GPU server has no compiler:
 At the 4B shapes (16 key heads, 32 value heads, head dims 128), `run` times every kernel on
 one sequence of 1,024 and of 8,192 tokens and on 16 sequences of 1,024 tokens (prefill),
 each sequence starting from a non-zero state in a scattered slot; `--decode` adds 16 and 1
-sequences of 1 token. Kernels: the recurrent one, the fp32 chunked one (the previous
-default), the tensor-core one (bf16 operands, fp32 state) as first written at chunk 32 / 64
-and 64 / 128 value columns a block (mma_*), and its current version (mma2_*: decays by a
-shuffle scan, fewer barriers, 32-column tiles) with the default function that picks the
-column tile by the batch at run time (mma2_dispatch); 4x1024 is in between. Every kernel
+sequences of 1 token. Kernels: the recurrent one, the fp32 chunked one (fp32 models), and
+the tensor-core two-pass form (gdn_chunk_prep + gdn_chunk_scan, bf16 operands, fp32 state) at
+chunk 64 with 32 value columns a scan block and at chunk 32 with 64 (two_c32_t64, the
+default); 4x1024 is in between. The one-kernel tensor-core version they replaced (mma2_*) is
+in git before session 12 and in gdn_kernel_two_pass.json's rows. Every kernel
 is checked against a float64 torch recurrence (max |Δ| of
 outputs and final states, also relative to the largest |value|; `ok` holds the kernel to its
 bound: 1e-4 fp32, 1e-2 bf16 operands (3e-3 in the CPU emulation)), and each chunked variant
@@ -39,24 +39,11 @@ DECODE_CASES = {"16x1": [1] * 16, "1x1": [1], "64x1": [1] * 64}
 RECURRENT = {"recurrent": (16, 8), "recurrent_r32p4": (32, 4)}
 N_SLOTS, N_LAYERS, LAYER = 80, 2, 1  # slots for every sequence of the largest case
 DEVICE = "cuda"  # a CPU smoke test of `run` swaps this (and the shapes) out
-# name -> chunked_gated_delta_rule keywords; "fp32_c32" is the previous default.
-CHUNKED = {
-    "fp32_c32": {"kernel": "fp32", "chunk": 32},
-    "mma_c64_t64": {"kernel": "mma", "chunk": 64, "col_tile": 64},
-    "mma_c64_t128": {"kernel": "mma", "chunk": 64, "col_tile": 128},
-    "mma_c32_t64": {"kernel": "mma", "chunk": 32, "col_tile": 64},
-    "mma_c32_t128": {"kernel": "mma", "chunk": 32, "col_tile": 128},
-    # the current version (shuffle-scanned decays, fewer and explicit barriers, 32-column tiles)
-    # against the baselines above (scan=False: the first version)
-    "mma2_c64_t32": {"kernel": "mma", "chunk": 64, "col_tile": 32},
-    "mma2_c64_t64": {"kernel": "mma", "chunk": 64, "col_tile": 64},
-    "mma2_c32_t128": {"kernel": "mma", "chunk": 32, "col_tile": 128},
-    "mma2_dispatch": {"kernel": "mma"},  # the default: wide tiles when they fill the SMs
-}
-BASELINE = {"scan": False}  # the first mma version
-# the two-pass form (gdn_chunked.two_pass, the default now): name -> (chunk, scan col_tile)
+# name -> chunked_gated_delta_rule keywords (the fp32 kernel)
+CHUNKED = {"fp32_c32": {"chunk": 32}}
+# the two-pass form (gdn_chunked.two_pass): name -> (chunk, scan col_tile)
 TWO_PASS = {"two_c64_t32": (64, 32), "two_c32_t64": (32, 64)}
-REL_BOUND = {"fp32": 1e-4, "mma": 1e-2, "recurrent": 1e-5}
+REL_BOUND = {"fp32": 1e-4, "two": 1e-2, "recurrent": 1e-5}
 
 
 def build(out: Path, arch: str, chunked: bool = True, only: set[str] | None = None) -> None:
@@ -65,7 +52,7 @@ def build(out: Path, arch: str, chunked: bool = True, only: set[str] | None = No
     from qwen35_tvm.compile.cuda_toolchain import prepare_cuda_codegen
     from qwen35_tvm.compile.targets import make_target
     from qwen35_tvm.schedules.gdn import gated_delta_rule
-    from qwen35_tvm.schedules.gdn_chunked import chunked_gated_delta_rule
+    from qwen35_tvm.schedules.gdn_chunked import chunked_gated_delta_rule, two_pass
 
     target, arches = make_target("cuda", arch)
     prepare_cuda_codegen(arches)
@@ -75,13 +62,10 @@ def build(out: Path, arch: str, chunked: bool = True, only: set[str] | None = No
         for name, (rows, parts) in RECURRENT.items()
     }
     for name, kw in CHUNKED.items() if chunked else ():
-        kw = {**kw, **(BASELINE if name.startswith("mma_") else {})}
         try:
             funcs[name] = chunked_gated_delta_rule(K_HEADS, V_HEADS, K_DIM, V_DIM, target, **kw)
         except Exception:  # keep the other variants
             traceback.print_exc()
-    from qwen35_tvm.schedules.gdn_chunked import two_pass
-
     for name, (chunk, col_tile) in TWO_PASS.items() if chunked else ():
         try:
             two = two_pass(K_HEADS, V_HEADS, K_DIM, V_DIM, target, "bfloat16", chunk, col_tile)
@@ -256,7 +240,7 @@ def run(
                 row["rel_out"] = row["max_abs_diff_out_vs_torch"] / exact[0].abs().max().item()
                 touched = exact[1][x["slots"].long(), LAYER]  # the states this call updates
                 row["rel_state"] = row["max_abs_diff_state_vs_torch"] / touched.abs().max().item()
-                bound = REL_BOUND["mma" if name.startswith(("mma", "two")) else name.split("_")[0]]
+                bound = REL_BOUND[name.split("_")[0]]
                 row["ok"] = row["finite"] and max(row["rel_out"], row["rel_state"]) < bound
                 # timing updates scratch state and outputs again and again; values don't matter
                 scratch = kernel_args(tvm, x, x["pool"].clone(), torch.empty_like(out))

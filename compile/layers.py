@@ -239,9 +239,7 @@ class GatedDeltaNet(nn.Module):
             two = gdn_chunked.two_pass(hk, hv, dk, dv, target, self.dtype)
             if two is None:  # fp32 or the CPU: one kernel
                 rec_pool, o = op.tensor_ir_inplace_op(
-                    gdn_chunked.chunked_gated_delta_rule(
-                        hk, hv, dk, dv, target, act_dtype=self.dtype
-                    ),
+                    gdn_chunked.chunked_gated_delta_rule(hk, hv, dk, dv, target),
                     "gdn_delta_rule",
                     [q, k, v, g, beta, indptr, slots, rec_pool, layer],
                     inplace_indices=[7, -1],

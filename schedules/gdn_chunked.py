@@ -13,9 +13,10 @@ The triangular solve is blocked: 16-row blocks take the rows above them as one s
 then each value column solves its 16x16 diagonal block in registers. Everything but that
 solve is a small dense matmul.
 
-This module picks the kernel and checks its configuration: the fp32 kernel
-(`gdn_chunked_fp32`, CUDA and the CPU) or the tensor-core one (`gdn_chunked_mma`, bf16 on CUDA
-sm_80+).
+This module picks the kernels and checks their configuration: bf16 models on CUDA sm_80+ take
+the tensor-core form in two passes (`two_pass`: gdn_chunk_prep, then gdn_chunk_scan), which
+solves every chunk's state-free half at once and leaves a short serial walk over chunks; fp32
+models and the CPU take one fp32 kernel (`chunked_gated_delta_rule`, gdn_chunked_fp32).
 """
 
 from __future__ import annotations
@@ -29,17 +30,9 @@ from .gdn_chunk_prep import chunk_prep, prep_shared_bytes, workspace_rows
 from .gdn_chunk_scan import chunk_scan, scan_shared_bytes
 from .gdn_chunked_fp32 import GPU_COL_TILE, GPU_THREADS, SOLVE_BLOCK, gdn_chunked_fp32
 from .gdn_chunked_fp32 import shared_bytes as fp32_shared_bytes
-from .gdn_chunked_mma import shared_bytes as mma_shared_bytes
-from .gdn_chunked_mma_launch import gdn_chunked_mma, gdn_chunked_mma_dispatch
 
 # Dynamic shared memory a block may use (KiB) by SM arch; unlisted archs get the smallest.
 _SMEM_KIB = {80: 163, 87: 163, 90: 227, 100: 227, 103: 227}
-# bf16 activations on CUDA sm_80+ take the tensor-core kernels (gdn_chunked_mma): by default
-# both of these (chunk, column tile) pairs, the wide one where its blocks fill the SMs and the
-# narrow one for few sequences (gdn_chunked_mma_launch); fp32 and the CPU take the fp32
-# kernel (gdn_chunked_fp32).
-MMA_NARROW, MMA_WIDE = (64, 32), (32, 128)
-MMA_CHUNK, MMA_COL_TILE = MMA_NARROW
 
 
 def chunked_gated_delta_rule(
@@ -48,46 +41,18 @@ def chunked_gated_delta_rule(
     k_dim: int,
     v_dim: int,
     target: Target,
-    chunk: int | None = None,
+    chunk: int = 32,
     *,
-    act_dtype: str = "float32",
-    kernel: str | None = None,
     threads: int | None = None,
     col_tile: int | None = None,
-    scan: bool = True,
 ) -> PrimFunc:
-    """`gdn.gated_delta_rule` computed chunk by chunk (see the module docstring).
-
-    `kernel` "mma" (tensor cores, bf16 operands: CUDA sm_80+ only) or "fp32" (gdn_chunked_fp32);
-    by default "mma" where the model's activations (`act_dtype`) are bf16 on CUDA sm_80+, else
-    "fp32". `chunk` defaults to MMA_CHUNK or 32 (fp32 kernel: 589 vs 607 us at 1x1,024, 3.8
-    vs 4.9 ms at 16x1,024 on the H200). For the fp32 kernel, `threads` and `col_tile` (threads
-    and value columns per block) default to the target's layout: 256 and 64 on CUDA, 1 and
-    v_dim on the CPU, which runs (sequence, head) pairs in parallel; tests pass the GPU layout
-    on the CPU to check its indexing. The mma kernels: with neither `chunk` nor `col_tile`
-    given, one function holding MMA_NARROW and MMA_WIDE, picked by the batch at run time; else
-    one kernel (chunk MMA_CHUNK, col_tile MMA_COL_TILE by default); `scan` False gives the
-    first version's decay loop (a benchmark baseline)."""
+    """`gdn.gated_delta_rule` computed chunk by chunk (see the module docstring) in fp32, one
+    kernel. `chunk` 32 (589 vs 607 us at 1x1,024, 3.8 vs 4.9 ms at 16x1,024 on the H200 than
+    64). `threads` and `col_tile` (threads and value columns per block) default to the
+    target's layout: 256 and 64 on CUDA, 1 and v_dim on the CPU, which runs (sequence, head)
+    pairs in parallel; tests pass the GPU layout on the CPU to check its indexing."""
     gpu = target.kind.name == "cuda"
     arch = int(str(target.attrs.get("arch", "sm_80"))[3:]) if gpu else 0
-    if kernel is None:  # the mma kernel tiles dk by 64 and value columns by 32
-        tiles = k_dim % 64 == 0 and v_dim % 32 == 0
-        kernel = "mma" if gpu and arch >= 80 and act_dtype == "bfloat16" and tiles else "fp32"
-    if kernel == "mma":
-        if not gpu or arch < 80:
-            raise ValueError("the tensor-core GDN kernel needs CUDA sm_80+")
-
-        def fits(c: int, ct: int) -> tuple[int, int]:
-            if mma_shared_bytes(c, ct, k_dim) > _SMEM_KIB.get(arch, 99) * 1024:
-                raise ValueError(f"chunk {c} x col_tile {ct}: too much shared memory, sm_{arch}")
-            return c, ct
-
-        if chunk is None and col_tile is None and v_dim % MMA_WIDE[1] == 0:
-            narrow, wide = fits(*MMA_NARROW), fits(*MMA_WIDE)
-            return gdn_chunked_mma_dispatch(k_heads, v_heads, k_dim, v_dim, narrow, wide)
-        c, ct = fits(chunk or MMA_CHUNK, col_tile or min(MMA_COL_TILE, v_dim))
-        return gdn_chunked_mma(k_heads, v_heads, k_dim, v_dim, c, ct, scan)
-    chunk = chunk or 32
     nt_ = threads or (GPU_THREADS if gpu else 1)
     ct = col_tile or (min(GPU_COL_TILE, v_dim) if gpu else v_dim)
     sb = SOLVE_BLOCK if chunk % SOLVE_BLOCK == 0 else chunk

@@ -1,7 +1,7 @@
 """The fp32 chunked gated delta rule kernel (`gdn_chunked`'s algorithm), for CUDA and the CPU.
 
 The fp32 and CPU path of `gdn_chunked.chunked_gated_delta_rule`; bf16 models on CUDA sm_80+
-take the tensor-core kernel (`gdn_chunked_mma`) instead.
+take the tensor-core kernels (`gdn_chunked.two_pass`) instead.
 
 One loop nest serves both targets. A "block" owns (sequence, value head, tile of value
 columns) and runs phases, each a loop over the block's threads: on CUDA they are threadIdx

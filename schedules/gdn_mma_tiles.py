@@ -1,7 +1,8 @@
-"""The tile layout of the tensor-core chunked GDN kernel (gdn_chunked_mma): where a value of a
-swizzled bf16 tile lives, which address each lane gives ldmatrix.x4, where mma's accumulator
-elements land, and how a matmul's output splits into warp jobs. Plain functions, so the numpy
-emulation in tests/test_gdn_mma_emulated.py runs the very same index maps."""
+"""The tile layout of the tensor-core chunked GDN kernels (gdn_chunk_prep, gdn_chunk_scan):
+where a value of a swizzled bf16 tile lives, which address each lane gives ldmatrix.x4, where
+mma's accumulator elements land, and how a matmul's output splits into warp jobs. Plain
+functions, so the numpy emulation in tests/test_gdn_mma_emulated.py runs the very same index
+maps."""
 
 from __future__ import annotations
 
