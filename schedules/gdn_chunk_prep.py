@@ -43,6 +43,27 @@ def prep_shared_bytes(c: int, dk: int, dv: int) -> tuple[int, int]:
 
 
 @T.macro
+def warp_mm(a, a_at, a_width, b, b_at, b_width, b_kn, acc, af, bf, mt, n0, ng, k_steps, lane):
+    # acc[: 4 ng] += A[16 rows at m tile mt, : 16 k_steps] x B[:, n8 tiles n0 .. n0 + ng), one
+    # warp: A stored [m][k] in the swizzled tile at a_at of `a`, B as [n][k] or, b_kn, [k][n]
+    for kk in T.unroll(k_steps):
+        ar, ac = T.meta_var(a_lane(lane, kk, False))
+        T.evaluate(ldmatrix_x4(af, 0, a, a_at + swz(mt * 16 + ar, ac, a_width)))
+        for np_ in T.unroll(ng // 2):
+            br, bc = T.meta_var(b_lane(lane, kk, b_kn))
+            if b_kn:
+                T.evaluate(ldmatrix_x4(
+                    bf, 0, b, b_at + swz(br, (n0 + np_ * 2) * 8 + bc, b_width), True
+                ))  # fmt: skip
+            else:
+                T.evaluate(ldmatrix_x4(
+                    bf, 0, b, b_at + swz((n0 + np_ * 2) * 8 + br, bc, b_width)
+                ))  # fmt: skip
+            for h2 in T.unroll(2):
+                T.evaluate(mma_bf16(af.data, 0, bf.data, h2 * 4, acc.data, (np_ * 2 + h2) * 4))
+
+
+@T.macro
 def decay_scan(g, gs, gc, cum, gv, t0, nv, h, row0, warp, lane, c: int):
     # G = cumsum of the chunk's log decays (0 past its end, so G stays at its last value
     # there): 32 tokens a piece, an inclusive Hillis-Steele scan over the lanes plus the pieces
@@ -248,19 +269,8 @@ def chunk_prep(k_heads: int, v_heads: int, dk: int, dv: int, chunk: int) -> Prim
                         mt, n0 = T.meta_var(job_tile(jb * WARPS + warp, g1_ng, g1_n8))
                         for i in T.unroll(g1_ng * 4):
                             acc[i] = T.float32(0)
-                        for kk in T.unroll(dk // 16):
-                            ar, ac = T.meta_var(a_lane(lane, kk, False))
-                            T.evaluate(ldmatrix_x4(af, 0, kq, swz(mt * 16 + ar, ac, dk)))
-                            for np_ in T.unroll(g1_ng // 2):
-                                br, bc = T.meta_var(b_lane(lane, kk, False))
-                                T.evaluate(ldmatrix_x4(
-                                    bf, 0, kq, swz((n0 + np_ * 2) * 8 + br, bc, dk)
-                                ))  # fmt: skip
-                                for h2 in T.unroll(2):
-                                    T.evaluate(mma_bf16(
-                                        af.data, 0, bf.data, h2 * 4,
-                                        acc.data, (np_ * 2 + h2) * 4,
-                                    ))  # fmt: skip
+                        warp_mm(kq, 0, dk, kq, 0, dk, False, acc, af, bf, mt, n0, g1_ng, dk // 16,
+                                lane)  # fmt: skip
                         for hr in T.unroll(2):
                             gi[hr] = gs[(mt * 16 + lane // 4 + hr * 8) % c]
                             bi[hr] = bs[(mt * 16 + lane // 4 + hr * 8) % c]

@@ -17,7 +17,7 @@ from __future__ import annotations
 from tvm.script import tirx as T
 from tvm.tirx import PrimFunc
 
-from .gdn_chunk_prep import FPAD, THREADS
+from .gdn_chunk_prep import FPAD, THREADS, warp_mm
 from .gdn_mma_tiles import WARPS, a_lane, acc_rc, b_lane, job_tile, n_group, swz
 from .kv_cache import first_tile
 from .pdl import release_dependents, wait_for_producers
@@ -49,7 +49,6 @@ def chunk_scan(k_heads: int, v_heads: int, dk: int, dv: int, chunk: int, col_til
     ft = ct + FPAD
     sh = "shared.dyn"
     wq_n, k_n, u_n, p_n = 2 * c * dk, c * dk, c * ct, c * c  # elements a stage
-    dch, uch, pch = dk // 8, ct // 8, c // 8  # 16-byte chunks a row
     # 1. [W; Q] (2C rows) x Sᵀ (ct columns), over dk
     m1_mt, m1_n8 = 2 * c // 16, ct // 8
     m1_ng = n_group(m1_n8, m1_mt)
@@ -62,44 +61,31 @@ def chunk_scan(k_heads: int, v_heads: int, dk: int, dv: int, chunk: int, col_til
     s_ng = s_mt * s_n8 // WARPS
     if s_n8 % s_ng or s_ng % 2:
         raise ValueError(f"state tile {ct} x {dk} does not split into {WARPS} warp tiles")
-    # 16-byte copies a thread a stage: W and Q rows, K rows, U0's columns, P rows, G (fp32)
-    wq_c, k_c, u_c, p_c = (-(-n // nt) for n in (2 * c * dch, c * dch, c * uch, c * pch))
+    def chunks_of(width) -> int:  # 16-byte chunks of a row of `width` bf16
+        return int(width) // 8
+
+    @T.macro
+    def copy_rows(dst, dst_at, src, src_at, width, row_stride, tx):
+        # C rows of `width` bf16 to the swizzled [C][width] tile at dst_at, by 16-byte cp.async;
+        # source row r at src_at + r * row_stride
+        k = T.meta_var(chunks_of(width))
+        for e in T.unroll(-(-c * k // nt)):
+            x: T.let[T.int32] = e * nt + tx
+            if c * k % nt == 0 or x < c * k:
+                T.evaluate(cp_async_16(
+                    dst.data, dst_at + swz(x // k, x % k * 8, width),
+                    src.data, src_at + x // k * row_stride + x % k * 8,
+                ))  # fmt: skip
 
     @T.macro
     def load_stage(kb, qb, w, u, p, gc, wq_s, k_s, u_s, p_s, g_s, stage, row0, h, kh, col0, tx):
-        for e in T.unroll(wq_c):  # rows 0..C-1 W, C..2C-1 Q
-            x: T.let[T.int32] = e * nt + tx
-            r: T.let[T.int32] = x // dch % c
-            at: T.let[T.int32] = stage * wq_n + swz(x // dch, x % dch * 8, dk)
-            if x < c * dch:
-                T.evaluate(cp_async_16(
-                    wq_s.data, at, w.data, ((row0 + r) * v_heads + h) * dk + x % dch * 8
-                ))  # fmt: skip
-            elif x < 2 * c * dch:
-                T.evaluate(cp_async_16(
-                    wq_s.data, at, qb.data, ((row0 + r) * k_heads + kh) * dk + x % dch * 8
-                ))  # fmt: skip
-        for e in T.unroll(k_c):
-            x: T.let[T.int32] = e * nt + tx
-            if x < c * dch:
-                T.evaluate(cp_async_16(
-                    k_s.data, stage * k_n + swz(x // dch, x % dch * 8, dk), kb.data,
-                    ((row0 + x // dch) * k_heads + kh) * dk + x % dch * 8,
-                ))  # fmt: skip
-        for e in T.unroll(u_c):
-            x: T.let[T.int32] = e * nt + tx
-            if x < c * uch:
-                T.evaluate(cp_async_16(
-                    u_s.data, stage * u_n + swz(x // uch, x % uch * 8, ct), u.data,
-                    ((row0 + x // uch) * v_heads + h) * dv + col0 + x % uch * 8,
-                ))  # fmt: skip
-        for e in T.unroll(p_c):
-            x: T.let[T.int32] = e * nt + tx
-            if x < c * pch:
-                T.evaluate(cp_async_16(
-                    p_s.data, stage * p_n + swz(x // pch, x % pch * 8, c), p.data,
-                    ((row0 + x // pch) * v_heads + h) * c + x % pch * 8,
-                ))  # fmt: skip
+        vrow: T.let[T.int32] = row0 * v_heads + h
+        krow: T.let[T.int32] = row0 * k_heads + kh
+        copy_rows(wq_s, stage * wq_n, w, vrow * dk, dk, v_heads * dk, tx)  # [W; Q]
+        copy_rows(wq_s, stage * wq_n + c * dk, qb, krow * dk, dk, k_heads * dk, tx)
+        copy_rows(k_s, stage * k_n, kb, krow * dk, dk, k_heads * dk, tx)
+        copy_rows(u_s, stage * u_n, u, vrow * dv + col0, ct, v_heads * dv, tx)
+        copy_rows(p_s, stage * p_n, p, vrow * c, c, v_heads * c, tx)
         if tx < c // 4:  # G: 4 fp32 a copy
             T.evaluate(T.s_tir.cp_async_raw.legacy(
                 g_s.data, stage * c + tx * 4, gc.data, h * gc.shape[1] + row0 + tx * 4, 16,
@@ -191,21 +177,8 @@ def chunk_scan(k_heads: int, v_heads: int, dk: int, dv: int, chunk: int, col_til
                             mt, n0 = T.meta_var(job_tile(jb * WARPS + warp, m1_ng, m1_n8))
                             for i in T.unroll(m1_ng * 4):
                                 acc[i] = T.float32(0)
-                            for kk in T.unroll(dk // 16):
-                                ar, ac = T.meta_var(a_lane(lane, kk, False))
-                                T.evaluate(ldmatrix_x4(
-                                    af, 0, wq_s, stage * wq_n + swz(mt * 16 + ar, ac, dk)
-                                ))  # fmt: skip
-                                for np_ in T.unroll(m1_ng // 2):
-                                    br, bc = T.meta_var(b_lane(lane, kk, False))
-                                    T.evaluate(ldmatrix_x4(
-                                        bf, 0, sb, swz((n0 + np_ * 2) * 8 + br, bc, dk)
-                                    ))  # fmt: skip
-                                    for h2 in T.unroll(2):
-                                        T.evaluate(mma_bf16(
-                                            af.data, 0, bf.data, h2 * 4,
-                                            acc.data, (np_ * 2 + h2) * 4,
-                                        ))  # fmt: skip
+                            warp_mm(wq_s, stage * wq_n, dk, sb, 0, dk, False, acc, af, bf, mt, n0,
+                                    m1_ng, dk // 16, lane)  # fmt: skip
                             for hr in T.unroll(2):
                                 gi[hr] = g_s[stage * c + (mt * 16 + lane // 4 + hr * 8) % c]
                             for i in T.unroll(m1_ng * 4):
@@ -247,21 +220,8 @@ def chunk_scan(k_heads: int, v_heads: int, dk: int, dv: int, chunk: int, col_til
                             for i in T.unroll(o_ng * 4):
                                 er, ec = T.meta_var(acc_rc(lane, i % 4))
                                 acc[i] = os_[(mt * 16 + er) * ft + (n0 + i // 4) * 8 + ec]
-                            for kk in T.unroll(c // 16):
-                                ar, ac = T.meta_var(a_lane(lane, kk, False))
-                                T.evaluate(ldmatrix_x4(
-                                    af, 0, p_s, stage * p_n + swz(mt * 16 + ar, ac, c)
-                                ))  # fmt: skip
-                                for np_ in T.unroll(o_ng // 2):
-                                    br, bc = T.meta_var(b_lane(lane, kk, True))
-                                    T.evaluate(ldmatrix_x4(
-                                        bf, 0, ub, swz(br, (n0 + np_ * 2) * 8 + bc, ct), True
-                                    ))  # fmt: skip
-                                    for h2 in T.unroll(2):
-                                        T.evaluate(mma_bf16(
-                                            af.data, 0, bf.data, h2 * 4,
-                                            acc.data, (np_ * 2 + h2) * 4,
-                                        ))  # fmt: skip
+                            warp_mm(p_s, stage * p_n, c, ub, 0, ct, True, acc, af, bf, mt, n0,
+                                    o_ng, c // 16, lane)  # fmt: skip
                             for i in T.unroll(o_ng * 4):
                                 er, ec = T.meta_var(acc_rc(lane, i % 4))
                                 if mt * 16 + er < nv:
