@@ -6,10 +6,11 @@ a GPU.
    emulated ldmatrix.x4 (plain and .trans), multiplied with the PTX ISA's m16n8k16 layouts,
    and must equal the matrix product; a wrong map must not.
 2. Jobs: each matmul's (m tile, n tiles) jobs cover its output exactly once, on every warp.
-3. Algorithm: the kernel's chunk math in numpy with bf16 rounding exactly where the kernel
-   rounds (operands) and fp32 elsewhere, at sequence lengths 1, C-1, C, C+1, ragged batches
-   and non-zero states, against the float64 recurrence: within the bf16 bound the benchmark
-   uses (1e-2 of the largest value); breaking the blocked solve must exceed it.
+3. Algorithm: the two kernels' chunk math in numpy with bf16 rounding exactly where they
+   round (operands, the workspace) and fp32 elsewhere, at sequence lengths 1, C-1, C, C+1,
+   ragged batches and non-zero states, against the float64 recurrence: within the bf16 bound
+   the benchmark uses (1e-2 of the largest value); breaking the blocked solve, or dropping
+   W Sᵀ, must exceed it.
 """
 
 from __future__ import annotations
