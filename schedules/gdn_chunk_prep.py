@@ -43,12 +43,18 @@ def prep_shared_bytes(c: int, dk: int, dv: int) -> tuple[int, int]:
 
 
 @T.macro
-def warp_mm(a, a_at, a_width, b, b_at, b_width, b_kn, acc, af, bf, mt, n0, ng, k_steps, lane):
+def warp_mm(
+    a, a_at, a_width, a_km, b, b_at, b_width, b_kn, acc, af, bf, mt, n0, ng, k_steps, lane
+):
     # acc[: 4 ng] += A[16 rows at m tile mt, : 16 k_steps] x B[:, n8 tiles n0 .. n0 + ng), one
-    # warp: A stored [m][k] in the swizzled tile at a_at of `a`, B as [n][k] or, b_kn, [k][n]
+    # warp: A stored [m][k] or, a_km, [k][m] in the swizzled tile at a_at of `a`; B as [n][k]
+    # or, b_kn, [k][n]
     for kk in T.unroll(k_steps):
-        ar, ac = T.meta_var(a_lane(lane, kk, False))
-        T.evaluate(ldmatrix_x4(af, 0, a, a_at + swz(mt * 16 + ar, ac, a_width)))
+        ar, ac = T.meta_var(a_lane(lane, kk, a_km))
+        if a_km:
+            T.evaluate(ldmatrix_x4(af, 0, a, a_at + swz(ar, mt * 16 + ac, a_width), True))
+        else:
+            T.evaluate(ldmatrix_x4(af, 0, a, a_at + swz(mt * 16 + ar, ac, a_width)))
         for np_ in T.unroll(ng // 2):
             br, bc = T.meta_var(b_lane(lane, kk, b_kn))
             if b_kn:
@@ -269,8 +275,8 @@ def chunk_prep(k_heads: int, v_heads: int, dk: int, dv: int, chunk: int) -> Prim
                         mt, n0 = T.meta_var(job_tile(jb * WARPS + warp, g1_ng, g1_n8))
                         for i in T.unroll(g1_ng * 4):
                             acc[i] = T.float32(0)
-                        warp_mm(kq, 0, dk, kq, 0, dk, False, acc, af, bf, mt, n0, g1_ng, dk // 16,
-                                lane)  # fmt: skip
+                        warp_mm(kq, 0, dk, False, kq, 0, dk, False, acc, af, bf, mt, n0, g1_ng,
+                                dk // 16, lane)  # fmt: skip
                         for hr in T.unroll(2):
                             gi[hr] = gs[(mt * 16 + lane // 4 + hr * 8) % c]
                             bi[hr] = bs[(mt * 16 + lane // 4 + hr * 8) % c]

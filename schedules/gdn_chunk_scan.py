@@ -18,10 +18,10 @@ from tvm.script import tirx as T
 from tvm.tirx import PrimFunc
 
 from .gdn_chunk_prep import FPAD, THREADS, warp_mm
-from .gdn_mma_tiles import WARPS, a_lane, acc_rc, b_lane, job_tile, n_group, swz
+from .gdn_mma_tiles import WARPS, acc_rc, job_tile, n_group, swz
 from .kv_cache import first_tile
 from .pdl import release_dependents, wait_for_producers
-from .ptx import cp_async_16, ldmatrix_x4, mma_bf16
+from .ptx import cp_async_16
 
 DTYPE = "bfloat16"
 STAGES = 2
@@ -61,6 +61,14 @@ def chunk_scan(k_heads: int, v_heads: int, dk: int, dv: int, chunk: int, col_til
     s_ng = s_mt * s_n8 // WARPS
     if s_n8 % s_ng or s_ng % 2:
         raise ValueError(f"state tile {ct} x {dk} does not split into {WARPS} warp tiles")
+
+    @T.macro
+    def s_copy(sb, st, smt, sn0, lane):
+        # the state's bf16 copy, the operand of [W; Q] x Sᵀ (each warp its own tile)
+        for i in T.unroll(s_ng * 4):
+            sr, sc = T.meta_var(acc_rc(lane, i % 4))
+            sb[swz(smt * 16 + sr, (sn0 + i // 4) * 8 + sc, dk)] = T.Cast(DTYPE, st[i])
+
     def chunks_of(width) -> int:  # 16-byte chunks of a row of `width` bf16
         return int(width) // 8
 
@@ -159,7 +167,7 @@ def chunk_scan(k_heads: int, v_heads: int, dk: int, dv: int, chunk: int, col_til
                     for i in T.unroll(s_ng * 4):
                         sr, sc = T.meta_var(acc_rc(lane, i % 4))
                         st[i] = pool[slot, layer, h, col0 + smt * 16 + sr, (sn0 + i // 4) * 8 + sc]
-                        sb[swz(smt * 16 + sr, (sn0 + i // 4) * 8 + sc, dk)] = T.Cast(DTYPE, st[i])
+                    s_copy(sb, st, smt, sn0, lane)
                     if length > 0:
                         load_stage(kb, qb, w, u, p, gc, wq_s, k_s, u_s, p_s, g_s, 0, first * c,
                                    h, kh, col0, tx)  # fmt: skip
@@ -177,8 +185,8 @@ def chunk_scan(k_heads: int, v_heads: int, dk: int, dv: int, chunk: int, col_til
                             mt, n0 = T.meta_var(job_tile(jb * WARPS + warp, m1_ng, m1_n8))
                             for i in T.unroll(m1_ng * 4):
                                 acc[i] = T.float32(0)
-                            warp_mm(wq_s, stage * wq_n, dk, sb, 0, dk, False, acc, af, bf, mt, n0,
-                                    m1_ng, dk // 16, lane)  # fmt: skip
+                            warp_mm(wq_s, stage * wq_n, dk, False, sb, 0, dk, False, acc, af, bf,
+                                    mt, n0, m1_ng, dk // 16, lane)  # fmt: skip
                             for hr in T.unroll(2):
                                 gi[hr] = g_s[stage * c + (mt * 16 + lane // 4 + hr * 8) % c]
                             for i in T.unroll(m1_ng * 4):
@@ -202,26 +210,15 @@ def chunk_scan(k_heads: int, v_heads: int, dk: int, dv: int, chunk: int, col_til
                         # 2. the state update, S's copy, and the outputs
                         for i in T.unroll(s_ng * 4):
                             st[i] = st[i] * T.exp(gl[0])
-                        for kk in T.unroll(c // 16):
-                            ar, ac = T.meta_var(a_lane(lane, kk, True))
-                            T.evaluate(ldmatrix_x4(af, 0, wub, swz(ar, smt * 16 + ac, ct), True))
-                            for np_ in T.unroll(s_ng // 2):
-                                br, bc = T.meta_var(b_lane(lane, kk, True))
-                                T.evaluate(ldmatrix_x4(
-                                    bf, 0, k_s,
-                                    stage * k_n + swz(br, (sn0 + np_ * 2) * 8 + bc, dk), True,
-                                ))  # fmt: skip
-                                for h2 in T.unroll(2):
-                                    T.evaluate(mma_bf16(
-                                        af.data, 0, bf.data, h2 * 4, st.data, (np_ * 2 + h2) * 4
-                                    ))  # fmt: skip
+                        warp_mm(wub, 0, ct, True, k_s, stage * k_n, dk, True, st, af, bf, smt,
+                                sn0, s_ng, c // 16, lane)  # fmt: skip
                         for jb in T.unroll(o_jobs):
                             mt, n0 = T.meta_var(job_tile(jb * WARPS + warp, o_ng, o_n8))
                             for i in T.unroll(o_ng * 4):
                                 er, ec = T.meta_var(acc_rc(lane, i % 4))
                                 acc[i] = os_[(mt * 16 + er) * ft + (n0 + i // 4) * 8 + ec]
-                            warp_mm(p_s, stage * p_n, c, ub, 0, ct, True, acc, af, bf, mt, n0,
-                                    o_ng, c // 16, lane)  # fmt: skip
+                            warp_mm(p_s, stage * p_n, c, False, ub, 0, ct, True, acc, af, bf,
+                                    mt, n0, o_ng, c // 16, lane)  # fmt: skip
                             for i in T.unroll(o_ng * 4):
                                 er, ec = T.meta_var(acc_rc(lane, i % 4))
                                 if mt * 16 + er < nv:
@@ -229,11 +226,7 @@ def chunk_scan(k_heads: int, v_heads: int, dk: int, dv: int, chunk: int, col_til
                                         start + ch * c + mt * 16 + er, h,
                                         col0 + (n0 + i // 4) * 8 + ec,
                                     ] = acc[i] * T.float32(scale)  # fmt: skip
-                        for i in T.unroll(s_ng * 4):
-                            sr, sc = T.meta_var(acc_rc(lane, i % 4))
-                            sb[swz(smt * 16 + sr, (sn0 + i // 4) * 8 + sc, dk)] = T.Cast(
-                                DTYPE, st[i]
-                            )
+                        s_copy(sb, st, smt, sn0, lane)
                     for i in T.unroll(s_ng * 4):
                         sr, sc = T.meta_var(acc_rc(lane, i % 4))
                         pool[slot, layer, h, col0 + smt * 16 + sr, (sn0 + i // 4) * 8 + sc] = st[i]
