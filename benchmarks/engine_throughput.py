@@ -171,6 +171,25 @@ def run_level(engine, prompts: list[list[int]], grammar: tuple | None = None) ->
     return row
 
 
+def first_token_times(engine, prompts: list[list[int]]) -> dict:
+    """TTFT of each prompt alone on an idle engine (one output token), one after another: a
+    level's c1 row holds a single sample, and one prefill varies by ~1 ms from run to run."""
+    from qwen35_tvm.runtime.sampler import SamplingParams
+
+    greedy, times = SamplingParams(temperature=0.0), []
+    for p in prompts:
+        start = time.perf_counter()
+        engine.submit(p, greedy, 1, ignore_eos=True)
+        while engine.has_work():
+            engine.step()
+        times.append(1e3 * (time.perf_counter() - start))
+    return {
+        "ttft_alone_ms_median": float(np.median(times)),
+        "ttft_alone_ms_min": float(np.min(times)),
+        "ttft_alone_ms": [round(t, 3) for t in times],
+    }
+
+
 def _time_constraints(engine, states) -> dict:
     """Time spent waiting for the grammar workers' masks (what did not overlap the GPU step)
     and in the engine's whole constraint pass (waits, upload, kernels, 8 bytes a row back)."""
@@ -253,6 +272,7 @@ def run(
     constrained: bool = False,
     prompt: int = PROMPT,
     prefill_chunk: int | None = None,
+    ttft_repeats: int = 0,
 ) -> dict:
     import torch
     from common import copy_bandwidth
@@ -316,6 +336,10 @@ def run(
                 held["tpot_over_free"] = held["tpot_ms_mean"] / free["tpot_ms_mean"]
                 print(f"{name} c{c}: constrained TPOT / free TPOT = {held['tpot_over_free']:.3f}")
         results[name] = rows
+        if ttft_repeats:
+            alone = [rng.integers(1000, 100000, prompt).tolist() for _ in range(ttft_repeats)]
+            results[f"{name}_first_token"] = first = first_token_times(engine, alone)
+            print(name, json.dumps({k: v for k, v in first.items() if k != "ttft_alone_ms"}))
         del engine, artifact
         torch.cuda.empty_cache()
     # the same kernels launched otherwise (graphs, dependent launch): greedy tokens must not
@@ -347,6 +371,9 @@ def main() -> None:
         "--constrained", action="store_true", help="also run each level JSON-schema constrained"
     )
     p.add_argument("--prefill-chunk", type=int, default=None, help="the Engine's (its default)")
+    p.add_argument(
+        "--ttft-repeats", type=int, default=0, help="also time N prompts alone, one at a time"
+    )
     args = p.parse_args()
     variants = args.variants.split(",")
     if args.step == "build":
@@ -355,7 +382,7 @@ def main() -> None:
         args.work.mkdir(parents=True, exist_ok=True)
         levels = [int(c) for c in args.levels.split(",")]
         out = run(args.dir, args.work, args.shape, variants, levels, args.constrained,
-                  args.prompt, args.prefill_chunk)  # fmt: skip
+                  args.prompt, args.prefill_chunk, args.ttft_repeats)  # fmt: skip
         (args.work / "engine.json").write_text(json.dumps(out, indent=2))
 
 

@@ -10,13 +10,17 @@ each sequence starting from a non-zero state in a scattered slot; `--decode` add
 sequences of 1 token. Kernels: the recurrent one, the fp32 chunked one (fp32 models), and
 the tensor-core two-pass form (gdn_chunk_prep + gdn_chunk_scan, bf16 operands, fp32 state) at
 chunk 64 with 32 value columns a scan block and at chunk 32 with 64 (two_c32_t64, the
-default); 4x1024 is in between. The one-kernel tensor-core version they replaced (mma2_*) is
-in git before session 12 and in gdn_kernel_two_pass.json's rows. Every kernel
-is checked against a float64 torch recurrence (max |Δ| of
-outputs and final states, also relative to the largest |value|; `ok` holds the kernel to its
-bound: 1e-4 fp32, 1e-2 bf16 operands (3e-3 in the CPU emulation)), and each chunked variant
-against the recurrent kernel too. Decode rows also give the state bytes over the copy
-bandwidth of the same run. Every variant and case is isolated: a failure is printed and the
+default); 4x1024 is in between. The inputs are in_proj-like rows (bf16), a conv history in
+each slot and conv weights and gates: gdn_input (timed as its own row) makes q, k, v, g and
+beta from them for the recurrent and fp32 kernels and the reference, while the two-pass
+form's first kernel starts from the rows themselves, as in the model. The one-kernel
+tensor-core version they replaced (mma2_*) is in git before session 12 and in
+gdn_kernel_two_pass.json's rows. `ragged` (7 short sequences) has partial chunks and chunk
+numbers that no sequence takes. Every kernel is checked against a float64 torch recurrence
+(max |Δ| of outputs and final states, also relative to the largest |value|; `ok` holds the
+kernel to its bound: 1e-4 fp32, 1e-2 bf16 operands (3e-3 in the CPU emulation)), and each
+chunked variant against the recurrent kernel too. Decode rows also give the state bytes over
+the copy bandwidth of the same run. Every variant and case is isolated: a failure is printed and the
 rest still runs. A table goes to stdout and all rows, as JSON, to DIR/gdn_bench_result.json
 (and --out DIR/gdn_kernel.json).
 """
@@ -31,8 +35,11 @@ from pathlib import Path
 
 from common import copy_bandwidth, cuda_time
 
-K_HEADS, V_HEADS, K_DIM, V_DIM = 16, 32, 128, 128
-CASES = {"1x1024": [1024], "1x8192": [8192], "4x1024": [1024] * 4, "16x1024": [1024] * 16}
+K_HEADS, V_HEADS, K_DIM, V_DIM, CONV = 16, 32, 128, 128, 4
+CONV_DIM = 2 * K_HEADS * K_DIM + V_HEADS * V_DIM
+WIDTH = CONV_DIM + V_HEADS * V_DIM + 2 * V_HEADS  # in_proj's row: q k v | z | b | a
+CASES = {"1x1024": [1024], "1x8192": [8192], "4x1024": [1024] * 4, "16x1024": [1024] * 16,
+         "ragged": [1, 31, 33, 100, 5, 64, 2]}  # partial chunks, chunk numbers no one has
 DECODE_CASES = {"16x1": [1] * 16, "1x1": [1], "64x1": [1] * 64}
 # recurrent kernel variants: name -> (value columns a block, threads a column)
 # (gdn_recurrent_sweep.json: 32 x 4, 16 x 4, 8 x 8 and 8 x 16 lost to the shipped 16 x 8)
@@ -53,6 +60,7 @@ def build(out: Path, arch: str, chunked: bool = True, only: set[str] | None = No
     from qwen35_tvm.compile.targets import make_target
     from qwen35_tvm.schedules.gdn import gated_delta_rule
     from qwen35_tvm.schedules.gdn_chunked import chunked_gated_delta_rule, two_pass
+    from qwen35_tvm.schedules.gdn_prep import gdn_input
 
     target, arches = make_target("cuda", arch)
     prepare_cuda_codegen(arches)
@@ -61,6 +69,7 @@ def build(out: Path, arch: str, chunked: bool = True, only: set[str] | None = No
         name: gated_delta_rule(K_HEADS, V_HEADS, K_DIM, V_DIM, target, rows, parts)
         for name, (rows, parts) in RECURRENT.items()
     }
+    funcs["input"] = gdn_input(K_HEADS, V_HEADS, K_DIM, V_DIM, CONV, "bfloat16", target)
     for name, kw in CHUNKED.items() if chunked else ():
         try:
             funcs[name] = chunked_gated_delta_rule(K_HEADS, V_HEADS, K_DIM, V_DIM, target, **kw)
@@ -69,7 +78,9 @@ def build(out: Path, arch: str, chunked: bool = True, only: set[str] | None = No
     workspaces = {}  # name -> "tokens x sequences" -> the workspace's (shape, dtype)s
     for name, (chunk, col_tile) in TWO_PASS.items() if chunked else ():
         try:
-            two = two_pass(K_HEADS, V_HEADS, K_DIM, V_DIM, target, "bfloat16", chunk, col_tile)
+            two = two_pass(
+                K_HEADS, V_HEADS, K_DIM, V_DIM, target, "bfloat16", chunk, col_tile, CONV
+            )
             funcs[name] = {
                 "prep": two.prep.with_attr("global_symbol", "prep"),
                 "scan": two.scan.with_attr("global_symbol", "scan"),
@@ -81,7 +92,7 @@ def build(out: Path, arch: str, chunked: bool = True, only: set[str] | None = No
         except Exception:
             traceback.print_exc()
     built = []
-    funcs = {n: f for n, f in funcs.items() if only is None or n in only}
+    funcs = {n: f for n, f in funcs.items() if only is None or n in only | {"input"}}
     for name, func in funcs.items():
         try:
             mod = func if isinstance(func, dict) else {"main": func}
@@ -101,43 +112,60 @@ def two_pass_call(torch, tvm, lib, workspaces: dict):
     prep, scan = lib["prep"], lib["scan"]
     cache = {}
 
-    def call(q, k, v, g, beta, indptr, slots, pool, layer, out):
+    def call(args, rows):
+        q, k, v, g, beta, indptr, slots, pool, layer, out = args
         key = f"{q.shape[0]}x{slots.shape[0]}"
         if key not in cache:
             cache[key] = [
                 tvm.runtime.from_dlpack(torch.zeros(s, dtype=getattr(torch, d), device=DEVICE))
                 for s, d in workspaces[key]
             ]
-        prep(q, k, v, g, beta, indptr, *cache[key])
+        prep(*rows[:4], indptr, slots, rows[4], layer, *cache[key])
         scan(*cache[key], indptr, slots, pool, layer, out)
 
     return call
 
 
-def make_inputs(torch, lengths: list[int], seed: int = 0) -> dict:
-    """Model-like inputs on the GPU: unit q and k, beta in (0, 1), log decays in [-5, 0)."""
+def make_inputs(torch, tvm, make_qkv, lengths: list[int], seed: int = 0) -> dict:
+    """Model-like inputs on the GPU: in_proj rows, conv weights, gates and a conv history in
+    every slot (bf16), and q, k, v, g, beta made from them by gdn_input (`make_qkv`): unit q
+    and k, beta in (0, 1), log decays mostly in (-4, 0)."""
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
     n = sum(lengths)
 
     def randn(*shape):
         return torch.randn(*shape, device=DEVICE, generator=gen)
 
-    def unit(x):
-        return x / x.norm(dim=-1, keepdim=True)
-
     slots = torch.randperm(N_SLOTS, device=DEVICE, generator=gen)[: len(lengths)]
     indptr = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     indptr[1:] = torch.cumsum(torch.tensor(lengths), 0)
-    return {
-        "q": unit(randn(n, K_HEADS, K_DIM)),
-        "k": unit(randn(n, K_HEADS, K_DIM)),
-        "v": randn(n, V_HEADS, V_DIM),
-        "g": -torch.nn.functional.softplus(randn(n, V_HEADS) * 2 - 1).clamp(max=5.0),
-        "beta": torch.sigmoid(randn(n, V_HEADS) * 2),
+    bf16 = torch.bfloat16
+    x = {
+        "proj": randn(n, WIDTH).to(bf16),
+        "conv_weight": (randn(CONV_DIM, CONV) * 0.5).to(bf16),
+        "a_log": torch.log(torch.rand(V_HEADS, device=DEVICE, generator=gen) + 0.2),
+        "dt_bias": randn(V_HEADS) * 0.5,
+        "conv_pool": randn(N_SLOTS, N_LAYERS, CONV_DIM, CONV - 1).to(bf16),
         "indptr": indptr.to(DEVICE),
         "slots": slots.to(torch.int32),
         "pool": randn(N_SLOTS, N_LAYERS, V_HEADS, V_DIM, K_DIM) * 0.5,
     }
+    x["q"] = torch.empty(n, K_HEADS, K_DIM, device=DEVICE)
+    x["k"] = torch.empty(n, K_HEADS, K_DIM, device=DEVICE)
+    x["v"] = torch.empty(n, V_HEADS, V_DIM, device=DEVICE)
+    x["g"] = torch.empty(n, V_HEADS, device=DEVICE)
+    x["beta"] = torch.empty(n, V_HEADS, device=DEVICE)
+    make_qkv(*input_args(tvm, x))
+    return x
+
+
+def input_args(tvm, x: dict) -> list:
+    """gdn_input's arguments: the rows, weights, gates, indptr, slots, conv history, layer and
+    its five outputs."""
+    names = ("proj", "conv_weight", "a_log", "dt_bias", "indptr", "slots", "conv_pool")
+    args = [tvm.runtime.from_dlpack(x[name]) for name in names]
+    outs = [tvm.runtime.from_dlpack(x[name]) for name in ("q", "k", "v", "g", "beta")]
+    return [*args, LAYER, *outs]
 
 
 def torch_reference(torch, x: dict) -> tuple:
@@ -159,11 +187,14 @@ def torch_reference(torch, x: dict) -> tuple:
     return out, pool
 
 
-def kernel_args(tvm, x: dict, pool, out) -> list:
-    """The kernel's arguments, converted once so that timing sees only the launch."""
+def kernel_args(tvm, x: dict, pool, out) -> tuple[list, list]:
+    """The delta rule's arguments, and the rows, weights, gates and conv history that the
+    two-pass form starts from, converted once so that timing sees only the launch."""
     names = ("q", "k", "v", "g", "beta", "indptr", "slots")
     args = [tvm.runtime.from_dlpack(x[name]) for name in names]
-    return [*args, tvm.runtime.from_dlpack(pool), LAYER, tvm.runtime.from_dlpack(out)]
+    rows = [tvm.runtime.from_dlpack(x[name])
+            for name in ("proj", "conv_weight", "a_log", "dt_bias", "conv_pool")]  # fmt: skip
+    return [*args, tvm.runtime.from_dlpack(pool), LAYER, tvm.runtime.from_dlpack(out)], rows
 
 
 def kernel_time_us(torch, fn, iters: int = 10) -> float:
@@ -196,11 +227,18 @@ def run(
     meta = json.loads((out_dir / "gdn_bench.json").read_text())
     print(f"device: {device}, kernels: {meta['kernels']}")
     fns = {}
+    make_qkv = tvm.runtime.load_module(str(out_dir / "gdn_input.so"))["main"]
     for name in meta["kernels"]:
+        if name == "input":
+            continue
         try:
             lib = tvm.runtime.load_module(str(out_dir / f"gdn_{name}.so"))
             work = meta.get("two_pass", {}).get(name)
-            fns[name] = lib["main"] if work is None else two_pass_call(torch, tvm, lib, work)
+            fns[name] = (
+                (lambda args, rows, f=lib["main"]: f(*args))
+                if work is None
+                else two_pass_call(torch, tvm, lib, work)
+            )
         except Exception:
             traceback.print_exc()
     rows = []
@@ -211,11 +249,16 @@ def run(
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for case, lengths in {**(CASES if prefill else {}), **(DECODE_CASES if decode else {})}.items():
         try:
-            x = make_inputs(torch, lengths)
+            x = make_inputs(torch, tvm, make_qkv, lengths)
         except Exception:
             traceback.print_exc()
             continue
         n = sum(lengths)
+        if max(lengths) > 1:  # what the two-pass form's first kernel took over
+            a = input_args(tvm, x)
+            us = kernel_time_us(torch, lambda a=a: make_qkv(*a))
+            rows.append({"case": case, "kernel": "gdn_input", "tokens": n, "kernel_us": us})
+            print(f"| {case} | gdn_input | - | {us:.1f} | | | | | | | |")
         ref = None
         exact = torch_reference(torch, x)
         for name, fn in fns.items():
@@ -223,7 +266,7 @@ def run(
             try:
                 pool = x["pool"].clone()
                 out = torch.full((n, V_HEADS, V_DIM), float("nan"), device=DEVICE)
-                fn(*kernel_args(tvm, x, pool, out))
+                fn(*kernel_args(tvm, x, pool, out))  # (delta rule's args, the rows')
                 if DEVICE == "cuda":
                     torch.cuda.synchronize()
                 if name == "recurrent":

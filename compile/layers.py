@@ -223,7 +223,8 @@ class GatedDeltaNet(nn.Module):
         kernel = cfg.linear_conv_kernel_dim
         conv_pool, rec_pool, tickets = state
         conv_and_gates = [self.conv_weight, self.A_log, self.dt_bias]
-        if chunked:  # bf16 on CUDA: the tensor-core kernel (bf16 operands, fp32 state)
+        two = chunked and gdn_chunked.two_pass(hk, hv, dk, dv, target, self.dtype, kernel=kernel)
+        if chunked and two is None:  # fp32 or the CPU: q, k, v and the gates, then one kernel
             q, k, v, g, beta = op.tensor_ir_op(
                 gdn_prep.gdn_input(hk, hv, dk, dv, kernel, self.dtype, target),
                 "gdn_input",
@@ -236,29 +237,28 @@ class GatedDeltaNet(nn.Module):
                     Tensor.placeholder((n_tok, hv), F32),
                 ],
             )
-            two = gdn_chunked.two_pass(hk, hv, dk, dv, target, self.dtype)
-            if two is None:  # fp32 or the CPU: one kernel
-                rec_pool, o = op.tensor_ir_inplace_op(
-                    gdn_chunked.chunked_gated_delta_rule(hk, hv, dk, dv, target),
-                    "gdn_delta_rule",
-                    [q, k, v, g, beta, indptr, slots, rec_pool, layer],
-                    inplace_indices=[7, -1],
-                    out=[rec_pool, Tensor.placeholder((n_tok, hv, dv), F32)],
-                )
-            else:  # every chunk's state-free part at once, then the serial walk over chunks
-                work = op.tensor_ir_op(
-                    two.prep,
-                    "gdn_chunk_prep",
-                    [q, k, v, g, beta, indptr],
-                    out=[Tensor.placeholder(s, d) for s, d in two.workspace(n_tok, slots.shape[0])],
-                )
-                rec_pool, o = op.tensor_ir_inplace_op(
-                    two.scan,
-                    "gdn_chunk_scan",
-                    [*work, indptr, slots, rec_pool, layer],
-                    inplace_indices=[8, -1],
-                    out=[rec_pool, Tensor.placeholder((n_tok, hv, dv), F32)],
-                )
+            rec_pool, o = op.tensor_ir_inplace_op(
+                gdn_chunked.chunked_gated_delta_rule(hk, hv, dk, dv, target),
+                "gdn_delta_rule",
+                [q, k, v, g, beta, indptr, slots, rec_pool, layer],
+                inplace_indices=[7, -1],
+                out=[rec_pool, Tensor.placeholder((n_tok, hv, dv), F32)],
+            )
+        elif chunked:  # bf16 on CUDA: every chunk's state-free part (from in_proj's rows) at
+            # once, then the serial walk over chunks
+            work = op.tensor_ir_op(
+                two.prep,
+                "gdn_chunk_prep",
+                [proj, *conv_and_gates, indptr, slots, conv_pool, layer],
+                out=[Tensor.placeholder(s, d) for s, d in two.workspace(n_tok, slots.shape[0])],
+            )
+            rec_pool, o = op.tensor_ir_inplace_op(
+                two.scan,
+                "gdn_chunk_scan",
+                [*work, indptr, slots, rec_pool, layer],
+                inplace_indices=[8, -1],
+                out=[rec_pool, Tensor.placeholder((n_tok, hv, dv), F32)],
+            )
         elif not wide:  # one token a sequence: its conv, norms, gates and gated norm in one kernel
             rule = gdn_decode.decode_delta_rule(
                 hk, hv, dk, dv, kernel, cfg.rms_norm_eps, self.dtype, target

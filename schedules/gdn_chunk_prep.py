@@ -4,6 +4,9 @@ the state-free half of the algorithm, for every chunk of every sequence at once.
 With the notation of `gdn_chunked`, a chunk's update U solves (I + A) U = beta (V - e^G K Sᵀ).
 The solve is linear, so U = U0 - W Sᵀ, where (I + A) U0 = beta V and (I + A) W = beta e^G K
 depend on no state. This pass computes, per (chunk, value head), in one block of 8 warps:
+- the chunk's q, k and v from in_proj's rows, as gdn_prep.gdn_input makes them (causal conv1d
+  over the slot's conv history, SiLU, l2 norms summed in its order) and its gates g and beta:
+  no kernel of its own and no fp32 round trip between the two;
 - G, the cumulative log decays (fp32), and K, Q as bf16 (once per key head);
 - W and U0 (bf16): one blocked triangular solve of the 256 columns [beta e^G K | beta V],
   16 rows at a time (rows above by mma, the 16x16 diagonal a column a thread in fp32);
@@ -21,6 +24,7 @@ from tvm.script import tirx as T
 from tvm.tirx import PrimFunc
 
 from .gdn_mma_tiles import WARPS, a_lane, acc_rc, b_lane, job_tile, n_group, swz
+from .gdn_prep import beta_gate, conv_silu, l2_parts, log_decay
 from .kv_cache import first_tile, seq_of_tile
 from .pdl import release_dependents, wait_for_producers
 from .ptx import ldmatrix_x4, mma_bf16
@@ -29,6 +33,7 @@ DTYPE = "bfloat16"
 FULL_MASK = 0xFFFFFFFF
 FPAD = 4  # row padding of fp32 shared tiles (keeps 16-byte rows aligned)
 THREADS = WARPS * 32
+MAX_BLOCKS_PER_SM = 3  # at 80 registers a thread (ptxas spills little); 85 at most
 
 
 def workspace_rows(n_tok, n_seq, chunk: int):
@@ -38,8 +43,9 @@ def workspace_rows(n_tok, n_seq, chunk: int):
 
 def prep_shared_bytes(c: int, dk: int, dv: int) -> tuple[int, int]:
     """(dynamic, static) shared memory of a block."""
-    rw = dk + dv
-    return 2 * 2 * c * dk + 4 * c * (c + FPAD + rw + FPAD), 2 * (c * c + c * rw) + 4 * 2 * c
+    rw, part = dk + dv, -(-2 * c * l2_parts(dk, dv) // THREADS) * THREADS  # the norms' partials
+    dyn = 2 * 2 * c * dk + 4 * (c * (c + FPAD + rw + FPAD) + part)
+    return dyn, 2 * (c * c + c * rw) + 4 * 4 * c  # ..., G, beta, 1/norm of K and Q
 
 
 @T.macro
@@ -70,14 +76,18 @@ def warp_mm(
 
 
 @T.macro
-def decay_scan(g, gs, gc, cum, gv, t0, nv, h, row0, warp, lane, c: int):
-    # G = cumsum of the chunk's log decays (0 past its end, so G stays at its last value
-    # there): 32 tokens a piece, an inclusive Hillis-Steele scan over the lanes plus the pieces
-    # before; warp w stores piece w. One load a lane, not a chain of C dependent loads.
+def decay_scan(x, a_col, a_log, dt_bias, gs, gc, cum, gv, t0, nv, h, row0, warp, lane, c: int):
+    # G = cumsum of the chunk's log decays g (from in_proj's a at column a_col; 0 past the
+    # chunk's end, so G stays at its last value there): 32 tokens a piece, an inclusive
+    # Hillis-Steele scan over the lanes plus the pieces before; warp w stores piece w. One load
+    # a lane, not a chain of C dependent loads.
     cum[0] = T.float32(0)
     for piece in T.unroll(-(-c // 32)):
         j: T.let[T.int32] = piece * 32 + lane
-        gv[0] = T.Select(j < nv, g[t0 + T.min(j, nv - 1), h], T.float32(0))
+        g = T.meta_var(log_decay(
+            T.Cast("float32", x[t0 + T.min(j, nv - 1), a_col]), a_log[h], dt_bias[h]
+        ))  # fmt: skip
+        gv[0] = T.Select(j < nv, g, T.float32(0))
         for s in T.unroll(5):
             gv[1] = T.tvm_warp_shuffle_up(FULL_MASK, gv[0], 1 << s, 32, 32)
             gv[0] = gv[0] + T.Select(lane >= (1 << s), gv[1], T.float32(0))
@@ -88,18 +98,56 @@ def decay_scan(g, gs, gc, cum, gv, t0, nv, h, row0, warp, lane, c: int):
             gc[h, row0 + j] = gv[0]
 
 
-def chunk_prep(k_heads: int, v_heads: int, dk: int, dv: int, chunk: int) -> PrimFunc:
-    """(q, k, v, g, beta, indptr) -> (K, Q bf16 [rows, k_heads, dk]; W bf16 [rows, v_heads,
+def _conv_input(x, pool, ch, t, t0, nv, seq, layer, hist: int, n_tok, history: bool):
+    """Channel ch's conv input at token t of the chunk starting at t0 (nv tokens) of the
+    sequence (first token, slot) = seq: a row of x, or, for t < 0 (`history`) before the
+    sequence's first token, its slot's conv history. Both loads are made and one is selected
+    (a branch would put each load behind its own test); indices clamp, so every load is in
+    bounds whatever the chunk."""
+    row = T.Cast("float32", x[T.max(T.min(t0 + T.min(t, nv - 1), n_tok - 1), 0), ch])
+    if not history:
+        return row
+    s = t0 - seq[0] + t  # the token's place in its sequence
+    return T.Select(
+        s >= 0, row, T.Cast("float32", pool[seq[1], layer, ch, T.min(T.max(hist + s, 0), hist - 1)])
+    )
+
+
+def blocks_per_sm(c: int, dk: int, dv: int, smem_bytes: int) -> int:
+    """Blocks an SM holds, by shared memory, up to MAX_BLOCKS_PER_SM: ptxas is told, so that
+    it keeps to their registers (left to itself, the conv's loads in flight take 95 a thread
+    at C = 32 and two blocks an SM where three fit)."""
+    return max(1, min(MAX_BLOCKS_PER_SM, smem_bytes // sum(prep_shared_bytes(c, dk, dv))))
+
+
+def chunk_prep(
+    k_heads: int, v_heads: int, dk: int, dv: int, chunk: int, kernel: int, blocks: int = 1
+) -> PrimFunc:
+    """(proj [n_tok, width], conv weight [conv_dim, kernel], A_log, dt_bias, indptr, slots,
+    conv pool (read only), layer) -> (K, Q bf16 [rows, k_heads, dk]; W bf16 [rows, v_heads,
     dk]; U0 bf16 [rows, v_heads, dv]; P bf16 [rows, v_heads, chunk]; G fp32 [v_heads, rows]),
-    rows = workspace_rows(n_tok, n_seq, chunk)."""
+    rows = workspace_rows(n_tok, n_seq, chunk). proj, the weights and the pool are in_proj's
+    and gdn_input's (gdn_prep). `blocks`: blocks an SM, for ptxas (`blocks_per_sm`)."""
     c, group, nt = chunk, v_heads // k_heads, THREADS
     rw = dk + dv  # R's columns
-    if c % 16 or c > 128 or dk % 64 or dv % 16 or v_heads % k_heads or rw > nt:
-        raise ValueError(f"chunk {c} (16 | C <= 128), dk {dk} (64 |), dk + dv <= {nt}")
+    if c % 16 or c > 128 or dk % 64 or dv % 16 or v_heads % k_heads or rw > nt or nt % dk:
+        raise ValueError(f"chunk {c} (16 | C <= 128), dk {dk} (64 | dk | {nt}), dk + dv <= {nt}")
     if prep_shared_bytes(c, dk, dv)[1] > 48 * 1024:
         raise ValueError(f"chunk {c}: A and X in bf16 exceed 48 KiB of static shared memory")
     fc, fr = c + FPAD, rw + FPAD
     sh = "shared.dyn"
+    hist = kernel - 1
+    key_dim, value_dim = k_heads * dk, v_heads * dv
+    conv_dim = 2 * key_dim + value_dim
+    width = conv_dim + value_dim + 2 * v_heads
+    # A thread convolves one channel of k (tx < dk) or v (dk <= tx < rw) over the whole chunk,
+    # and one of q over a 1/q_pieces of it.
+    q_pieces = nt // dk
+    q_len = c // q_pieces
+    parts = l2_parts(dk, dv)  # gdn_input's order of an l2 norm's sum
+    if dk % parts or nt % parts:
+        raise ValueError(f"dk {dk}: the l2 norms' {parts} partial sums must split it evenly")
+    part_rounds = -(-2 * c * parts // nt)  # partial sums a thread
     # [K; Q] (2C rows) x Kᵀ (C columns), over dk
     g1_mt, g1_n8 = 2 * c // 16, c // 8
     g1_ng = n_group(g1_n8, g1_mt)
@@ -107,7 +155,6 @@ def chunk_prep(k_heads: int, v_heads: int, dk: int, dv: int, chunk: int) -> Prim
     # the solve's off-diagonal rows: one n16 pair of R's columns a warp job
     sv_pairs = rw // 16
     sv_jobs = -(-sv_pairs // WARPS)
-    half = c * dk // nt  # K (or Q) elements a thread
 
     @T.macro
     def solve_off(blk16, ab, xb, rs, acc, af, bf, rg, warp, lane):
@@ -163,12 +210,14 @@ def chunk_prep(k_heads: int, v_heads: int, dk: int, dv: int, chunk: int) -> Prim
 
     @T.prim_func(s_tir=True)
     def gdn_chunk_prep(
-        q_h: T.handle,
-        k_h: T.handle,
-        v_h: T.handle,
-        g_h: T.handle,
-        beta_h: T.handle,
+        x_h: T.handle,
+        cw_h: T.handle,
+        a_log_h: T.handle,
+        dt_bias_h: T.handle,
         indptr_h: T.handle,
+        slots_h: T.handle,
+        pool_h: T.handle,
+        layer: T.int32,
         kb_h: T.handle,
         qb_h: T.handle,
         w_h: T.handle,
@@ -177,13 +226,15 @@ def chunk_prep(k_heads: int, v_heads: int, dk: int, dv: int, chunk: int) -> Prim
         gc_h: T.handle,
     ):
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
-        n_tok, n_ptr, n_rows = T.int32(), T.int32(), T.int32()
-        q = T.match_buffer(q_h, (n_tok, k_heads, dk), "float32")
-        k = T.match_buffer(k_h, (n_tok, k_heads, dk), "float32")
-        v = T.match_buffer(v_h, (n_tok, v_heads, dv), "float32")
-        g = T.match_buffer(g_h, (n_tok, v_heads), "float32")
-        beta = T.match_buffer(beta_h, (n_tok, v_heads), "float32")
+        n_tok, n_ptr, n_rows, batch = T.int32(), T.int32(), T.int32(), T.int32()
+        n_slots, n_layers = T.int32(), T.int32()
+        x = T.match_buffer(x_h, (n_tok, width), DTYPE)
+        cw = T.match_buffer(cw_h, (conv_dim, kernel), DTYPE)
+        a_log = T.match_buffer(a_log_h, (v_heads,), "float32")
+        dt_bias = T.match_buffer(dt_bias_h, (v_heads,), "float32")
         indptr = T.match_buffer(indptr_h, (n_ptr,), "int32")
+        slots = T.match_buffer(slots_h, (batch,), "int32")
+        pool = T.match_buffer(pool_h, (n_slots, n_layers, conv_dim, hist), DTYPE)
         kb = T.match_buffer(kb_h, (n_rows, k_heads, dk), DTYPE)
         qb = T.match_buffer(qb_h, (n_rows, k_heads, dk), DTYPE)
         w = T.match_buffer(w_h, (n_rows, v_heads, dk), DTYPE)
@@ -195,7 +246,10 @@ def chunk_prep(k_heads: int, v_heads: int, dk: int, dv: int, chunk: int) -> Prim
                 with T.sblock("gdn_chunk_prep"):
                     T.reads()
                     T.writes()
+                    T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", blocks)
                     kq = T.sblock_alloc_buffer((2 * c * dk,), DTYPE, scope=sh)
+                    part = T.sblock_alloc_buffer((part_rounds * nt,), "float32", scope=sh)
+                    inv = T.sblock_alloc_buffer((2 * c,), "float32", scope="shared")
                     am = T.sblock_alloc_buffer((c * fc,), "float32", scope=sh)
                     rs = T.sblock_alloc_buffer((c * fr,), "float32", scope=sh)
                     ab = T.sblock_alloc_buffer((c * c,), DTYPE, scope="shared")
@@ -210,13 +264,18 @@ def chunk_prep(k_heads: int, v_heads: int, dk: int, dv: int, chunk: int) -> Prim
                     gi = T.sblock_alloc_buffer((2,), "float32", scope="local")
                     bi = T.sblock_alloc_buffer((2,), "float32", scope="local")
                     gj = T.sblock_alloc_buffer((g1_ng * 2,), "float32", scope="local")
-                    ld = T.sblock_alloc_buffer((max(2 * half, c),), "float32", scope="local")
+                    mw = T.sblock_alloc_buffer((c + hist,), "float32", scope="local")
+                    qw = T.sblock_alloc_buffer((q_len + hist,), "float32", scope="local")
+                    wm = T.sblock_alloc_buffer((kernel,), "float32", scope="local")
+                    wq = T.sblock_alloc_buffer((kernel,), "float32", scope="local")
+                    sq = T.sblock_alloc_buffer((part_rounds,), "float32", scope="local")
                     rg = T.sblock_alloc_buffer((sv_jobs * 8,), "float32", scope="local")
                     uu = T.sblock_alloc_buffer((16,), "float32", scope="local")
                     cum = T.sblock_alloc_buffer((1,), "float32", scope="local")
                     gv = T.sblock_alloc_buffer((2,), "float32", scope="local")
                     lo = T.sblock_alloc_buffer((1,), "int32", scope="local")
                     hi = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                    seq = T.sblock_alloc_buffer((2,), "int32", scope="local")
                     T.evaluate(wait_for_producers(True))  # first: schedules/pdl.py
                     T.evaluate(release_dependents(True))
                     cno: T.let[T.int32] = blk // v_heads
@@ -229,6 +288,8 @@ def chunk_prep(k_heads: int, v_heads: int, dk: int, dv: int, chunk: int) -> Prim
                     # planner refuses a local buffer read by a let at the kernel's top). A chunk
                     # number no sequence has computes a token's chunk into rows no one reads: no
                     # branch around the barriers below.
+                    seq[0] = indptr[lo[0]]
+                    seq[1] = slots[lo[0]]
                     lo[0] = T.min(
                         indptr[lo[0]] + (cno - first_tile(indptr, lo[0], c)) * c, n_tok - 1
                     )
@@ -236,41 +297,86 @@ def chunk_prep(k_heads: int, v_heads: int, dk: int, dv: int, chunk: int) -> Prim
                     t0 = T.meta_var(lo[0])
                     nv = T.meta_var(hi[0])
                     row0: T.let[T.int32] = cno * c
-                    # 1. K and Q rows as bf16 (zero past the end), also to the workspace
-                    # once per key head; G and beta. Every load goes to registers first,
-                    # unconditional (rows past the end read the last token and are zeroed by a
-                    # multiply): one round of loads in flight, not a chain behind branches.
-                    for e in T.unroll(half):
-                        x: T.let[T.int32] = e * nt + tx
-                        live = T.meta_var(T.Cast("float32", x // dk < nv))
-                        ld[e] = k[t0 + T.min(x // dk, nv - 1), kh, x % dk] * live
-                        ld[half + e] = q[t0 + T.min(x // dk, nv - 1), kh, x % dk] * live
-                    for e in T.unroll(2 * half):
-                        x: T.let[T.int32] = e * nt + tx
-                        kq[swz(x // dk, x % dk, dk)] = T.Cast(DTYPE, ld[e])
-                    if h % group == 0:
-                        for e in T.unroll(half):
-                            x: T.let[T.int32] = e * nt + tx
-                            kb[row0 + x // dk, kh, x % dk] = T.Cast(DTYPE, ld[e])
-                            qb[row0 + x // dk, kh, x % dk] = T.Cast(DTYPE, ld[half + e])
+                    mc = T.meta_var(T.Select(  # this thread's k or v channel, and q channel
+                        tx < dk, key_dim + kh * dk + tx,
+                        2 * key_dim + h * dv + T.min(tx - dk, dv - 1),
+                    ))  # fmt: skip
+                    qc = T.meta_var(kh * dk + tx % dk)
+                    q0 = T.meta_var(tx // dk * q_len)  # the chunk's first token of its q piece
+                    # 1. The conv inputs, every load at once and unconditional: chunk token i
+                    # (i < 0: earlier tokens of the sequence, else its conv history in the pool;
+                    # past the chunk's end the last token again, zeroed below).
+                    for i in T.unroll(kernel):
+                        wm[i] = T.Cast("float32", cw[mc, i])
+                        wq[i] = T.Cast("float32", cw[qc, i])
+                    for i in T.unroll(hist):
+                        mw[i] = _conv_input(x, pool, mc, i - hist, t0, nv, seq, layer, hist,
+                                            n_tok, True)  # fmt: skip
+                    for i in T.unroll(c):
+                        mw[hist + i] = _conv_input(x, pool, mc, i, t0, nv, seq, layer, hist,
+                                                   n_tok, False)  # fmt: skip
                     if warp < -(-c // 32):  # warp-uniform: every lane shuffles
-                        decay_scan(g, gs, gc, cum, gv, t0, nv, h, row0, warp, lane, c)
+                        decay_scan(x, conv_dim + value_dim + v_heads + h, a_log, dt_bias, gs, gc,
+                                   cum, gv, t0, nv, h, row0, warp, lane, c)  # fmt: skip
                     if tx < c:
-                        bs[tx] = beta[t0 + T.min(tx, nv - 1), h] * T.Cast("float32", tx < nv)
+                        bs[tx] = beta_gate(
+                            T.Cast("float32", x[t0 + T.min(tx, nv - 1), conv_dim + value_dim + h])
+                        ) * T.Cast("float32", tx < nv)
+                    # the conv in place (window t is inputs t .. t + hist); q and k unnormalised
+                    # to kq for the norms' sums (bf16 holds them exactly: the conv rounds). q's
+                    # inputs load after k's or v's conv: all in flight at once took 112
+                    # registers.
+                    for t in T.unroll(c):
+                        mw[t] = conv_silu(wm, mw, kernel, DTYPE, t)
+                        if tx < dk:
+                            kq[swz(t, tx, dk)] = T.Cast(DTYPE, mw[t])
+                    for i in T.unroll(hist):
+                        qw[i] = _conv_input(x, pool, qc, q0 + i - hist, t0, nv, seq, layer, hist,
+                                            n_tok, True)  # fmt: skip
+                    for i in T.unroll(q_len):
+                        qw[hist + i] = _conv_input(x, pool, qc, q0 + i, t0, nv, seq, layer, hist,
+                                                   n_tok, False)  # fmt: skip
+                    for t in T.unroll(q_len):
+                        qw[t] = conv_silu(wq, qw, kernel, DTYPE, t)
+                        kq[swz(c + q0 + t, tx % dk, dk)] = T.Cast(DTYPE, qw[t])
                     T.tvm_storage_sync("shared.dyn")
-                    # 2. R = [beta e^G K | beta V] (fp32 inputs; a column a thread), then
-                    # [K; Q] x Kᵀ -> A, P
+                    # 2. l2 norms of the K and Q rows, in gdn_input's order: partial sums of
+                    # every parts-th square, then a thread a row adds its row's partials
+                    for e in T.unroll(part_rounds):  # partial e * nt + tx (rows past 2C: 0)
+                        sq[e] = T.float32(0)
+                        for j in T.unroll(dk // parts):
+                            sv = T.meta_var(T.Cast("float32", kq[swz(
+                                T.min((e * nt + tx) // parts, 2 * c - 1), j * parts + tx % parts, dk
+                            )]))  # fmt: skip
+                            sq[e] = sq[e] + sv * sv
+                    for e in T.unroll(part_rounds):
+                        part[e * nt + tx] = sq[e]
+                    T.tvm_storage_sync("shared.dyn")
+                    if tx < 2 * c:
+                        sq[0] = T.float32(0)
+                        for j in T.unroll(parts):
+                            sq[0] = sq[0] + part[tx * parts + j]
+                        inv[tx] = T.float32(1) / T.sqrt(sq[0] + T.float32(1e-6))
+                    T.tvm_storage_sync("shared")
+                    # 3. K and Q normalised as bf16 (zero past the end), also to the workspace
+                    # once per key head; R = [beta e^G K | beta V] in fp32, a column a thread;
+                    # then [K; Q] x Kᵀ -> A, P
                     if tx < dk:  # warp-uniform
-                        for e in T.unroll(c):
-                            ld[e] = k[t0 + T.min(e, nv - 1), kh, tx]
-                    else:
-                        for e in T.unroll(c):
-                            ld[e] = v[t0 + T.min(e, nv - 1), h, T.min(tx - dk, dv - 1)]
-                    for e in T.unroll(c):
-                        if rw == nt or tx < rw:  # bs is 0 past the end
-                            rs[e * fr + tx] = (
-                                ld[e] * bs[e] * T.Select(tx < dk, T.exp(gs[e]), T.float32(1))
-                            )
+                        for t in T.unroll(c):
+                            mw[t] = mw[t] * inv[t] * T.Cast("float32", t < nv)
+                            kq[swz(t, tx, dk)] = T.Cast(DTYPE, mw[t])
+                            if h % group == 0:
+                                kb[row0 + t, kh, tx] = T.Cast(DTYPE, mw[t])
+                            rs[t * fr + tx] = mw[t] * bs[t] * T.exp(gs[t])
+                    elif rw == nt or tx < rw:  # bs is 0 past the end
+                        for t in T.unroll(c):
+                            rs[t * fr + tx] = mw[t] * bs[t]
+                    for t in T.unroll(q_len):
+                        qw[t] = qw[t] * inv[c + q0 + t] * T.Cast("float32", q0 + t < nv)
+                        kq[swz(c + q0 + t, tx % dk, dk)] = T.Cast(DTYPE, qw[t])
+                        if h % group == 0:
+                            qb[row0 + q0 + t, kh, tx % dk] = T.Cast(DTYPE, qw[t])
+                    T.tvm_storage_sync("shared.dyn")
                     for jb in T.unroll(g1_jobs):
                         mt, n0 = T.meta_var(job_tile(jb * WARPS + warp, g1_ng, g1_n8))
                         for i in T.unroll(g1_ng * 4):

@@ -26,7 +26,7 @@ from typing import NamedTuple
 from tvm.target import Target
 from tvm.tirx import Expr, PrimFunc
 
-from .gdn_chunk_prep import chunk_prep, prep_shared_bytes, workspace_rows
+from .gdn_chunk_prep import blocks_per_sm, chunk_prep, prep_shared_bytes, workspace_rows
 from .gdn_chunk_scan import chunk_scan, scan_shared_bytes
 from .gdn_chunked_fp32 import GPU_COL_TILE, GPU_THREADS, SOLVE_BLOCK, gdn_chunked_fp32
 from .gdn_chunked_fp32 import shared_bytes as fp32_shared_bytes
@@ -111,20 +111,23 @@ def two_pass(
     act_dtype: str = "bfloat16",
     chunk: int | None = None,
     col_tile: int | None = None,
+    kernel: int = 4,
 ) -> TwoPass | None:
     """The two-pass kernels where they apply (bf16 activations on CUDA sm_80+, dims that tile),
-    else None (the caller takes `chunked_gated_delta_rule`)."""
+    else None (the caller takes gdn_input and `chunked_gated_delta_rule`). The first pass
+    starts from in_proj's output: `kernel` is the causal conv1d's width."""
     gpu = target.kind.name == "cuda"
     arch = int(str(target.attrs.get("arch", "sm_80"))[3:]) if gpu else 0
     c, ct = chunk or TWO_PASS[0], col_tile or min(TWO_PASS[1], v_dim)
     if not gpu or arch < 80 or act_dtype != "bfloat16":
         return None
-    if k_dim % 64 or v_dim % 32 or k_dim + v_dim > 256 or v_heads % k_heads:
+    if k_dim % 64 or 256 % k_dim or v_dim % 32 or k_dim + v_dim > 256 or v_heads % k_heads:
         return None
     limit = _SMEM_KIB.get(arch, 99) * 1024
     dyn, static = scan_shared_bytes(c, ct, k_dim)
     if sum(prep_shared_bytes(c, k_dim, v_dim)) > limit or dyn + static > limit:
         raise ValueError(f"chunk {c} x col_tile {ct}: too much shared memory for sm_{arch}")
-    prep = chunk_prep(k_heads, v_heads, k_dim, v_dim, c)
+    blocks = blocks_per_sm(c, k_dim, v_dim, limit)
+    prep = chunk_prep(k_heads, v_heads, k_dim, v_dim, c, kernel, blocks)
     scan = chunk_scan(k_heads, v_heads, k_dim, v_dim, c, ct)
     return TwoPass(prep, scan, c, k_heads, v_heads, k_dim, v_dim)

@@ -7,6 +7,8 @@ casts, conv and its state move, two l2 norms, the gates, the gated norm); here i
 - `gdn_input`: conv1d with the per-slot conv state (read only), SiLU, rounding
   to the model dtype, then q and k l2-normalised and v in fp32, and the gates
   g = -exp(A_log) * softplus(a + dt_bias) and beta = sigmoid(b): what the delta rule takes.
+  (bf16 prefill on CUDA does this inside gdn_chunk_prep, and decode inside gdn_decode, with
+  the same arithmetic: `conv_silu`, `log_decay`, `beta_gate`, `l2_parts`.)
 - `gated_norm`: the delta rule's output rounded to the model dtype, RMSNorm over each head,
   rounded again, times silu(z): out_proj's input. It also moves each sequence's last conv
   inputs into its conv state, once every kernel that reads the old state is done.
@@ -117,13 +119,13 @@ def log_decay(a, a_log, dt_bias):
     return -T.exp(a_log) * T.if_then_else(s > T.float32(20), s, T.log(T.float32(1) + T.exp(s)))
 
 
-def conv_silu(wt, win, kernel: int, dtype: str):
+def conv_silu(wt, win, kernel: int, dtype: str, at=0):
     """One channel's causal conv1d from local buffers of its fp32 weights and window (oldest
-    input first), summed in that order in every kernel that uses it, SiLU'd and rounded to
-    the model dtype as the conv's output was."""
-    acc = wt[0] * win[0]
+    input first, from win[at]), summed in that order in every kernel that uses it, SiLU'd and
+    rounded to the model dtype as the conv's output was."""
+    acc = wt[0] * win[at]
     for i in range(1, kernel):
-        acc = acc + wt[i] * win[i]
+        acc = acc + wt[i] * win[at + i]
     return rounded(acc / (T.float32(1) + T.exp(-acc)), dtype)
 
 

@@ -1,6 +1,7 @@
 """Prefill's two-pass chunked GDN (schedules/gdn_chunk_prep.py, gdn_chunk_scan.py) without a
-GPU: where it is routed, that both kernels lower and assemble for sm_80 and sm_90, what the
-scan's serial loop holds, and the workspace both agree on. The arithmetic is checked in numpy
+GPU: where it is routed (bf16 prefill then has no gdn_input: the first kernel starts from
+in_proj's rows), that both kernels lower and assemble for sm_80 and sm_90, what the scan's
+serial loop holds, and the workspace both agree on. The arithmetic is checked in numpy
 by tests/test_gdn_mma_emulated.py (two_pass_model) and on the H200 against a float64
 recurrence by benchmarks/gdn_kernel.py."""
 
@@ -76,9 +77,11 @@ def test_kernels_assemble(arch: str) -> None:
         loads = re.findall(rf"= [^;]*\b{operand}\[", loop)
         assert loads == [], f"{operand} read in the loop other than by cp.async"
     assert "pool_ptr[" not in loop[: loop.index("__syncthreads()")]
-    # the first pass stores every workspace operand
+    # the first pass stores every workspace operand, and ptxas keeps to the registers of as
+    # many blocks an SM as shared memory allows (3 on sm_90, 2 on sm_80's 163 KiB)
     for operand in ("w_ptr", "u_ptr", "p_ptr", "kb_ptr", "qb_ptr", "gc_ptr"):
         assert re.search(rf"\b{operand}\[[^\]]*\] = ", prep), operand
+    assert f"__launch_bounds__(256, {3 if arch == 'sm_90' else 2})" in prep
 
 
 def test_shared_memory_limits() -> None:
@@ -86,3 +89,48 @@ def test_shared_memory_limits() -> None:
         two_pass(16, 32, 128, 128, _cuda("sm_90"), "bfloat16", chunk=64, col_tile=64)
     with pytest.raises(ValueError, match="shared memory"):  # sm_80's 163 KiB
         two_pass(16, 32, 128, 128, _cuda("sm_80"), "bfloat16", chunk=128, col_tile=32)
+
+
+def _prefill_kernels(dtype: str) -> set[str]:
+    """The kernels of one GDN layer's prefill, with 128-wide heads (which tile)."""
+    import dataclasses
+
+    from tvm.relax.frontend import nn
+
+    from qwen35_tvm.compile.config import ModelConfig
+    from qwen35_tvm.compile.layers import GatedDeltaNet, GDNState
+    from qwen35_tvm.compile.model import gdn_pool_shapes
+    from qwen35_tvm.compile.random_model import SHAPES
+
+    cfg = dataclasses.replace(
+        ModelConfig.from_hf(SHAPES["tiny"]), linear_key_head_dim=128, linear_value_head_dim=128
+    )
+
+    class Prefill(nn.Module):
+        def __init__(self) -> None:
+            self.gdn = GatedDeltaNet(cfg, 0, dtype)
+
+        def forward(self, x, indptr, slots, conv, rec, tickets):
+            return self.gdn(x, indptr, slots, GDNState(conv, rec, tickets), chunked=True)[0]
+
+    conv, rec, tickets = gdn_pool_shapes(cfg, 2)
+    spec = {"forward": {
+        "x": nn.spec.Tensor(["n", cfg.hidden_size], dtype),
+        "indptr": nn.spec.Tensor(["b1"], "int32"),
+        "slots": nn.spec.Tensor(["b"], "int32"),
+        "conv": nn.spec.Tensor(conv, dtype),
+        "rec": nn.spec.Tensor(rec, "float32"),
+        "tickets": nn.spec.Tensor(tickets, "int32"),
+    }}  # fmt: skip
+    with _cuda("sm_90"):
+        mod, _ = Prefill().export_tvm(spec=spec)
+    return {gv.name_hint for gv, f in mod.functions.items() if isinstance(f, tvm.tirx.PrimFunc)}
+
+
+def test_bf16_prefill_starts_the_chunked_gdn_from_in_proj() -> None:
+    """bf16 on CUDA: gdn_chunk_prep makes q, k, v and the gates from in_proj's rows itself, so
+    prefill has no gdn_input kernel; fp32 models keep gdn_input and the fp32 kernel."""
+    bf16 = _prefill_kernels("bfloat16")
+    assert {"gdn_chunk_prep", "gdn_chunk_scan"} <= bf16 and "gdn_input" not in bf16, bf16
+    fp32 = _prefill_kernels("float32")
+    assert {"gdn_input", "gdn_chunked_delta_rule"} <= fp32 and "gdn_chunk_prep" not in fp32, fp32
