@@ -29,7 +29,7 @@ from .kv_pool import (
     plan_from_free_memory,
 )
 from .model_runner import ModelRunner
-from .sampler import Sampler, SamplingParams, make_rng
+from .sampler import Sampler, SamplingParams
 from .scheduler import Scheduler
 from .sequence import Completion, Output, Request, Sequence, Status
 from .step_costs import StepCosts
@@ -149,15 +149,13 @@ class Engine:
         """Queue a request; raises `PromptError` (a ValueError) if it could never run.
         `top_logprobs` > 0 reports that many alternatives with every token's logprob;
         `grammar` (this request's own) constrains every token it samples."""
-        prompt = [int(t) for t in prompt_ids]
-        pages = self._check(prompt, max_tokens)
+        prompt, pages = self._check(prompt_ids, max_tokens)
         stops = set() if ignore_eos else set(self.artifact.eos_token_ids)
         stops.update(int(t) for t in stop_token_ids or ())
         seq = Sequence(
             request_id=self._next_id,
             prompt=prompt,
             params=params,
-            rng=make_rng(params.seed),
             max_tokens=max_tokens,
             stop_ids=frozenset(stops),
             pages=pages,
@@ -170,14 +168,26 @@ class Engine:
         self.scheduler.add(seq)
         return seq.request_id
 
-    def _check(self, prompt: list[int], max_tokens: int) -> int:
+    def _check(self, prompt_ids: Seq[int], max_tokens: int) -> tuple[list[int], int]:
+        """The prompt as a list of ints and the pages it needs, or a PromptError. An int array
+        is checked in numpy: element by element in Python, a 1,024-token prompt took ~0.2 ms
+        of the first token's latency."""
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise PromptError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
+        ids = np.asarray(prompt_ids)
+        if ids.ndim == 1 and ids.dtype.kind in "iu":
+            prompt = ids.tolist()
+        else:  # anything int() takes, as before
+            prompt = [int(t) for t in prompt_ids]
+            ids = np.asarray(prompt, dtype=np.int64)
         if not prompt:
             raise PromptError("the prompt is empty")
-        bad = [t for t in prompt if not 0 <= t < self.decodable]
-        if bad:
-            raise PromptError(f"token id {bad[0]} is outside the vocabulary [0, {self.decodable})")
+        bad = (ids < 0) | (ids >= self.decodable)
+        if bad.any():
+            raise PromptError(
+                f"token id {prompt[int(bad.argmax())]} is outside the vocabulary "
+                f"[0, {self.decodable})"
+            )
         total = len(prompt) + max_tokens
         window = self.artifact.context_window
         if total > window:
@@ -192,7 +202,7 @@ class Engine:
                 f"pages but the engine's whole pool has {self.pool.total_pages} pages "
                 f"(max_total_tokens={self.max_total_tokens}, page size {self.page_size})"
             )
-        return pages
+        return prompt, pages
 
     def abort(self, request_id: int) -> bool:
         """Stop a waiting or running request now; the next step reports it as 'abort'.

@@ -212,6 +212,8 @@ def test_requests_that_could_never_fit_are_refused_at_submit(tiny_compiled):
         engine.submit([], GREEDY, 4)
     with pytest.raises(PromptError, match="outside the vocabulary"):
         engine.submit([gen.decodable], GREEDY, 4)
+    with pytest.raises(PromptError, match="token id -1 is outside"):  # an int array: numpy
+        engine.submit(np.array([5, -1, gen.decodable]), GREEDY, 4)
     with pytest.raises(PromptError, match="max_tokens"):
         engine.submit([1], GREEDY, 0)
     ok = Request([1, 2], GREEDY, 2)
@@ -327,3 +329,16 @@ def test_graph_capture_warm_up_leaves_no_trace(tiny_compiled):
         rows.append(runner.forward([3], [[ids[0]]]))
     np.testing.assert_array_equal(rows[0], rows[2])
     np.testing.assert_array_equal(rows[1], rows[3])
+
+
+def test_uploads_land_in_their_own_buffers(tiny_compiled):
+    """runner._upload packs its arrays into one copy, then spreads them: each comes back whole,
+    empty ones too, and a buffer that grows keeps no stale values."""
+    art, _ = loaded(tiny_compiled)
+    runner = ModelRunner(art, max_batch_size=2, max_total_tokens=64)
+    rng = np.random.default_rng(3)
+    for sizes in ((5, 0, 1, 70), (2, 130, 0, 3), (5, 0, 1, 70)):
+        arrays = {f"a{i}": rng.integers(-9, 10**6, n) for i, n in enumerate(sizes)}
+        views = runner._upload(**arrays)
+        for view, want in zip(views, arrays.values(), strict=True):
+            np.testing.assert_array_equal(view.numpy(), want)

@@ -80,9 +80,8 @@ def test_decode_time_of_the_nearest_batch_size():
 def test_scheduler_plans_the_budget_beside_decodes():
     pool = CapacityPool(total_pages=64, num_slots=4)
     sched = Scheduler(pool, max_batch_size=4, prefill_chunk=256)
-    rng = np.random.default_rng(0)
-    running = Sequence(0, list(range(4)), GREEDY, rng, 8, frozenset(), pages=1)
-    newcomer = Sequence(1, list(range(300)), GREEDY, rng, 8, frozenset(), pages=20)
+    running = Sequence(0, list(range(4)), GREEDY, 8, frozenset(), pages=1)
+    newcomer = Sequence(1, list(range(300)), GREEDY, 8, frozenset(), pages=20)
     for seq in (running, newcomer):
         sched.add(seq)
     sched.admit()
