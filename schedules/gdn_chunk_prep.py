@@ -303,9 +303,10 @@ def chunk_prep(
                     ))  # fmt: skip
                     qc = T.meta_var(kh * dk + tx % dk)
                     q0 = T.meta_var(tx // dk * q_len)  # the chunk's first token of its q piece
-                    # 1. The conv inputs, every load at once and unconditional: chunk token i
-                    # (i < 0: earlier tokens of the sequence, else its conv history in the pool;
-                    # past the chunk's end the last token again, zeroed below).
+                    # 1. The conv inputs, unconditional loads (k's or v's all in flight, then
+                    # q's): chunk token i (i < 0: earlier tokens of the sequence, else its conv
+                    # history in the pool; past the chunk's end the last token again, zeroed
+                    # below).
                     for i in T.unroll(kernel):
                         wm[i] = T.Cast("float32", cw[mc, i])
                         wq[i] = T.Cast("float32", cw[qc, i])
