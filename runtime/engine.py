@@ -177,16 +177,16 @@ class Engine:
         ids = np.asarray(prompt_ids)
         if ids.ndim == 1 and ids.dtype.kind in "iu":
             prompt = ids.tolist()
-        else:  # anything int() takes, as before
+            bad = np.flatnonzero((ids < 0) | (ids >= self.decodable))
+            first_bad = prompt[bad[0]] if bad.size else None
+        else:  # anything int() takes, as before (ids past int64 come here too)
             prompt = [int(t) for t in prompt_ids]
-            ids = np.asarray(prompt, dtype=np.int64)
+            first_bad = next((t for t in prompt if not 0 <= t < self.decodable), None)
         if not prompt:
             raise PromptError("the prompt is empty")
-        bad = (ids < 0) | (ids >= self.decodable)
-        if bad.any():
+        if first_bad is not None:
             raise PromptError(
-                f"token id {prompt[int(bad.argmax())]} is outside the vocabulary "
-                f"[0, {self.decodable})"
+                f"token id {first_bad} is outside the vocabulary [0, {self.decodable})"
             )
         total = len(prompt) + max_tokens
         window = self.artifact.context_window

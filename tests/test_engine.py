@@ -214,6 +214,8 @@ def test_requests_that_could_never_fit_are_refused_at_submit(tiny_compiled):
         engine.submit([gen.decodable], GREEDY, 4)
     with pytest.raises(PromptError, match="token id -1 is outside"):  # an int array: numpy
         engine.submit(np.array([5, -1, gen.decodable]), GREEDY, 4)
+    with pytest.raises(PromptError, match=f"token id {2**70} is outside"):  # past int64
+        engine.submit([5, 2**70], GREEDY, 4)
     with pytest.raises(PromptError, match="max_tokens"):
         engine.submit([1], GREEDY, 0)
     ok = Request([1, 2], GREEDY, 2)
