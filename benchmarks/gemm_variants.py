@@ -53,6 +53,12 @@ WGMMA_VARIANTS = {
     "tma_160s4": {"block_n": 160, "stages": 4, "tma": True},
     "tma_128s5": {"block_n": 128, "stages": 5, "tma": True},
     "tma_128s4": {"block_n": 128, "stages": 4, "tma": True},
+    # 97 KB: two CTAs an SM, where the registers allow, so one's epilogue overlaps the other's
+    # math
+    "tma_128s3": {"block_n": 128, "stages": 3, "tma": True},
+    "tma_96s3": {"block_n": 96, "stages": 3, "tma": True},
+    "tma_160s3": {"block_n": 160, "stages": 3, "tma": True},
+    "tma_64s4": {"block_n": 64, "stages": 4, "tma": True},
     # deeper rings than sm_80's 163 KB allows: for libraries built with --arch sm_90 only
     "tma_256s4_90": {"block_n": 256, "stages": 4, "tma": True, "sm90_only": True},
     "tma_192s5_90": {"block_n": 192, "stages": 5, "tma": True, "sm90_only": True},
