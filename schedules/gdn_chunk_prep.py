@@ -277,7 +277,6 @@ def chunk_prep(
                     hi = T.sblock_alloc_buffer((1,), "int32", scope="local")
                     seq = T.sblock_alloc_buffer((2,), "int32", scope="local")
                     T.evaluate(wait_for_producers(True))  # first: schedules/pdl.py
-                    T.evaluate(release_dependents(True))
                     cno: T.let[T.int32] = blk // v_heads
                     h: T.let[T.int32] = blk % v_heads
                     kh: T.let[T.int32] = h // group
@@ -417,5 +416,9 @@ def chunk_prep(
                         T.tvm_storage_sync("shared.dyn")
                         solve_diag(blk16, rs, am, xb, w, u, uu, row0, h, tx)
                         T.tvm_storage_sync("shared")
+                    # released last, not after the wait: the scan is one wave of long blocks,
+                    # and launched early they land on the SMs this grid's last wave frees
+                    # first, two or three to an SM, where later they run at a third of the pace
+                    T.evaluate(release_dependents(True))
 
     return gdn_chunk_prep

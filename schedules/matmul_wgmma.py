@@ -81,12 +81,15 @@ class WgmmaConfig:
 
 
 def default_wgmma_config(n: int) -> WgmmaConfig:
-    """The tiling by output width, from the H200 sweep (docs/results/gemm_kernel_tma.json, 10
-    4B/9B shapes at m = 1,024 and 4,096; TMA beat cp.async by 4-8% geomean). n = 2,560 in 16
-    tiles of 160 makes 128 blocks at m = 1,024 for 132 SMs; 4,096 runs best in 256-column
-    tiles three deep, wider outputs in 192-column tiles four deep."""
-    if n <= 2560 and n % 160 == 0:
-        return WgmmaConfig(block_n=160, stages=4, tma=True)
+    """The tiling by output width, from the H200 sweeps (docs/results/gemm_kernel_tma.json and
+    gemm_kernel_2cta_experiment.json, 10 4B/9B shapes at m = 1,024 and 4,096; TMA beat
+    cp.async by 4-8% geomean). n = 2,560 in 16 tiles of 160 makes 128 blocks at m = 1,024 for
+    132 SMs. Other multiples of 160 (qkv, 10,240) take 160-column tiles three deep, 109 KB, so
+    two CTAs share an SM: 512 tiles in two rounds, where 192 columns left a partial last tile
+    and 432 tiles in 3.3 rounds (0.73 -> 0.82x cuBLAS at m = 1,024, the same at 4,096). 4,096
+    runs best in 256-column tiles three deep, wider outputs in 192-column tiles four deep."""
+    if n % 160 == 0:
+        return WgmmaConfig(block_n=160, stages=4 if n <= 2560 else 3, tma=True)
     if n <= 4096:
         return WgmmaConfig(block_n=256, stages=3, tma=True)
     return WgmmaConfig(block_n=192, stages=4, tma=True)

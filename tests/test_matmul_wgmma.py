@@ -177,6 +177,7 @@ CONFIGS = [
     mw.WgmmaConfig(128, 5),
     mw.WgmmaConfig(192, 3),
     mw.WgmmaConfig(160, 4, tma=True),
+    mw.WgmmaConfig(160, 3, tma=True),
     mw.WgmmaConfig(256, 3, tma=True),
     mw.WgmmaConfig(192, 4, tma=True),
     # persistent: 3 CTAs over the tiles (some with none), the ring across tile boundaries
@@ -223,6 +224,10 @@ def test_configs_fit_sm80_and_share_its_launch() -> None:
         sm80.check()
         assert (sm80.block_m, sm80.block_n, sm80.threads) == (mw.BLOCK_M, wg.block_n, mw.THREADS)
         assert max(sm80.shared_bytes, wg.shared_bytes) <= mw.SM80_SHARED_BYTES
+    # qkv's tiling leaves room for a second CTA an SM on sm_90 (the reason it is chosen)
+    wide_qkv = mw.default_wgmma_config(10240)
+    launch = max(rule.shared_launch_config(wide_qkv).shared_bytes, wide_qkv.shared_bytes)
+    assert (wide_qkv.block_n, wide_qkv.stages) == (160, 3) and 2 * launch <= mw.SM90_SHARED_BYTES
     with pytest.raises(ValueError):
         mw.WgmmaConfig(256, 4).check()  # 197 KB: over sm_80's 163 KB
     mw.WgmmaConfig(256, 4, sm90_only=True).check()  # a library without sm_80 code: 227 KB
