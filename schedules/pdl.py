@@ -10,7 +10,9 @@ The contract, one statement each, at the top of every block's threads:
   so may what was written two or more kernels back: the kernel before released this one only
   after its own wait, which returned once its producer had finished.
 - `release_dependents()` after that wait: the next kernel may then be scheduled. Released
-  after the wait, not before, so at most one kernel waits on SMs behind a running one.
+  after the wait, not before, so at most one kernel waits on SMs behind a running one. A
+  producer of several waves whose dependent is one wave of long blocks releases at its end
+  instead (gdn_chunk_prep): released early, those blocks pile onto the first SMs to free up.
 
 compile/pipeline.py gives the launch attribute only to kernels that call `wait_for_producers`:
 a kernel without the wait (TVM's own) starts after its producer ends, as before. On the CPU
