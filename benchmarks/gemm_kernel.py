@@ -22,11 +22,12 @@ passes and compiles, per shape, the PrimFunc as:
            simt       dlight's gpu.Matmul
 `run` checks each against a fp32 torch reference (max |ours - ref| / max |ref|; the output
 starts as NaN, so an element never written shows) and times it (best of 20, CUDA events) with
-torch.matmul(x, w.T) in bf16 in the same process, M in {16, 128, 1024, 4096} for prefill and
-{1, 4, 16, 64} for decode. One child process a shape runs cuBLAS and all its kernels; if it
-dies, the kernels it had not finished get a child each. Prints a table and a summary (per
-variant and M: geometric mean speed against the default and against cuBLAS; the fastest
-correct variant a shape) to stderr, and the JSON (also DIR/gemm_bench_result.json) to stdout.
+torch.matmul(x, w.T) in bf16 in the same process, M in {16, 64, 128, 256, 512, 1024, 4096} for
+prefill (split-K below 1,024: schedules/split_k.py) and {1, 4, 16, 64} for decode. One child
+process a shape runs cuBLAS and all its kernels; if it dies, the kernels it had not finished get
+a child each. Prints a table and a summary (per variant and M: geometric mean speed against the
+default and against cuBLAS; the fastest correct variant a shape) to stderr, and the JSON (also
+DIR/gemm_bench_result.json) to stdout.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import sys
 import traceback
 from pathlib import Path
 
-PREFILL_M = (16, 128, 1024, 4096)
+PREFILL_M = (16, 64, 128, 256, 512, 1024, 4096)
 DECODE_M = (1, 4, 16, 64)
 MANIFEST = "gemm_bench.json"
 
@@ -117,7 +118,7 @@ def _measure(out: Path, file: str, kernels: list[str]) -> None:
             if m not in ms_of(kernel):
                 continue
             row = {"file": file, "kernel": kernel, "m": m, "n": n, "k": k}
-            want = refs.get(kernel, ref)
+            want = refs[SWIGLU] if kernel.startswith(SWIGLU) else ref
             try:
                 if kernel == "torch":
                     got = x @ w.T + res if "res" in roles else x @ w.T

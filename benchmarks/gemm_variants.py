@@ -171,8 +171,13 @@ def variant_kernels(
             makers[f"prefill_{name}"] = lambda f=fields: gemm_for(large, GemmConfig(**f))
     for name, fields in WGMMA_VARIANTS.items():
         makers[f"prefill_{name}"] = lambda f=fields: gemm_for(large, None, WgmmaConfig(**f))
+    # the pipeline's kernel without split-K (schedules/split_k.py), as before it
+    makers["prefill_nosplit"] = lambda: gemm_for(large, None, "default", split_k=False)
     if not residual:  # the pipeline's kernel storing the SwiGLU of its two halves, [m, n / 2]
         makers[SWIGLU] = lambda: gemm_for(large, None, "default", swiglu=True)
+        makers[f"{SWIGLU}_nosplit"] = lambda: gemm_for(
+            large, None, "default", swiglu=True, split_k=False
+        )
     if only:
         wanted = [name for name in makers if any(fnmatch(name, g) for g in only.split(","))]
         makers = {name: makers[name] for name in wanted}

@@ -52,6 +52,7 @@ from .matmul_wgmma import (
 )
 from .pdl import release_dependents, wait_for_producers
 from .ptx import cp_async_16, is_sm90a, ldmatrix_x4, mma_bf16
+from .split_k import k_range, partial_store, reduce_partials, split_count, workspace_elems
 
 # ---- the kernel ----------------------------------------------------------------------------
 
@@ -66,6 +67,7 @@ def gemm_kernel(
     epilogue: Epilogue = plain_epilogue,
     wgmma: WgmmaConfig | None = None,
     swiglu: bool = False,
+    split_k: bool = True,
 ) -> tirx.PrimFunc:
     """The kernel with parameters (A [m, k], B [n, k], *extras, out [m, n]); each extra input
     is indexed [m, n], [n] or [m] (`extra_shapes` "mn", "n", "m"). `epilogue(acc, row, col,
@@ -77,7 +79,8 @@ def gemm_kernel(
 
     With `swiglu`, B is a gate_up weight [n = 2 inter, k] and out [m, inter] takes
     silu(gate) · up of the epilogue's values (rounded as the SwiGLU kernel rounds them): each
-    block's B tile pairs its output columns' gate and up rows (gemm_layout.paired_weight_row)."""
+    block's B tile pairs its output columns' gate and up rows (gemm_layout.paired_weight_row).
+    With `wgmma` and `split_k`, an m whose tiles leave SMs idle splits k (schedules/split_k.py)."""
     config.check()
     if swiglu and (extra_shapes or n % 2 or wgmma is not None and not wgmma.tma):
         raise ValueError("a SwiGLU epilogue takes no extra inputs, an even n and TMA on sm_90a")
@@ -104,6 +107,7 @@ def gemm_kernel(
     scope = "shared" if smem_bytes <= 48 * 1024 else "shared.dyn"
     pair = config.pair_store and n_out % 2 == 0  # c even and n even: c + 1 < n too
     store = pair_store(epilogue, out_dtype if swiglu else None)
+    store_partial = partial_store(n, swiglu)
     if wgmma is not None:
         sm90_tile = wgmma_tile(n, k, wgmma, epilogue, n_out % 2 == 0, swiglu, out_dtype)
         maps, encode = tensor_maps(n, k, wgmma, swiglu)
@@ -179,9 +183,13 @@ def gemm_kernel(
                 )
 
     @T.macro
-    def tile(a, b, out, extras, m, smem, bx, by, ty, tx):
+    def tile(a, b, out, extras, m, smem, bx, by, ty, tx, ws, z, splits):
         # one fragment set per k16 step (frag_pipe: two, alternating), so the next step's
-        # ldmatrix can be issued while this step's mma run
+        # ldmatrix can be issued while this step's mma run; split z of `splits` (split_k.py)
+        # takes k tiles [kt0, kt0 + kc) and stores its partial into ws
+        first, count = T.meta_var(k_range(z, splits, k_tiles))
+        kt0: T.let[T.int32] = first
+        kc: T.let[T.int32] = count
         a_frag = T.alloc_local((frag_sets * mt_count * 8,), DTYPE)
         b_frag = T.alloc_local((frag_sets * nt_count * 4,), DTYPE)
         acc = T.alloc_local((mt_count * nt_count * 4,), "float32")
@@ -191,15 +199,15 @@ def gemm_kernel(
         for i in T.unroll(mt_count * nt_count * 4):
             acc[i] = T.float32(0)
         for s in T.unroll(stages - 1):
-            if s < k_tiles:
-                load_tile(a, b, smem, s, s, bx, by, tid, m)
+            if s < kc:
+                load_tile(a, b, smem, s, kt0 + s, bx, by, tid, m)
             T.evaluate(T.ptx["cp.async.commit_group"]())
         if frag_pipe:
             # tile 0 landed; its first fragments
             T.evaluate(T.ptx["cp.async.wait_group"](stages - 2))
             T.tvm_storage_sync("shared")
             load_frags(a_frag, b_frag, smem, 0, 0, 0, tx, row_w, col_w)
-        for kt in T.serial(k_tiles):
+        for kt in T.serial(kc):
             stage: T.let[T.int32] = kt % stages
             if frag_pipe:
                 for kk in T.unroll(ksteps):
@@ -223,7 +231,7 @@ def gemm_kernel(
                             row_w,
                             col_w,
                         )
-                    elif kt + 1 < k_tiles:
+                    elif kt + 1 < kc:
                         load_frags(
                             a_frag,
                             b_frag,
@@ -237,13 +245,13 @@ def gemm_kernel(
                         )
                     if kk == 0:
                         # into stage kt - 1, retired at the last barrier
-                        if kt + stages - 1 < k_tiles:
+                        if kt + stages - 1 < kc:
                             load_tile(
                                 a,
                                 b,
                                 smem,
                                 (kt + stages - 1) % stages,
-                                kt + stages - 1,
+                                kt0 + kt + stages - 1,
                                 bx,
                                 by,
                                 tid,
@@ -257,13 +265,13 @@ def gemm_kernel(
                 # copy overwrites
                 T.evaluate(T.ptx["cp.async.wait_group"](stages - 2))
                 T.tvm_storage_sync("shared")
-                if kt + stages - 1 < k_tiles:
+                if kt + stages - 1 < kc:
                     load_tile(
                         a,
                         b,
                         smem,
                         (kt + stages - 1) % stages,
-                        kt + stages - 1,
+                        kt0 + kt + stages - 1,
                         bx,
                         by,
                         tid,
@@ -292,29 +300,49 @@ def gemm_kernel(
                     r: T.let[T.int32] = bx * bm + row_w + mt * 16 + er
                     c: T.let[T.int32] = out_col(by, col_w) + nt * 8 + ec
                     a_at: T.let[T.int32] = (mt * nt_count + nt) * 4 + eh * 2
-                    store(out, extras, acc, a_at, a_at + out_tiles * 4, r, c, m, n_out, pair)
+                    up_at: T.let[T.int32] = a_at + out_tiles * 4
+                    if splits == 1:
+                        store(out, extras, acc, a_at, up_at, r, c, m, n_out, pair)
+                    else:
+                        store_partial(ws, acc, a_at, up_at, z, r, c, m, n_out)
+
+    reduce = reduce_partials(n, n_out, swiglu, store)
+
+    @T.macro
+    def grid(a, b, out, extras, m, ws, splits):
+        for bz in T.thread_binding(splits, thread="blockIdx.z"):
+            for bx in T.thread_binding(T.ceildiv(m, bm), thread="blockIdx.x"):
+                for by in T.thread_binding(n_tiles, thread="blockIdx.y"):
+                    for ty in T.thread_binding(threads // 32, thread="threadIdx.y"):
+                        for tx in T.thread_binding(32, thread="threadIdx.x"):
+                            with T.sblock("gemm"):
+                                T.reads()
+                                T.writes()
+                                smem = T.sblock_alloc_buffer((smem_elems,), DTYPE, scope=scope)
+                                if dependent:
+                                    T.evaluate(wait_for_producers(True))  # first: schedules/pdl.py
+                                    T.evaluate(release_dependents(True))
+                                if wgmma is None:
+                                    tile(a, b, out, extras, m, smem, bx, by, ty, tx, ws, bz, splits)
+                                elif is_sm90a():
+                                    sm90_tile(a, b, out, extras, m, smem, bx, by, ty * 32 + tx,
+                                              maps, ws, bz, splits)  # fmt: skip
+                                else:
+                                    tile(a, b, out, extras, m, smem, bx, by, ty, tx, ws, bz, splits)
 
     @T.macro
     def body(a, b, out, extras, m):
         if wgmma is not None and wgmma.tma:
             encode(a, b, m)  # on the host, before the launch
-        for bx in T.thread_binding(T.ceildiv(m, bm), thread="blockIdx.x"):
-            for by in T.thread_binding(n_tiles, thread="blockIdx.y"):
-                for ty in T.thread_binding(threads // 32, thread="threadIdx.y"):
-                    for tx in T.thread_binding(32, thread="threadIdx.x"):
-                        with T.sblock("gemm"):
-                            T.reads()
-                            T.writes()
-                            smem = T.sblock_alloc_buffer((smem_elems,), DTYPE, scope=scope)
-                            if dependent:
-                                T.evaluate(wait_for_producers(True))  # first: schedules/pdl.py
-                                T.evaluate(release_dependents(True))
-                            if wgmma is None:
-                                tile(a, b, out, extras, m, smem, bx, by, ty, tx)
-                            elif is_sm90a():
-                                sm90_tile(a, b, out, extras, m, smem, bx, by, ty * 32 + tx, maps)
-                            else:
-                                tile(a, b, out, extras, m, smem, bx, by, ty, tx)
+        if dependent and split_k:
+            # prefill's: split-K where the tiles leave SMs idle (split_k.py)
+            splits = T.meta_var(split_count(m, bm, n_tiles, k_tiles))
+            ws = T.alloc_buffer((workspace_elems(splits, m, n),), "float32")
+            grid(a, b, out, extras, m, ws, splits)
+            if splits > 1:
+                reduce(out, extras, ws, m, splits, pair)
+        else:
+            grid(a, b, out, extras, m, None, 1)
 
     @T.macro
     def body_persistent(a, b, out, extras, m):
@@ -337,7 +365,7 @@ def gemm_kernel(
                                 idx: T.let[T.int32] = cta + t * wgmma.ctas
                                 if idx < m_tiles * n_tiles:
                                     tile(a, b, out, extras, m, smem, idx % m_tiles,
-                                         idx // m_tiles, ty, tx)  # fmt: skip
+                                         idx // m_tiles, ty, tx, None, 0, 1)  # fmt: skip
                                 T.tvm_storage_sync("shared")
 
     attrs = {"tirx.is_scheduled": True, "tirx.noalias": True}

@@ -33,6 +33,7 @@ from .activation import swiglu_of
 from .gemm_layout import acc_coords, copy_coords, tile_offset
 from .gemm_match import DTYPE, Epilogue
 from .ptx import cp_async_16, wgmma_bf16, wgmma_desc_sw128
+from .split_k import k_range, partial_store
 
 BLOCK_M = 128  # two warpgroups of m64
 BLOCK_K = 64  # one 128-byte swizzle row of bf16
@@ -179,6 +180,7 @@ def wgmma_tile(
     n_out, out_tiles = (inter, bn // 16) if swiglu else (n, bn // 8)
     b_boxes, b_box = (2, bn // 2) if swiglu else (1, bn)  # B's TMA boxes a stage, their rows
     store = pair_store(epilogue, out_dtype if swiglu else None)
+    store_partial = partial_store(n, swiglu)
     b_at = BLOCK_M * BLOCK_K  # elements from a stage's start to its B tile
     ahead = stages - 2
     n_tiles = -(-n // bn)
@@ -221,19 +223,19 @@ def wgmma_tile(
         T.evaluate(T.ptx.wgmma.commit_group.sync.aligned())
 
     @T.macro
-    def mainloop_cp_async(a, b, acc, m, smem, pad, ring, bx, by, tid):
+    def mainloop_cp_async(a, b, acc, m, smem, pad, ring, bx, by, tid, kt0, kc):
         for s in T.unroll(ahead):
-            if s < k_tiles:
-                load(a, b, smem, pad, s, s, bx, by, tid, m)
+            if s < kc:
+                load(a, b, smem, pad, s, kt0 + s, bx, by, tid, m)
             T.evaluate(T.ptx["cp.async.commit_group"]())
-        for kt in T.serial(k_tiles):
+        for kt in T.serial(kc):
             # tile kt has landed once `ahead` - 1 newer groups may still be pending; the
             # barrier also retires stage kt - 2, whose wgmma every thread waited for at kt - 1
             T.evaluate(T.ptx["cp.async.wait_group"](ahead - 1))
             T.evaluate(T.ptx.fence.proxy.async_.shared__cta())  # cp.async writes -> wgmma reads
             T.tvm_storage_sync("shared.dyn")
-            if kt + ahead < k_tiles:
-                load(a, b, smem, pad, (kt + ahead) % stages, kt + ahead, bx, by, tid, m)
+            if kt + ahead < kc:
+                load(a, b, smem, pad, (kt + ahead) % stages, kt0 + kt + ahead, bx, by, tid, m)
             T.evaluate(T.ptx["cp.async.commit_group"]())
             mma_stage(acc, ring + T.Cast("uint32", kt % stages * cfg.stage_bytes), tid // 128)
             T.evaluate(T.ptx.wgmma.wait_group.sync.aligned(1))
@@ -306,14 +308,15 @@ def wgmma_tile(
                     tma_stage(maps, smem, pad, full, s, kt, bx, by)
 
     @T.macro
-    def mainloop_tma(maps, acc, smem, pad, ring, bx, by, tid):
+    def mainloop_tma(maps, acc, smem, pad, ring, bx, by, tid, kt0, kc):
         bar0: T.let[T.int32] = pad + stages * stage_elems
-        fill_ring(maps, smem, pad, bar0, tid, k_tiles, lambda g: (g, bx, by))
-        for kt in T.serial(k_tiles):
-            step_tma(maps, acc, smem, pad, ring, bar0, tid, kt, k_tiles, lambda g: (g, bx, by))
+        at = T.meta_var(lambda g: (kt0 + g, bx, by))
+        fill_ring(maps, smem, pad, bar0, tid, kc, at)
+        for kt in T.serial(kc):
+            step_tma(maps, acc, smem, pad, ring, bar0, tid, kt, kc, at)
 
     @T.macro
-    def store_tile(out, extras, acc, m, bx, by, tid):
+    def store_tile(out, extras, acc, m, bx, by, tid, ws, z, splits):
         T.evaluate(T.ptx.wgmma.wait_group.sync.aligned(0))
         # wgmma's accumulator layout is mma.sync's m16n8 one, a 16-row slab per warp; with a
         # SwiGLU, n8 tiles nt and nt + out_tiles hold gate and up of the same columns
@@ -323,10 +326,17 @@ def wgmma_tile(
                 r: T.let[T.int32] = bx * BLOCK_M + tid // 32 * 16 + er
                 c: T.let[T.int32] = by * b_box + nt * 8 + ec
                 at: T.let[T.int32] = nt * 4 + eh * 2
-                store(out, extras, acc, at, at + out_tiles * 4, r, c, m, n_out, pair)
+                if splits == 1:
+                    store(out, extras, acc, at, at + out_tiles * 4, r, c, m, n_out, pair)
+                else:
+                    store_partial(ws, acc, at, at + out_tiles * 4, z, r, c, m, n_out)
 
     @T.macro
-    def tile(a, b, out, extras, m, smem, bx, by, tid, maps):
+    def tile(a, b, out, extras, m, smem, bx, by, tid, maps, ws, z, splits):
+        # split z of `splits` (split_k.py): k tiles [kt0, kt0 + kc), its partial into ws
+        first, count = T.meta_var(k_range(z, splits, k_tiles))
+        kt0: T.let[T.int32] = first
+        kc: T.let[T.int32] = count
         acc = T.alloc_local((bn // 2,), "float32")
         base: T.let[T.uint32] = T.cuda.cvta_generic_to_shared(smem.data)
         pad_bytes: T.let[T.uint32] = (T.uint32(_ALIGN) - base % T.uint32(_ALIGN)) % T.uint32(_ALIGN)
@@ -335,10 +345,10 @@ def wgmma_tile(
         for i in T.unroll(bn // 2):
             acc[i] = T.float32(0)
         if cfg.tma:
-            mainloop_tma(maps, acc, smem, pad, ring, bx, by, tid)
+            mainloop_tma(maps, acc, smem, pad, ring, bx, by, tid, kt0, kc)
         else:
-            mainloop_cp_async(a, b, acc, m, smem, pad, ring, bx, by, tid)
-        store_tile(out, extras, acc, m, bx, by, tid)
+            mainloop_cp_async(a, b, acc, m, smem, pad, ring, bx, by, tid, kt0, kc)
+        store_tile(out, extras, acc, m, bx, by, tid, ws, z, splits)
 
     @T.macro
     def tiles(a, b, out, extras, m, smem, cta, tid, maps):
@@ -362,6 +372,6 @@ def wgmma_tile(
             step_tma(maps, acc, smem, pad, ring, bar0, tid, g, iters, at)
             if g % k_tiles == k_tiles - 1:
                 _, bx, by = T.meta_var(at(g))
-                store_tile(out, extras, acc, m, bx, by, tid)
+                store_tile(out, extras, acc, m, bx, by, tid, None, 0, 1)
 
     return tiles if cfg.ctas else tile

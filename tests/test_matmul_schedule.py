@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import itertools
 import sys
 
 import numpy as np
@@ -27,6 +28,7 @@ from qwen35_tvm.compile.vocab import VocabWidths
 from qwen35_tvm.schedules import matmul as mm
 from qwen35_tvm.schedules import matmul_config as mc
 from qwen35_tvm.schedules import matmul_rule as rule
+from qwen35_tvm.schedules import split_k
 from qwen35_tvm.schedules.gemm_layout import paired_weight_row
 from qwen35_tvm.schedules.gemm_match import match_gemm
 from qwen35_tvm.schedules.gemv import KERNEL_ATTR
@@ -66,9 +68,13 @@ def _mma(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> None:
     c += (am @ bm)[_C_ROW, _C_COL]
 
 
-def _emulate(a: np.ndarray, b: np.ndarray, cfg: mc.GemmConfig, swiglu: bool = False) -> np.ndarray:
+def _emulate(
+    a: np.ndarray, b: np.ndarray, cfg: mc.GemmConfig, swiglu: bool = False, splits: int = 1
+) -> np.ndarray:
     """The kernel's data movement, one thread block and warp at a time. With `swiglu`, b is a
-    gate_up weight and the result silu(gate) · up [m, n / 2], exact (no bf16 rounding)."""
+    gate_up weight and the result silu(gate) · up [m, n / 2], exact (no bf16 rounding). With
+    `splits`, split z's blocks run over split_k.k_range's k tiles and the partials are summed
+    before the epilogue (what the reduce kernel does)."""
     (m, k), n = a.shape, b.shape[0]
     bm_, bn_, bk, stages = cfg.block_m, cfg.block_n, cfg.block_k, cfg.stages
     chunks, threads = bk // 8, cfg.threads
@@ -76,8 +82,10 @@ def _emulate(a: np.ndarray, b: np.ndarray, cfg: mc.GemmConfig, swiglu: bool = Fa
     mtc, ntc, k_tiles = warp_m // 16, warp_n // 8, k // bk
     n_out = n // 2 if swiglu else n
     out = np.full((m, n_out), np.nan)
-    for bx in range(-(-m // bm_)):
-        for by in range(-(-n // bn_)):
+    for bx, by in itertools.product(range(-(-m // bm_)), range(-(-n // bn_))):
+        total = np.zeros((threads // 32, 32, mtc * ntc * 4))
+        for z in range(splits):
+            k_first, k_count = split_k.k_range(z, splits, k_tiles)
             tiles = {
                 "a": np.full(stages * bm_ * bk, np.nan),
                 "b": np.full(stages * bn_ * bk, np.nan),
@@ -97,8 +105,8 @@ def _emulate(a: np.ndarray, b: np.ndarray, cfg: mc.GemmConfig, swiglu: bool = Fa
                             tiles[name][dst : dst + 8] = src[min(at, len(src) - 1)][col : col + 8]
 
             for s in range(stages - 1):
-                if s < k_tiles:
-                    load(s, s)
+                if s < k_count:
+                    load(s, k_first + s)
 
             def frags(w: int, stage: int, kk: int, tiles: dict = tiles) -> tuple[list, list]:
                 """Warp w's ldmatrix of k16 step kk of a stage, as the tiles hold it now."""
@@ -132,43 +140,44 @@ def _emulate(a: np.ndarray, b: np.ndarray, cfg: mc.GemmConfig, swiglu: bool = Fa
             if cfg.frag_pipeline:
                 # the kernel's order: next step's fragments, then (kk 0) the copy, then mma
                 cur = [frags(w, 0, 0) for w in warps]
-                for kt in range(k_tiles):
+                for kt in range(k_count):
                     stage = kt % stages
                     for kk in range(ksteps):
                         nxt = None
                         if kk < ksteps - 1:
                             nxt = [frags(w, stage, kk + 1) for w in warps]
-                        elif kt + 1 < k_tiles:
+                        elif kt + 1 < k_count:
                             nxt = [frags(w, (kt + 1) % stages, 0) for w in warps]
-                        if kk == 0 and kt + stages - 1 < k_tiles:
-                            load((kt + stages - 1) % stages, kt + stages - 1)
+                        if kk == 0 and kt + stages - 1 < k_count:
+                            load((kt + stages - 1) % stages, k_first + kt + stages - 1)
                         for w in warps:
                             mma(w, cur[w])
                         cur = nxt
             else:
-                for kt in range(k_tiles):
-                    if kt + stages - 1 < k_tiles:
-                        load((kt + stages - 1) % stages, kt + stages - 1)
+                for kt in range(k_count):
+                    if kt + stages - 1 < k_count:
+                        load((kt + stages - 1) % stages, k_first + kt + stages - 1)
                     for w in warps:
                         for kk in range(ksteps):
                             mma(w, frags(w, kt % stages, kk))
-            # a SwiGLU's lane holds gate in n8 tile nt and up in nt + ntc / 2
-            half = 2 if swiglu else 1
-            for w in range(threads // 32):
-                row_w, col_w = w // cfg.warps_n * warp_m, w % cfg.warps_n * warp_n
-                for lane in range(32):
-                    for mt in range(mtc):
-                        for nt in range(ntc // half):
-                            for e in range(4):
-                                er, ec = mm.acc_coords(lane, e)
-                                r = bx * bm_ + row_w + mt * 16 + er
-                                c = (by * bn_ + col_w) // half + nt * 8 + ec
-                                got = acc[w, lane, (mt * ntc + nt) * 4 + e]
-                                if swiglu:
-                                    up = acc[w, lane, (mt * ntc + nt + ntc // 2) * 4 + e]
-                                    got = _silu(got) * up
-                                if r < m and c < n_out:
-                                    out[r, c] = got
+            total += acc
+        # a SwiGLU's lane holds gate in n8 tile nt and up in nt + ntc / 2
+        half = 2 if swiglu else 1
+        for w in range(threads // 32):
+            row_w, col_w = w // cfg.warps_n * warp_m, w % cfg.warps_n * warp_n
+            for lane in range(32):
+                for mt in range(mtc):
+                    for nt in range(ntc // half):
+                        for e in range(4):
+                            er, ec = mm.acc_coords(lane, e)
+                            r = bx * bm_ + row_w + mt * 16 + er
+                            c = (by * bn_ + col_w) // half + nt * 8 + ec
+                            got = total[w, lane, (mt * ntc + nt) * 4 + e]
+                            if swiglu:
+                                up = total[w, lane, (mt * ntc + nt + ntc // 2) * 4 + e]
+                                got = _silu(got) * up
+                            if r < m and c < n_out:
+                                out[r, c] = got
     return out
 
 
@@ -229,6 +238,20 @@ def test_emulated_swiglu_epilogue_pairs_gate_and_up(cfg, m, inter, k) -> None:
     b = rng.integers(-8, 9, (2 * inter, k)) / 8
     gate, up = a @ b[:inter].T, a @ b[inter:].T
     np.testing.assert_allclose(_emulate(a, b, cfg, swiglu=True), _silu(gate) * up, rtol=1e-12)
+
+
+@pytest.mark.parametrize("splits, k", [(2, 64 * 4), (3, 64 * 7), (8, 64 * 9)])
+def test_emulated_split_k_on_the_shared_launch(splits, k) -> None:
+    """The mma.sync tiling that shares the sm_90a launch, each split over its k run (runs of
+    one tile: shorter than the ring's prologue), summed; plain and with a SwiGLU."""
+    cfg = rule.shared_launch_config(default_wgmma_config(2560))
+    rng = np.random.default_rng(splits + k)
+    a = rng.integers(-8, 9, (65, k)) / 8
+    b = rng.integers(-8, 9, (330, k)) / 8
+    np.testing.assert_array_equal(_emulate(a, b, cfg, splits=splits), a @ b.T)
+    gate, up = a @ b[:165].T, a @ b[165:].T
+    got = _emulate(a, b, cfg, swiglu=True, splits=splits)
+    np.testing.assert_allclose(got, _silu(gate) * up, rtol=1e-12)
 
 
 def test_swiglu_rows_swapped_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -434,10 +457,19 @@ def test_4b_gemm_builds_mma_sass_for_sm80_and_sm90(tmp_path, n, k, residual) -> 
     wide = [s for s, h in zip(kernels, heads, strict=True) if "_wide_kernel" in h]
     prefill = [s for s in kernels if "matmul" in s.split("\n", 1)[0]]
     prefill = [s for s in prefill if s not in decode and s not in wide]
-    assert len(prefill) == 2 and len(decode) == 2 and len(wide) == 8
+    # prefill's GEMM, then the kernel summing its split-K partials (schedules/split_k.py)
+    reduce = [s for s in prefill if "_kernel_1(" in s.split("\n", 1)[0]]
+    prefill = [s for s in prefill if s not in reduce]
+    assert len(prefill) == 2 and len(reduce) == 2 and len(decode) == 2 and len(wide) == 8
     assert all(MMA in s and "ldmatrix" in s and "cp_async" in s for s in prefill[1:])
     # ... and beside it the sm_90a path (schedules/matmul_wgmma.py): wgmma fed by TMA
     assert all(f"{SM90A_FN}()" in s and "wgmma" in s and "bulk_tensor" in s for s in prefill[1:])
+    # the splits store into the workspace; the reduce reads it only after the GEMM is done
+    assert all("ws_ptr[" in s for s in prefill[1:])
+    body = reduce[1].split("{", 1)[1]
+    assert body.index("griddepcontrol_wait") < body.index("ws_ptr[") and MMA not in body
+    host = "".join(m.inspect_source() for m in modules(executable.mod) if m.kind == "llvm")
+    assert "TVMBackendAllocWorkspace" in host
     # decode: our GEMV (schedules/gemv.py), mma from registers, no shared-memory tiles;
     # decode_wide: a kernel a batch bucket (8, 16, 32, 64 rows a pass), the 8-row one decode's,
     # the 16-row one's weight ring in registers (4B shapes: gemv_config.ring_in_registers),

@@ -10,12 +10,15 @@ accumulators go out through the kernel's epilogue mapping. It must reproduce A Â
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 from tvm.script import tirx as T
 
 from qwen35_tvm.schedules import matmul_rule as rule
 from qwen35_tvm.schedules import matmul_wgmma as mw
+from qwen35_tvm.schedules import split_k
 from qwen35_tvm.schedules.gemm_layout import acc_coords, copy_coords
 from qwen35_tvm.schedules.ptx import wgmma_desc_sw128
 
@@ -73,11 +76,18 @@ def _swizzled(address: int) -> int:
 
 
 def _emulate(
-    a: np.ndarray, b: np.ndarray, cfg: mw.WgmmaConfig, base: int, swiglu: bool = False
+    a: np.ndarray,
+    b: np.ndarray,
+    cfg: mw.WgmmaConfig,
+    base: int,
+    swiglu: bool = False,
+    splits: int = 1,
 ) -> np.ndarray:
     """The kernel at shared base address `base`; with `swiglu` (TMA only), b is a gate_up
     weight and the result silu(gate) Â· up [m, n / 2], exact (no bf16 rounding). A CTA runs
-    one tile, or with `cfg.ctas` (persistent) every ctas-th tile, its ring running on."""
+    one tile, or with `cfg.ctas` (persistent) every ctas-th tile, its ring running on. With
+    `splits`, split z's CTAs run their tiles over split_k.k_range's k tiles, and the tiles'
+    partials are summed before the epilogue (what the reduce kernel does)."""
     (m, k), n = a.shape, b.shape[0]
     bn, stages = cfg.block_n, cfg.stages
     chunks, k_tiles = mw.BLOCK_K // 8, k // mw.BLOCK_K
@@ -87,11 +97,13 @@ def _emulate(
     ring = base + pad
     m_tiles, tiles = -(-m // mw.BLOCK_M), -(-m // mw.BLOCK_M) * -(-n // bn)
     ctas = cfg.ctas or tiles
-    for cta in range(ctas):
+    partials: dict[tuple[int, int], np.ndarray] = {}
+    for z, cta in itertools.product(range(splits), range(ctas)):
+        first, count = split_k.k_range(z, splits, k_tiles)
         smem = np.full(cfg.shared_bytes // 2, np.nan)
         # the CTA's ring steps: (bx, by, kt), tile by tile (m fastest), k tile by k tile
         mine = [(i % m_tiles, i // m_tiles) for i in range(cta, tiles, ctas)]
-        steps = [(bx, by, kt) for bx, by in mine for kt in range(k_tiles)]
+        steps = [(bx, by, first + j) for bx, by in mine for j in range(count)]
 
         def load(s: int, step: tuple, smem: np.ndarray = smem) -> None:
             bx, by, kt = step
@@ -122,7 +134,7 @@ def _emulate(
         for s in range(min(ahead, len(steps))):
             load(s, steps[s])
         for g, (bx, by, kt) in enumerate(steps):
-            if kt == 0:
+            if kt == first:
                 d = np.zeros((mw.BLOCK_M, bn))
             if not cfg.tma:
                 target = (g + ahead) % stages
@@ -143,8 +155,10 @@ def _emulate(
             if cfg.tma and g > 0 and g - 1 + stages < len(steps):
                 assert (g - 1) % stages != g % stages
                 load((g - 1) % stages, steps[g - 1 + stages])
-            if kt == k_tiles - 1:
-                _store(out, d, bx, by, swiglu, n_out, out_tiles, bn, m)
+            if kt == first + count - 1:
+                partials[bx, by] = partials.get((bx, by), 0) + d
+    for (bx, by), d in partials.items():
+        _store(out, d, bx, by, swiglu, n_out, out_tiles, bn, m)
     return out
 
 
@@ -206,6 +220,40 @@ def test_emulated_swiglu_epilogue_pairs_gate_and_up(cfg, m, inter, k) -> None:
     gate, up = a @ b[:inter].T, a @ b[inter:].T
     got = _emulate(a, b, cfg, 16 * 37, swiglu=True)
     np.testing.assert_allclose(got, gate / (1 + np.exp(-gate)) * up, rtol=1e-12)
+
+
+@pytest.mark.parametrize("cfg", [c for c in CONFIGS if not c.ctas], ids=str)
+@pytest.mark.parametrize(
+    "m, n, k, splits",
+    [
+        (130, 200, 512, 2),  # edge tiles, two halves of 4 k tiles
+        (1, 96, 448, 3),  # 7 k tiles in runs of 2, 2, 3: shorter than the ring
+        (64, 160, 64 * 13, 4),  # runs of 3 and 4, past the ring's depth
+    ],
+)
+def test_emulated_split_k_sums_to_a_times_b_transposed(cfg, m, n, k, splits) -> None:
+    rng = np.random.default_rng(m + n + k + splits)
+    a = rng.integers(-3, 4, (m, k)).astype(np.float64)
+    b = rng.integers(-3, 4, (n, k)).astype(np.float64)
+    np.testing.assert_array_equal(_emulate(a, b, cfg, 16 * 37, splits=splits), a @ b.T)
+    if cfg.tma:
+        gate, up = a @ b[: n // 2].T, a @ b[n // 2 :].T
+        got = _emulate(a, b, cfg, 16 * 37, swiglu=True, splits=splits)
+        np.testing.assert_allclose(got, gate / (1 + np.exp(-gate)) * up, rtol=1e-12)
+
+
+def test_split_k_ranges_off_by_one_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutation check: each split's run starts a tile late (the first k tile is never read)."""
+    real = split_k.k_range
+
+    def late(z: int, splits: int, k_tiles: int) -> tuple[int, int]:
+        first, count = real(z, splits, k_tiles)
+        return (first + 1, count - 1) if z == 0 else (first, count)
+
+    monkeypatch.setattr(split_k, "k_range", late)
+    a, b = np.ones((5, 256)), np.ones((96, 256))
+    got = _emulate(a, b, mw.WgmmaConfig(160, 4, tma=True), 16, splits=2)
+    assert not np.array_equal(got, a @ b.T)
 
 
 def test_an_unswizzled_layout_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
