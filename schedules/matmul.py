@@ -52,7 +52,14 @@ from .matmul_wgmma import (
 )
 from .pdl import release_dependents, wait_for_producers
 from .ptx import cp_async_16, is_sm90a, ldmatrix_x4, mma_bf16
-from .split_k import k_range, partial_store, reduce_partials, split_count, workspace_elems
+from .split_k import (
+    can_split,
+    k_range,
+    partial_store,
+    reduce_partials,
+    split_count,
+    workspace_elems,
+)
 
 # ---- the kernel ----------------------------------------------------------------------------
 
@@ -187,9 +194,7 @@ def gemm_kernel(
         # one fragment set per k16 step (frag_pipe: two, alternating), so the next step's
         # ldmatrix can be issued while this step's mma run; split z of `splits` (split_k.py)
         # takes k tiles [kt0, kt0 + kc) and stores its partial into ws
-        first, count = T.meta_var(k_range(z, splits, k_tiles))
-        kt0: T.let[T.int32] = first
-        kc: T.let[T.int32] = count
+        kt0, kc = T.meta_var(k_range(z, splits, k_tiles))
         a_frag = T.alloc_local((frag_sets * mt_count * 8,), DTYPE)
         b_frag = T.alloc_local((frag_sets * nt_count * 4,), DTYPE)
         acc = T.alloc_local((mt_count * nt_count * 4,), "float32")
@@ -300,7 +305,7 @@ def gemm_kernel(
                     r: T.let[T.int32] = bx * bm + row_w + mt * 16 + er
                     c: T.let[T.int32] = out_col(by, col_w) + nt * 8 + ec
                     a_at: T.let[T.int32] = (mt * nt_count + nt) * 4 + eh * 2
-                    up_at: T.let[T.int32] = a_at + out_tiles * 4
+                    up_at = T.meta_var(a_at + out_tiles * 4)
                     if splits == 1:
                         store(out, extras, acc, a_at, up_at, r, c, m, n_out, pair)
                     else:
@@ -309,40 +314,56 @@ def gemm_kernel(
     reduce = reduce_partials(n, n_out, swiglu, store)
 
     @T.macro
-    def grid(a, b, out, extras, m, ws, splits):
-        for bz in T.thread_binding(splits, thread="blockIdx.z"):
+    def gemm_block(a, b, out, extras, m, bx, by, ty, tx, ws, z, splits):
+        with T.sblock("gemm"):
+            T.reads()
+            T.writes()
+            smem = T.sblock_alloc_buffer((smem_elems,), DTYPE, scope=scope)
+            if dependent:
+                T.evaluate(wait_for_producers(True))  # first: schedules/pdl.py
+                T.evaluate(release_dependents(True))
+            if wgmma is None:
+                tile(a, b, out, extras, m, smem, bx, by, ty, tx, ws, z, splits)
+            elif is_sm90a():
+                sm90_tile(a, b, out, extras, m, smem, bx, by, ty * 32 + tx, maps, ws, z, splits)
+            else:
+                tile(a, b, out, extras, m, smem, bx, by, ty, tx, ws, z, splits)
+
+    @T.macro
+    def grid(a, b, out, extras, m):
+        for bx in T.thread_binding(T.ceildiv(m, bm), thread="blockIdx.x"):
+            for by in T.thread_binding(n_tiles, thread="blockIdx.y"):
+                for ty in T.thread_binding(threads // 32, thread="threadIdx.y"):
+                    for tx in T.thread_binding(32, thread="threadIdx.x"):
+                        gemm_block(a, b, out, extras, m, bx, by, ty, tx, None, 0, 1)
+
+    @T.macro
+    def split_grid(a, b, out, extras, m, ws, splits):
+        for z in T.thread_binding(splits, thread="blockIdx.z"):
             for bx in T.thread_binding(T.ceildiv(m, bm), thread="blockIdx.x"):
                 for by in T.thread_binding(n_tiles, thread="blockIdx.y"):
                     for ty in T.thread_binding(threads // 32, thread="threadIdx.y"):
                         for tx in T.thread_binding(32, thread="threadIdx.x"):
-                            with T.sblock("gemm"):
-                                T.reads()
-                                T.writes()
-                                smem = T.sblock_alloc_buffer((smem_elems,), DTYPE, scope=scope)
-                                if dependent:
-                                    T.evaluate(wait_for_producers(True))  # first: schedules/pdl.py
-                                    T.evaluate(release_dependents(True))
-                                if wgmma is None:
-                                    tile(a, b, out, extras, m, smem, bx, by, ty, tx, ws, bz, splits)
-                                elif is_sm90a():
-                                    sm90_tile(a, b, out, extras, m, smem, bx, by, ty * 32 + tx,
-                                              maps, ws, bz, splits)  # fmt: skip
-                                else:
-                                    tile(a, b, out, extras, m, smem, bx, by, ty, tx, ws, bz, splits)
+                            gemm_block(a, b, out, extras, m, bx, by, ty, tx, ws, z, splits)
+
+    # prefill's GEMMs whose tiles can leave most SMs idle get a split-K launch beside the
+    # plain one (split_k.py), chosen on the host by m
+    splittable = dependent and split_k and can_split(n_tiles, k_tiles)
 
     @T.macro
     def body(a, b, out, extras, m):
         if wgmma is not None and wgmma.tma:
             encode(a, b, m)  # on the host, before the launch
-        if dependent and split_k:
-            # prefill's: split-K where the tiles leave SMs idle (split_k.py)
+        if splittable:
             splits = T.meta_var(split_count(m, bm, n_tiles, k_tiles))
             ws = T.alloc_buffer((workspace_elems(splits, m, n),), "float32")
-            grid(a, b, out, extras, m, ws, splits)
             if splits > 1:
+                split_grid(a, b, out, extras, m, ws, splits)
                 reduce(out, extras, ws, m, splits, pair)
+            else:
+                grid(a, b, out, extras, m)
         else:
-            grid(a, b, out, extras, m, None, 1)
+            grid(a, b, out, extras, m)
 
     @T.macro
     def body_persistent(a, b, out, extras, m):

@@ -334,9 +334,7 @@ def wgmma_tile(
     @T.macro
     def tile(a, b, out, extras, m, smem, bx, by, tid, maps, ws, z, splits):
         # split z of `splits` (split_k.py): k tiles [kt0, kt0 + kc), its partial into ws
-        first, count = T.meta_var(k_range(z, splits, k_tiles))
-        kt0: T.let[T.int32] = first
-        kc: T.let[T.int32] = count
+        kt0, kc = T.meta_var(k_range(z, splits, k_tiles))
         acc = T.alloc_local((bn // 2,), "float32")
         base: T.let[T.uint32] = T.cuda.cvta_generic_to_shared(smem.data)
         pad_bytes: T.let[T.uint32] = (T.uint32(_ALIGN) - base % T.uint32(_ALIGN)) % T.uint32(_ALIGN)

@@ -22,16 +22,25 @@ from .pdl import release_dependents, wait_for_producers
 SMS = 132  # the H200's (and H100's) SMs; an A100's 108 take a short second wave
 MAX_SPLITS = 8  # 16 tiles (4B's n = 2,560) fill 128 SMs; more adds workspace traffic
 MIN_K_TILES = 4  # per split, so the ring has something to pipeline
+# two splits cost more than they gain at k <= 4,096 (the reduce kernel and the workspace's
+# round trip: docs/results/gemm_kernel_split.json), so a split GEMM takes four or more
+MIN_SPLITS = 4
 REDUCE_THREADS = 256
+
+
+def can_split(n_tiles: int, k_tiles: int) -> bool:
+    """Whether any m splits a GEMM of `n_tiles` column tiles and `k_tiles` k tiles: a GEMM
+    that never does keeps the one kernel it had, its k loop of fixed length."""
+    return SMS // n_tiles >= MIN_SPLITS and min(MAX_SPLITS, k_tiles // MIN_K_TILES) >= MIN_SPLITS
 
 
 def split_count(m, block_m: int, n_tiles: int, k_tiles: int):
     """Splits for an m-row GEMM of `n_tiles` column tiles: as many as fill the SMs with one
-    wave of CTAs, at most MAX_SPLITS and k_tiles / MIN_K_TILES; 1 (no split) once the tiles
-    alone fill half of the SMs."""
-    most = max(1, min(MAX_SPLITS, k_tiles // MIN_K_TILES))
-    fill = SMS // (T.ceildiv(m, block_m) * n_tiles)
-    return T.if_then_else(fill >= 2, T.min(fill, most), 1)
+    wave of CTAs, at most MAX_SPLITS and k_tiles / MIN_K_TILES; 1 (no split) where that is
+    under MIN_SPLITS."""
+    most = min(MAX_SPLITS, k_tiles // MIN_K_TILES)
+    fill = T.min(SMS // (T.ceildiv(m, block_m) * n_tiles), most)
+    return T.if_then_else(fill >= MIN_SPLITS, fill, 1)
 
 
 def k_range(z, splits, k_tiles: int):

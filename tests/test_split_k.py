@@ -13,23 +13,27 @@ from qwen35_tvm.schedules.matmul_wgmma import BLOCK_K, BLOCK_M, default_wgmma_co
 
 
 def splits_at(m: int, n: int, k: int) -> int:
-    """The kernel's expression, folded at a given m."""
-    n_tiles = -(-n // default_wgmma_config(n).block_n)
-    return int(split_k.split_count(tirx.IntImm("int32", m), BLOCK_M, n_tiles, k // BLOCK_K))
+    """The splits of the launch an m-row GEMM takes: 1 where the GEMM has no split launch,
+    else the kernel's expression folded at m."""
+    n_tiles, k_tiles = -(-n // default_wgmma_config(n).block_n), k // BLOCK_K
+    if not split_k.can_split(n_tiles, k_tiles):
+        return 1
+    return int(split_k.split_count(tirx.IntImm("int32", m), BLOCK_M, n_tiles, k_tiles))
 
 
 @pytest.mark.parametrize(
     "n, k, expected",
     [
-        # 4B down_proj: 16 tiles of 160 columns a 128-row block
-        (2560, 9216, {1: 8, 64: 8, 128: 8, 129: 4, 256: 4, 257: 2, 512: 2, 513: 1, 1024: 1}),
+        # 4B down_proj: 16 tiles of 160 columns a 128-row block; two splits do not pay
+        (2560, 9216, {1: 8, 64: 8, 128: 8, 129: 4, 256: 4, 257: 1, 512: 1, 1024: 1}),
         (2560, 4096, {1: 8, 128: 8, 256: 4, 1024: 1}),  # o_proj / out_proj
-        (4096, 12288, {1: 8, 128: 8, 256: 4, 384: 2, 1024: 1}),  # 9B down: 16 tiles of 256
-        (10240, 2560, {1: 2, 128: 2, 129: 1}),  # qkv: 64 tiles of 160
-        (12352, 2560, {1: 2, 129: 1}),  # in_proj: 65 tiles of 192
-        (18432, 2560, {1: 1, 64: 1}),  # gate_up: 96 tiles fill more than half the SMs
-        (2560, 256, {1: 1, 64: 1}),  # 4 k tiles: no run shorter than MIN_K_TILES
-        (2560, 512, {1: 2}),
+        (4096, 12288, {1: 8, 128: 8, 256: 4, 384: 1, 1024: 1}),  # 9B down: 16 tiles of 256
+        (1024, 3584, {1: 8, 512: 8, 1024: 4, 2048: 1}),  # 0.8B down: 4 tiles of 256
+        (10240, 2560, {1: 1, 128: 1}),  # qkv: 64 tiles of 160, never split
+        (12352, 2560, {1: 1}),  # in_proj: 65 tiles of 192
+        (18432, 2560, {1: 1, 64: 1}),  # gate_up: 96 tiles
+        (2560, 512, {1: 1, 64: 1}),  # 8 k tiles: 2 splits of MIN_K_TILES at most
+        (2560, 1024, {1: 4, 512: 1}),
     ],
 )
 def test_splits_fill_the_sms_only_where_tiles_leave_them_idle(n, k, expected) -> None:
@@ -39,7 +43,7 @@ def test_splits_fill_the_sms_only_where_tiles_leave_them_idle(n, k, expected) ->
         assert got == want, (n, k, m, got)
         m_tiles = -(-m // BLOCK_M)
         assert got == 1 or got * m_tiles * n_tiles <= split_k.SMS  # one wave
-        assert got * split_k.MIN_K_TILES <= max(k // BLOCK_K, split_k.MIN_K_TILES)
+        assert got == 1 or split_k.MIN_SPLITS <= got <= (k // BLOCK_K) // split_k.MIN_K_TILES
 
 
 @pytest.mark.parametrize("k_tiles", [4, 7, 64, 144, 192])
