@@ -62,11 +62,14 @@ def wgmma_desc_sw128(address):
     the 128-byte swizzle, from the 32-bit shared address of its first row (1,024-byte aligned,
     plus 32 bytes per k16 step): 8-row groups 1,024 bytes apart (the stride offset), the
     leading offset unused by swizzled K-major tiles (1, as CUTLASS sets it)."""
-    hi = T.uint64((1024 >> 4) | (1 << 30))  # stride offset; layout type 1 (128B) at bit 62
+    # stride offset; layout type 1 (128B) at bit 62. One literal: an unfolded shift is a
+    # common subexpression that TVM hoists out of a PrimFunc's two GEMM launches into a uint64
+    # kernel argument, which its CUDA runtime cannot pass
+    hi = T.uint64(((1024 >> 4) | (1 << 30)) << 32)
     lo = T.bitwise_or(
         T.uint32(1 << 16), T.bitwise_and(T.shift_right(address, T.uint32(4)), T.uint32(0x3FFF))
     )
-    return T.bitwise_or(T.shift_left(hi, T.uint64(32)), T.Cast("uint64", lo))
+    return T.bitwise_or(hi, T.Cast("uint64", lo))
 
 
 def wgmma_bf16(acc, a_desc, b_desc, n: int):

@@ -453,6 +453,9 @@ def test_4b_gemm_builds_mma_sass_for_sm80_and_sm90(tmp_path, n, k, residual) -> 
     # A GEMM of several row classes keeps its name for the first ("large") and is copied as
     # NAME_small and NAME_wide for the others; each kernel is declared, then defined.
     heads = [s.split("\n", 1)[0] for s in kernels]
+    # TVM's CUDA runtime passes no 64-bit unsigned argument (what a hoisted wgmma descriptor
+    # constant became once the split-K launch shared it: schedules/ptx.wgmma_desc_sw128)
+    assert not any("uint64_t" in h.split(")", 1)[0] for h in heads)
     decode = [s for s, h in zip(kernels, heads, strict=True) if "_small_kernel(" in h]
     wide = [s for s, h in zip(kernels, heads, strict=True) if "_wide_kernel" in h]
     prefill = [s for s in kernels if "matmul" in s.split("\n", 1)[0]]
