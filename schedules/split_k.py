@@ -4,13 +4,14 @@ A tile of 128 rows streams its weight columns through one SM, and one SM streams
 m <= 128 the n = 2,560 projections of 4B (down, o_proj, out_proj: 16 tiles of 160 columns) thus
 used 16 SMs of 132 and ran at 0.4x cuBLAS (docs/results/gemm_kernel_2cta_experiment.json),
 which made small prefills, and the mixed steps that carry a prompt chunk beside decodes,
-cost two decode steps whatever their size (docs/results/mixed_step.json).
+cost two decode steps whatever their size (docs/results/mixed_step_s15_base.json).
 
-So when the tiles fill less than half the SMs, the grid gains a z axis: split z of `splits`
-computes its tile over k tiles [z k_tiles / splits, (z + 1) k_tiles / splits) and stores the
-unrounded fp32 partial into a workspace [splits, m, n]; a second kernel of the same PrimFunc
-sums the splits and applies the epilogue (cast, residual add, SwiGLU) once. The count is a
-function of m, computed on the host before the launch: large prefills launch exactly as before.
+So where four or more splits fit one wave, a second launch's grid gains a z axis: split z of
+`splits` computes its tile over k tiles [z k_tiles / splits, (z + 1) k_tiles / splits) and
+stores the unrounded fp32 partial into a workspace [splits, m, n]; a second kernel of the same
+PrimFunc sums the splits and applies the epilogue (cast, residual add, SwiGLU) once. The count is a
+function of m, computed on the host, which picks the launch; a GEMM that never splits keeps the
+one launch it had.
 """
 
 from __future__ import annotations
@@ -23,15 +24,16 @@ SMS = 132  # the H200's (and H100's) SMs; an A100's 108 take a short second wave
 MAX_SPLITS = 8  # 16 tiles (4B's n = 2,560) fill 128 SMs; more adds workspace traffic
 MIN_K_TILES = 4  # per split, so the ring has something to pipeline
 # two splits cost more than they gain at k <= 4,096 (the reduce kernel and the workspace's
-# round trip: docs/results/gemm_kernel_split.json), so a split GEMM takes four or more
+# round trip: docs/results/gemm_kernel_split_first_build.json), so a split GEMM takes four or more
 MIN_SPLITS = 4
 REDUCE_THREADS = 256
 
 
 def can_split(n_tiles: int, k_tiles: int) -> bool:
     """Whether any m splits a GEMM of `n_tiles` column tiles and `k_tiles` k tiles: a GEMM
-    that never does keeps the one kernel it had, its k loop of fixed length."""
-    return SMS // n_tiles >= MIN_SPLITS and min(MAX_SPLITS, k_tiles // MIN_K_TILES) >= MIN_SPLITS
+    that never does keeps the one kernel it had, its k loop of fixed length. One m tile is
+    the most any m leaves idle."""
+    return int(split_count(T.int32(1), 1, n_tiles, k_tiles)) > 1
 
 
 def split_count(m, block_m: int, n_tiles: int, k_tiles: int):
