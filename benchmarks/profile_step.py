@@ -10,7 +10,9 @@ CUPTI, inside CUDA graphs too. Kernels are grouped by name: calls per step, the 
 to the step's span (its end past the latest end before it) and that share of the span, and
 their CUPTI µs. The step's roofline (weights once, each sequence's GDN state read and written and
 its K/V read, over the copy bandwidth of the same run) heads each table. The prefill of one
-`context`-token prompt gets the same table. JSON: stdout and, with --out, profile_step.json.
+`context`-token prompt gets the same table, and with --mixed N so does a mixed step: the largest
+batch's decode rows and a new prompt's first N tokens in one forward, as the engine runs it
+beside running decodes. JSON: stdout and, with --out, profile_step.json.
 
 The step's GPU time is `span_us`, from its first kernel's start to its last one's end. Under
 programmatic dependent launch (schedules/pdl.py) a kernel starts while its producer runs and
@@ -153,6 +155,20 @@ def print_table(title: str, rows: list[dict], total_us: float, span_us: float, t
               f" | {r['us']:.1f} |")  # fmt: skip
 
 
+def mixed_step(runner, slots: list[int], slot: int, pages: int, chunk: list[int]):
+    """One engine mixed step as a call: `slots` decode a token each inside the prefill forward
+    of a new prompt's first `chunk` tokens in `slot` (reset each call, as a new prompt's is)."""
+
+    def call() -> None:
+        runner.add_sequence(slot, list(range(slot * pages, (slot + 1) * pages)))
+        rows = np.arange(len(slots)).tolist() + [len(slots) + len(chunk) - 1]
+        runner.prefill(slots + [slot], [[1]] * len(slots) + [chunk], np.array(rows)).rows()
+        runner.remove_sequence(slot)
+
+    call()  # loads the prefill kernels at this shape
+    return call
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("artifact", type=Path)
@@ -160,6 +176,7 @@ def main() -> None:
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--mixed", type=int, default=0, help="also profile a mixed step of N tokens")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
 
@@ -202,6 +219,16 @@ def main() -> None:
         print_table(title, rows, total, span, args.top)
         print(f"host before the first kernel: {idle['host_before_first_kernel_us']} µs, after the"
               f" last: {idle['host_after_last_kernel_us']} µs a call")  # fmt: skip
+        if args.mixed and b == max(batches):
+            mixed = mixed_step(runner, slots, n - 1, pages, prompt()[: args.mixed])
+            key = f"mixed_b{b}_{args.mixed}"
+            rows, total, span, idle = kernel_table(torch, mixed, 3, host=True)
+            report[key] = {"gpu_us": total, "span_us": span, **idle, "kernels": rows}
+            print_table(f"mixed step: {b} decode rows + {args.mixed} prompt tokens", rows, total,
+                        span, args.top)  # fmt: skip
+            print(f"idle inside: {idle['idle_us']:.0f} µs; host before the first kernel: "
+                  f"{idle['host_before_first_kernel_us']} µs, after the last: "
+                  f"{idle['host_after_last_kernel_us']} µs a call")  # fmt: skip
         for s in slots:
             runner.remove_sequence(s)
     slot = n - 1

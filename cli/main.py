@@ -122,6 +122,7 @@ def _serve(args: argparse.Namespace) -> None:
         cfg=cfg,
         memory_fraction=args.memory_fraction,
         mixed_step_share=args.mixed_step_share or None,
+        mixed_step_min_tokens=args.mixed_step_min_tokens,
     )
 
 
@@ -243,6 +244,13 @@ def _parser() -> argparse.ArgumentParser:
         default=1.0,
         help="prompt tokens beside running decodes: what takes this times a decode step "
         "(0: always the whole prefill chunk)",
+    )
+    s.add_argument(
+        "--mixed-step-min-tokens",
+        type=int,
+        default=128,
+        help="with --mixed-step-share: the fewest prompt tokens a mixed step takes, so that "
+        "long prompts keep moving when even a small chunk costs more than the share",
     )
     s.add_argument("--model-name", default=None, help="served model id (default: folder name)")
     s.set_defaults(func=_serve)

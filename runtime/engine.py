@@ -57,6 +57,7 @@ class Engine:
         prefill_chunk: int = PREFILL_CHUNK,
         memory_fraction: float | None = None,
         mixed_step_share: float | None = None,
+        mixed_step_min_tokens: int = 128,
         overlap: bool | None = None,
         one_forward: bool = True,
     ):
@@ -65,7 +66,8 @@ class Engine:
         that fraction of the device's free memory holds (`plan_capacity`). With
         `mixed_step_share`, a step beside running decodes prefills what takes about that many
         times a decode step (runtime/step_costs.py: smoother inter-token latency for serving,
-        slower prompts under load); None: always `prefill_chunk` tokens (offline throughput).
+        slower prompts under load), never fewer than `mixed_step_min_tokens` prompt tokens (so
+        long prompts keep moving); None: always `prefill_chunk` tokens (offline throughput).
         With `overlap` (default: on a GPU, where the artifact can), steady greedy decode steps
         run one ahead of the host: step N + 1 is launched before step N's tokens are read, so
         the host's work between steps hides under the GPU's (`_step_ahead`). With
@@ -82,7 +84,9 @@ class Engine:
         self.scheduler = Scheduler(self.pool, max_batch_size, prefill_chunk)
         self.one_forward = one_forward
         self.costs = (
-            StepCosts(mixed_step_share, rows_in_prefill=one_forward) if mixed_step_share else None
+            StepCosts(mixed_step_share, mixed_step_min_tokens, rows_in_prefill=one_forward)
+            if mixed_step_share
+            else None
         )
         self.runner = ModelRunner(
             artifact,

@@ -167,6 +167,7 @@ def build_server(
     cfg: ServerConfig | None = None,
     memory_fraction: float | None = None,
     mixed_step_share: float | None = 1.0,
+    mixed_step_min_tokens: int = 128,
 ) -> Server:
     artifact = Artifact(artifact_dir, device=device)
     if artifact.device_name == "cpu":
@@ -177,6 +178,7 @@ def build_server(
         max_total_tokens=max_total_tokens,
         memory_fraction=memory_fraction,
         mixed_step_share=mixed_step_share,
+        mixed_step_min_tokens=mixed_step_min_tokens,
     )
     return Server(engine, TextTokenizer.from_dir(artifact_dir), cfg or ServerConfig())
 
@@ -309,11 +311,19 @@ def serve(
     cfg: ServerConfig | None = None,
     memory_fraction: float | None = None,
     mixed_step_share: float | None = 1.0,
+    mixed_step_min_tokens: int = 128,
 ) -> None:
     """Load the artifact and serve until interrupted."""
     import uvicorn
 
     server = build_server(
-        artifact_dir, device, max_batch, max_total_tokens, cfg, memory_fraction, mixed_step_share
+        artifact_dir,
+        device,
+        max_batch,
+        max_total_tokens,
+        cfg,
+        memory_fraction,
+        mixed_step_share,
+        mixed_step_min_tokens,
     )
     uvicorn.run(create_app(server), host=host, port=port, log_level="info")

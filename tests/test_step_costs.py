@@ -105,7 +105,7 @@ def test_engine_times_its_steps_and_sizes_chunks_by_them(tiny_compiled):
 
     def generate(share):
         engine = Engine(art, max_batch_size=2, max_total_tokens=512, prefill_chunk=64,
-                        mixed_step_share=share)  # fmt: skip
+                        mixed_step_share=share, mixed_step_min_tokens=8)  # fmt: skip
         a = engine.submit([1, 2, 3], GREEDY, 30, ignore_eos=True)
         engine.step()
         engine.step()  # a decodes now
@@ -113,6 +113,7 @@ def test_engine_times_its_steps_and_sizes_chunks_by_them(tiny_compiled):
             # both kinds of step were timed; then, to make the test deterministic, decode
             # steps look 4x as long as a 64-token prefill and nothing more is recorded
             assert engine.costs.decode_seconds(1) > 0 and engine.costs.prefill_fit() is not None
+            assert engine.costs.min_tokens == 8
             engine.costs = StepCosts(min_tokens=8)
             for n in (16, 64):
                 engine.costs.record_prefill(n, n * 1e-3)
