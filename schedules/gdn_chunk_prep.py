@@ -120,14 +120,29 @@ def blocks_per_sm(c: int, dk: int, dv: int, smem_bytes: int) -> int:
     return max(1, min(MAX_BLOCKS_PER_SM, smem_bytes // sum(prep_shared_bytes(c, dk, dv))))
 
 
+def chunked_here(length, skip_single: bool):
+    """Whether a sequence of `length` tokens is the chunked rule's: every one, or with
+    `skip_single` those of more than one token (a prefill's one-token sequences take
+    gdn_decode's ragged kernel). Block-uniform, so barriers may sit under it."""
+    return True if not skip_single else length != 1
+
+
 def chunk_prep(
-    k_heads: int, v_heads: int, dk: int, dv: int, chunk: int, kernel: int, blocks: int = 1
+    k_heads: int,
+    v_heads: int,
+    dk: int,
+    dv: int,
+    chunk: int,
+    kernel: int,
+    blocks: int = 1,
+    skip_single: bool = False,
 ) -> PrimFunc:
     """(proj [n_tok, width], conv weight [conv_dim, kernel], A_log, dt_bias, indptr, slots,
     conv pool (read only), layer) -> (K, Q bf16 [rows, k_heads, dk]; W bf16 [rows, v_heads,
     dk]; U0 bf16 [rows, v_heads, dv]; P bf16 [rows, v_heads, chunk]; G fp32 [v_heads, rows]),
     rows = workspace_rows(n_tok, n_seq, chunk). proj, the weights and the pool are in_proj's
-    and gdn_input's (gdn_prep). `blocks`: blocks an SM, for ptxas (`blocks_per_sm`)."""
+    and gdn_input's (gdn_prep). `blocks`: blocks an SM, for ptxas (`blocks_per_sm`).
+    `skip_single`: the blocks of one-token sequences exit (`chunked_here`)."""
     c, group, nt = chunk, v_heads // k_heads, THREADS
     rw = dk + dv  # R's columns
     if c % 16 or c > 128 or dk % 64 or dv % 16 or v_heads % k_heads or rw > nt or nt % dk:
@@ -275,7 +290,7 @@ def chunk_prep(
                     gv = T.sblock_alloc_buffer((2,), "float32", scope="local")
                     lo = T.sblock_alloc_buffer((1,), "int32", scope="local")
                     hi = T.sblock_alloc_buffer((1,), "int32", scope="local")
-                    seq = T.sblock_alloc_buffer((2,), "int32", scope="local")
+                    seq = T.sblock_alloc_buffer((3,), "int32", scope="local")
                     T.evaluate(wait_for_producers(True))  # first: schedules/pdl.py
                     cno: T.let[T.int32] = blk // v_heads
                     h: T.let[T.int32] = blk % v_heads
@@ -289,6 +304,7 @@ def chunk_prep(
                     # branch around the barriers below.
                     seq[0] = indptr[lo[0]]
                     seq[1] = slots[lo[0]]
+                    seq[2] = indptr[lo[0] + 1] - indptr[lo[0]]
                     lo[0] = T.min(
                         indptr[lo[0]] + (cno - first_tile(indptr, lo[0], c)) * c, n_tok - 1
                     )
@@ -306,39 +322,42 @@ def chunk_prep(
                     # q's): chunk token i (i < 0: earlier tokens of the sequence, else its conv
                     # history in the pool; past the chunk's end the last token again, zeroed
                     # below).
-                    for i in T.unroll(kernel):
-                        wm[i] = T.Cast("float32", cw[mc, i])
-                        wq[i] = T.Cast("float32", cw[qc, i])
-                    for i in T.unroll(hist):
-                        mw[i] = _conv_input(x, pool, mc, i - hist, t0, nv, seq, layer, hist,
-                                            n_tok, True)  # fmt: skip
-                    for i in T.unroll(c):
-                        mw[hist + i] = _conv_input(x, pool, mc, i, t0, nv, seq, layer, hist,
-                                                   n_tok, False)  # fmt: skip
-                    if warp < -(-c // 32):  # warp-uniform: every lane shuffles
-                        decay_scan(x, conv_dim + value_dim + v_heads + h, a_log, dt_bias, gs, gc,
-                                   cum, gv, t0, nv, h, row0, warp, lane, c)  # fmt: skip
-                    if tx < c:
-                        bs[tx] = beta_gate(
-                            T.Cast("float32", x[t0 + T.min(tx, nv - 1), conv_dim + value_dim + h])
-                        ) * T.Cast("float32", tx < nv)
-                    # the conv in place (window t is inputs t .. t + hist); q and k unnormalised
-                    # to kq for the norms' sums (bf16 holds them exactly: the conv rounds). q's
-                    # inputs load after k's or v's conv: all in flight at once took 112
-                    # registers.
-                    for t in T.unroll(c):
-                        mw[t] = conv_silu(wm, mw, kernel, DTYPE, t)
-                        if tx < dk:
-                            kq[swz(t, tx, dk)] = T.Cast(DTYPE, mw[t])
-                    for i in T.unroll(hist):
-                        qw[i] = _conv_input(x, pool, qc, q0 + i - hist, t0, nv, seq, layer, hist,
-                                            n_tok, True)  # fmt: skip
-                    for i in T.unroll(q_len):
-                        qw[hist + i] = _conv_input(x, pool, qc, q0 + i, t0, nv, seq, layer, hist,
-                                                   n_tok, False)  # fmt: skip
-                    for t in T.unroll(q_len):
-                        qw[t] = conv_silu(wq, qw, kernel, DTYPE, t)
-                        kq[swz(c + q0 + t, tx % dk, dk)] = T.Cast(DTYPE, qw[t])
+                    if chunked_here(seq[2], skip_single):
+                        for i in T.unroll(kernel):
+                            wm[i] = T.Cast("float32", cw[mc, i])
+                            wq[i] = T.Cast("float32", cw[qc, i])
+                        for i in T.unroll(hist):
+                            mw[i] = _conv_input(x, pool, mc, i - hist, t0, nv, seq, layer, hist,
+                                                n_tok, True)  # fmt: skip
+                        for i in T.unroll(c):
+                            mw[hist + i] = _conv_input(x, pool, mc, i, t0, nv, seq, layer, hist,
+                                                       n_tok, False)  # fmt: skip
+                        if warp < -(-c // 32):  # warp-uniform: every lane shuffles
+                            decay_scan(x, conv_dim + value_dim + v_heads + h, a_log, dt_bias, gs,
+                                       gc, cum, gv, t0, nv, h, row0, warp, lane, c)  # fmt: skip
+                        if tx < c:
+                            bs[tx] = beta_gate(
+                                T.Cast(
+                                    "float32", x[t0 + T.min(tx, nv - 1), conv_dim + value_dim + h]
+                                )
+                            ) * T.Cast("float32", tx < nv)
+                        # the conv in place (window t is inputs t .. t + hist); q and k unnormalised
+                        # to kq for the norms' sums (bf16 holds them exactly: the conv rounds). q's
+                        # inputs load after k's or v's conv: all in flight at once took 112
+                        # registers.
+                        for t in T.unroll(c):
+                            mw[t] = conv_silu(wm, mw, kernel, DTYPE, t)
+                            if tx < dk:
+                                kq[swz(t, tx, dk)] = T.Cast(DTYPE, mw[t])
+                        for i in T.unroll(hist):
+                            qw[i] = _conv_input(x, pool, qc, q0 + i - hist, t0, nv, seq, layer,
+                                                hist, n_tok, True)  # fmt: skip
+                        for i in T.unroll(q_len):
+                            qw[hist + i] = _conv_input(x, pool, qc, q0 + i, t0, nv, seq, layer,
+                                                       hist, n_tok, False)  # fmt: skip
+                        for t in T.unroll(q_len):
+                            qw[t] = conv_silu(wq, qw, kernel, DTYPE, t)
+                            kq[swz(c + q0 + t, tx % dk, dk)] = T.Cast(DTYPE, qw[t])
                     T.tvm_storage_sync("shared.dyn")
                     # 2. l2 norms of the K and Q rows, in gdn_input's order: partial sums of
                     # every parts-th square, then a thread a row adds its row's partials
@@ -346,36 +365,39 @@ def chunk_prep(
                         sq[e] = T.float32(0)
                         for j in T.unroll(dk // parts):
                             sv = T.meta_var(T.Cast("float32", kq[swz(
-                                T.min((e * nt + tx) // parts, 2 * c - 1), j * parts + tx % parts, dk
+                                T.min((e * nt + tx) // parts, 2 * c - 1),
+                                j * parts + tx % parts, dk,
                             )]))  # fmt: skip
                             sq[e] = sq[e] + sv * sv
                     for e in T.unroll(part_rounds):
                         part[e * nt + tx] = sq[e]
                     T.tvm_storage_sync("shared.dyn")
-                    if tx < 2 * c:
-                        sq[0] = T.float32(0)
-                        for j in T.unroll(parts):
-                            sq[0] = sq[0] + part[tx * parts + j]
-                        inv[tx] = T.float32(1) / T.sqrt(sq[0] + T.float32(1e-6))
+                    if chunked_here(seq[2], skip_single):
+                        if tx < 2 * c:
+                            sq[0] = T.float32(0)
+                            for j in T.unroll(parts):
+                                sq[0] = sq[0] + part[tx * parts + j]
+                            inv[tx] = T.float32(1) / T.sqrt(sq[0] + T.float32(1e-6))
                     T.tvm_storage_sync("shared")
-                    # 3. K and Q normalised as bf16 (zero past the end), also to the workspace
-                    # once per key head; R = [beta e^G K | beta V] in fp32, a column a thread;
-                    # then [K; Q] x Kᵀ -> A, P
-                    if tx < dk:  # warp-uniform
-                        for t in T.unroll(c):
-                            mw[t] = mw[t] * inv[t] * T.Cast("float32", t < nv)
-                            kq[swz(t, tx, dk)] = T.Cast(DTYPE, mw[t])
+                    if chunked_here(seq[2], skip_single):
+                        # 3. K and Q normalised as bf16 (zero past the end), also to the workspace
+                        # once per key head; R = [beta e^G K | beta V] in fp32, a column a thread;
+                        # then [K; Q] x Kᵀ -> A, P
+                        if tx < dk:  # warp-uniform
+                            for t in T.unroll(c):
+                                mw[t] = mw[t] * inv[t] * T.Cast("float32", t < nv)
+                                kq[swz(t, tx, dk)] = T.Cast(DTYPE, mw[t])
+                                if h % group == 0:
+                                    kb[row0 + t, kh, tx] = T.Cast(DTYPE, mw[t])
+                                rs[t * fr + tx] = mw[t] * bs[t] * T.exp(gs[t])
+                        elif rw == nt or tx < rw:  # bs is 0 past the end
+                            for t in T.unroll(c):
+                                rs[t * fr + tx] = mw[t] * bs[t]
+                        for t in T.unroll(q_len):
+                            qw[t] = qw[t] * inv[c + q0 + t] * T.Cast("float32", q0 + t < nv)
+                            kq[swz(c + q0 + t, tx % dk, dk)] = T.Cast(DTYPE, qw[t])
                             if h % group == 0:
-                                kb[row0 + t, kh, tx] = T.Cast(DTYPE, mw[t])
-                            rs[t * fr + tx] = mw[t] * bs[t] * T.exp(gs[t])
-                    elif rw == nt or tx < rw:  # bs is 0 past the end
-                        for t in T.unroll(c):
-                            rs[t * fr + tx] = mw[t] * bs[t]
-                    for t in T.unroll(q_len):
-                        qw[t] = qw[t] * inv[c + q0 + t] * T.Cast("float32", q0 + t < nv)
-                        kq[swz(c + q0 + t, tx % dk, dk)] = T.Cast(DTYPE, qw[t])
-                        if h % group == 0:
-                            qb[row0 + q0 + t, kh, tx % dk] = T.Cast(DTYPE, qw[t])
+                                qb[row0 + q0 + t, kh, tx % dk] = T.Cast(DTYPE, qw[t])
                     T.tvm_storage_sync("shared.dyn")
                     for jb in T.unroll(g1_jobs):
                         mt, n0 = T.meta_var(job_tile(jb * WARPS + warp, g1_ng, g1_n8))
@@ -408,13 +430,15 @@ def chunk_prep(
                                     DTYPE, T.Select(col <= ri, dec * acc[i], T.float32(0))
                                 )
                     T.tvm_storage_sync("shared.dyn")
-                    # 3. (I + A) X = R, 16 rows at a time; X = [W | U0]
-                    solve_diag(0, rs, am, xb, w, u, uu, row0, h, tx)
+                    if chunked_here(seq[2], skip_single):
+                        # 3. (I + A) X = R, 16 rows at a time; X = [W | U0]
+                        solve_diag(0, rs, am, xb, w, u, uu, row0, h, tx)
                     T.tvm_storage_sync("shared")
                     for blk16 in T.unroll(1, c // 16):
                         solve_off(blk16, ab, xb, rs, acc, af, bf, rg, warp, lane)
                         T.tvm_storage_sync("shared.dyn")
-                        solve_diag(blk16, rs, am, xb, w, u, uu, row0, h, tx)
+                        if chunked_here(seq[2], skip_single):
+                            solve_diag(blk16, rs, am, xb, w, u, uu, row0, h, tx)
                         T.tvm_storage_sync("shared")
                     # released last, not after the wait: the scan is one wave of long blocks,
                     # and launched early they land on the SMs this grid's last wave frees

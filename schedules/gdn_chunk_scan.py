@@ -17,7 +17,7 @@ from __future__ import annotations
 from tvm.script import tirx as T
 from tvm.tirx import PrimFunc
 
-from .gdn_chunk_prep import FPAD, THREADS, warp_mm
+from .gdn_chunk_prep import FPAD, THREADS, chunked_here, warp_mm
 from .gdn_mma_tiles import WARPS, acc_rc, job_tile, n_group, swz
 from .kv_cache import first_tile
 from .pdl import release_dependents, wait_for_producers
@@ -34,9 +34,23 @@ def scan_shared_bytes(c: int, ct: int, dk: int) -> tuple[int, int]:
     return STAGES * stage, static
 
 
-def chunk_scan(k_heads: int, v_heads: int, dk: int, dv: int, chunk: int, col_tile: int) -> PrimFunc:
+def walked(tokens, skip_single: bool):
+    """The tokens a block walks: none for a sequence that is not the chunked rule's."""
+    return tokens if not skip_single else T.if_then_else(tokens == 1, 0, tokens)
+
+
+def chunk_scan(
+    k_heads: int,
+    v_heads: int,
+    dk: int,
+    dv: int,
+    chunk: int,
+    col_tile: int,
+    skip_single: bool = False,
+) -> PrimFunc:
     """(K, Q, W, U0, P, G from gdn_chunk_prep; indptr, slots, pool, layer) -> (pool, out): the
-    state pool updated in place, out [n_tok, v_heads, dv] fp32."""
+    state pool updated in place, out [n_tok, v_heads, dv] fp32. `skip_single`: one-token
+    sequences are gdn_decode's ragged kernel's (their state and rows untouched here)."""
     c, ct, group, nt = chunk, col_tile, v_heads // k_heads, THREADS
     if c % 16 or dv % ct or ct % 32 or dk % 64 or v_heads % k_heads:
         raise ValueError(f"chunk {c} (16 |), col_tile {ct} (32 | ct | dv), dk {dk} (64 |)")
@@ -157,16 +171,20 @@ def chunk_scan(k_heads: int, v_heads: int, dk: int, dv: int, chunk: int, col_til
                     col0: T.let[T.int32] = blk % tiles * ct
                     kh: T.let[T.int32] = h // group
                     start: T.let[T.int32] = indptr[b]
-                    length: T.let[T.int32] = indptr[b + 1] - start
+                    tokens: T.let[T.int32] = indptr[b + 1] - start
+                    live = T.meta_var(chunked_here(tokens, skip_single))
+                    length: T.let[T.int32] = walked(tokens, skip_single)
                     slot: T.let[T.int32] = slots[b]
                     first: T.let[T.int32] = first_tile(indptr, b, c)
                     warp: T.let[T.int32] = tx // 32
                     lane: T.let[T.int32] = tx % 32
                     smt: T.let[T.int32] = warp // (s_n8 // s_ng)  # the warp's state tile
                     sn0: T.let[T.int32] = warp % (s_n8 // s_ng) * s_ng
-                    for i in T.unroll(s_ng * 4):
-                        sr, sc = T.meta_var(acc_rc(lane, i % 4))
-                        st[i] = pool[slot, layer, h, col0 + smt * 16 + sr, (sn0 + i // 4) * 8 + sc]
+                    if live:
+                        for i in T.unroll(s_ng * 4):
+                            sr, sc = T.meta_var(acc_rc(lane, i % 4))
+                            st[i] = pool[slot, layer, h, col0 + smt * 16 + sr,
+                                         (sn0 + i // 4) * 8 + sc]  # fmt: skip
                     s_copy(sb, st, smt, sn0, lane)
                     if length > 0:
                         load_stage(kb, qb, w, u, p, gc, wq_s, k_s, u_s, p_s, g_s, 0, first * c,
@@ -227,8 +245,10 @@ def chunk_scan(k_heads: int, v_heads: int, dk: int, dv: int, chunk: int, col_til
                                         col0 + (n0 + i // 4) * 8 + ec,
                                     ] = acc[i] * T.float32(scale)  # fmt: skip
                         s_copy(sb, st, smt, sn0, lane)
-                    for i in T.unroll(s_ng * 4):
-                        sr, sc = T.meta_var(acc_rc(lane, i % 4))
-                        pool[slot, layer, h, col0 + smt * 16 + sr, (sn0 + i // 4) * 8 + sc] = st[i]
+                    if live:
+                        for i in T.unroll(s_ng * 4):
+                            sr, sc = T.meta_var(acc_rc(lane, i % 4))
+                            pool[slot, layer, h, col0 + smt * 16 + sr,
+                                 (sn0 + i // 4) * 8 + sc] = st[i]  # fmt: skip
 
     return gdn_chunk_scan

@@ -80,6 +80,7 @@ class TwoPass(NamedTuple):
     v_heads: int
     k_dim: int
     v_dim: int
+    skip_single: bool = False  # one-token sequences left to gdn_decode's ragged kernel
 
     def workspace(self, n_tok: Expr | int, n_seq: Expr | int) -> list[tuple]:
         """(shape, dtype) of K, Q, W, U0, P and G, in the order both kernels take them."""
@@ -112,10 +113,12 @@ def two_pass(
     chunk: int | None = None,
     col_tile: int | None = None,
     kernel: int = 4,
+    skip_single: bool = False,
 ) -> TwoPass | None:
     """The two-pass kernels where they apply (bf16 activations on CUDA sm_80+, dims that tile),
     else None (the caller takes gdn_input and `chunked_gated_delta_rule`). The first pass
-    starts from in_proj's output: `kernel` is the causal conv1d's width."""
+    starts from in_proj's output: `kernel` is the causal conv1d's width. `skip_single`: both
+    kernels leave one-token sequences alone, for gdn_decode's ragged kernel (the caller's)."""
     gpu = target.kind.name == "cuda"
     arch = int(str(target.attrs.get("arch", "sm_80"))[3:]) if gpu else 0
     c, ct = chunk or TWO_PASS[0], col_tile or min(TWO_PASS[1], v_dim)
@@ -128,6 +131,6 @@ def two_pass(
     if sum(prep_shared_bytes(c, k_dim, v_dim)) > limit or dyn + static > limit:
         raise ValueError(f"chunk {c} x col_tile {ct}: too much shared memory for sm_{arch}")
     blocks = blocks_per_sm(c, k_dim, v_dim, limit)
-    prep = chunk_prep(k_heads, v_heads, k_dim, v_dim, c, kernel, blocks)
-    scan = chunk_scan(k_heads, v_heads, k_dim, v_dim, c, ct)
-    return TwoPass(prep, scan, c, k_heads, v_heads, k_dim, v_dim)
+    prep = chunk_prep(k_heads, v_heads, k_dim, v_dim, c, kernel, blocks, skip_single)
+    scan = chunk_scan(k_heads, v_heads, k_dim, v_dim, c, ct, skip_single)
+    return TwoPass(prep, scan, c, k_heads, v_heads, k_dim, v_dim, skip_single)

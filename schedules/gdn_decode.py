@@ -48,6 +48,17 @@ WIDE_LAYOUT = {"rows": 32, "parts": 4}
 NAME = "gdn_delta_rule_decode"
 
 
+def token_row(indptr, b):
+    """Sequence b's token row: b in a decode batch, its first token in a ragged batch."""
+    return b if indptr is None else indptr[b]
+
+
+def single_token(indptr, b):
+    """Whether sequence b is this kernel's: always in a decode batch, in a ragged batch only
+    where it has one token."""
+    return True if indptr is None else indptr[b + 1] - indptr[b] == 1
+
+
 def tickets_shape(k_heads: int, v_heads: int, num_slots) -> tuple:
     """The tickets the kernel counts its blocks with: [slots, k-heads + heads] int32, zero
     between kernels."""
@@ -66,6 +77,7 @@ def decode_delta_rule(
     rows: int = ROWS,
     parts: int = PARTS,
     gated: bool = True,
+    ragged: bool = False,
 ) -> PrimFunc:
     """With `gated`: (proj [batch, conv_dim + value_dim + 2 hv], conv weight, A_log, dt_bias,
     norm weight [dv], slots, conv pool, recurrent pool, tickets (the three updated in place),
@@ -76,7 +88,16 @@ def decode_delta_rule(
     Without: (proj, conv weight, A_log, dt_bias, slots, conv pool (read only), recurrent pool,
     layer) -> o, which gated_norm takes on (and moves the conv history). decode_wide's kernel:
     at 16 sequences its 2,048 blocks run in two waves, and the tickets' fence and atomics
-    lengthen every block (c16 TPOT 4.254 -> 4.358 ms gated, engine_gdn_fused_norm.json)."""
+    lengthen every block (c16 TPOT 4.254 -> 4.358 ms gated, engine_gdn_fused_norm.json).
+
+    `ragged` (without `gated`): (proj [n_tok, width], conv weight, A_log, dt_bias, indptr,
+    slots, conv pool, recurrent pool, layer) -> o [n_tok, hv, dv]: a prefill's sequences of
+    one token (a mixed step's decode rows) take this kernel, every other sequence's blocks
+    exit, and the chunked rule skips the single tokens in turn (gdn_chunked.two_pass). Its
+    chunk machinery costs a whole chunk a sequence: 16 decode rows beside a prompt chunk cost
+    2.0 ms of a step there against 0.6 ms here (profile_step_mixed16_s16.json)."""
+    if ragged and gated:
+        raise ValueError("the ragged kernel leaves the gated norm to gated_norm")
     hist = kernel - 1
     key_dim, value_dim = k_heads * k_dim, v_heads * v_dim
     conv_dim = 2 * key_dim + value_dim
@@ -163,8 +184,8 @@ def decode_delta_rule(
                             )  # fmt: skip
 
     @T.macro
-    def blocks(x, w, a_log, dt_bias, nw, slots, conv, pool, tickets, layer, o_ws, out, batch,
-               gated):  # fmt: skip
+    def blocks(x, w, a_log, dt_bias, nw, indptr, slots, conv, pool, tickets, layer, o_ws, out,
+               batch, gated):  # fmt: skip
         for blk in grid(batch * v_heads * tiles):
             with T.sblock("delta_rule"):
                 T.reads()
@@ -182,109 +203,124 @@ def decode_delta_rule(
                 col0: T.let[T.int32] = blk % tiles * rows
                 kh: T.let[T.int32] = h // group
                 slot: T.let[T.int32] = slots[b]
+                row: T.let[T.int32] = token_row(indptr, b)
                 # before the wait (schedules/pdl.py): the state, the conv history and the slots
                 # were written two or more kernels back, so their loads overlap in_proj's tail
-                load_state(pool, slot, layer, h, col0, st)
-                # the token's inputs, staged as gated_delta_rule stages them: [k | q | v | g | beta]
-                for tx in lanes():
-                    with T.sblock("conv"):
-                        T.reads()
-                        T.writes()
-                        wts = T.sblock_alloc_buffer((windows, kernel), "float32", scope="local")
-                        wins = T.sblock_alloc_buffer((windows, kernel), "float32", scope="local")
-                        wt = T.sblock_alloc_buffer((kernel,), "float32", scope="local")
-                        win = T.sblock_alloc_buffer((kernel,), "float32", scope="local")
-                        for e in T.unroll(windows):
-                            i: T.let[T.int32] = e * nt + tx
-                            if i < made:
-                                c: T.let[T.int32] = channel(i, kh, h, col0)
-                                for j in T.unroll(kernel):
-                                    wts[e, j] = T.Cast("float32", w[c, j])
-                                for j in T.unroll(hist):
-                                    wins[e, j] = T.Cast("float32", conv[slot, layer, c, j])
-                        T.evaluate(wait_for_producers(gpu))
-                        T.evaluate(release_dependents(gpu))
-                        for e in T.unroll(windows):
-                            i: T.let[T.int32] = e * nt + tx
-                            if i < made:
-                                c: T.let[T.int32] = channel(i, kh, h, col0)
-                                for j in T.unroll(kernel):
-                                    wt[j] = wts[e, j]
-                                    win[j] = wins[e, j]
-                                win[hist] = T.Cast("float32", x[b, c])
-                                if i < 2 * k_dim:
-                                    raw[i] = conv_silu(wt, win, kernel, dtype)
-                                else:
-                                    kq[i] = conv_silu(wt, win, kernel, dtype)
-                                    if gated:  # only this block reads its values' history
-                                        shift_history(conv, x, b, slot, layer, c)
-                        if tx == 0:
-                            kq[made] = log_decay(
-                                T.Cast("float32", x[b, conv_dim + value_dim + v_heads + h]),
-                                a_log[h],
-                                dt_bias[h],
-                            )
-                            kq[made + 1] = beta_gate(
-                                T.Cast("float32", x[b, conv_dim + value_dim + h])
-                            )
-                # l2 norms of k and q, summed in gdn_input's order (gdn_prep.l2_parts)
-                for tx in lanes():
-                    with T.sblock("squares"):
-                        T.reads()
-                        T.writes()
-                        acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                        if tx < 2 * np_:
-                            acc[0] = T.float32(0)
-                            for j in T.serial((k_dim + np_ - 1) // np_):
-                                if j * np_ + tx % np_ < k_dim:
-                                    sv: T.let[T.float32] = raw[
-                                        tx // np_ * k_dim + j * np_ + tx % np_
-                                    ]
-                                    acc[0] = acc[0] + sv * sv
-                            red[tx] = acc[0]
-                for tx in lanes():
-                    with T.sblock("normalise"):
-                        T.reads()
-                        T.writes()
-                        acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                        for e in T.unroll((2 * k_dim + nt - 1) // nt):
-                            i: T.let[T.int32] = e * nt + tx
-                            if i < 2 * k_dim:
-                                acc[0] = T.float32(0)
-                                for p in T.unroll(np_):
-                                    acc[0] = acc[0] + red[i // k_dim * np_ + p]
-                                kq[i] = raw[i] * (T.float32(1) / T.sqrt(acc[0] + T.float32(1e-6)))
-                token_update(st, kq, red, o_ws, b, h, col0)
-                if gated and gpu:
-                    # o and the reads of the q/k history done before the tickets are taken
-                    for _tx in lanes():
-                        with T.sblock("publish"):
-                            T.reads()
-                            T.writes()
-                            T.evaluate(T.cuda.thread_fence())
-                    T.tvm_storage_sync("shared")
+                if single_token(indptr, b):  # ragged: other sequences are the chunked rule's
+                    load_state(pool, slot, layer, h, col0, st)
+                    # the token's inputs, staged as gated_delta_rule stages them: [k q v g beta]
                     for tx in lanes():
-                        with T.sblock("tickets"):
+                        with T.sblock("conv"):
                             T.reads()
                             T.writes()
-                            if tx < 2:
-                                at: T.let[T.int32] = T.if_then_else(tx == 0, kh, k_heads + h)
-                                ticket[tx] = T.cuda.atomic_add(T.address_of(tickets[slot, at]), 1)
-                store_state(pool, slot, layer, h, col0, st)
-                if gated and gpu:
-                    last_of_k: T.let[T.bool] = ticket[0] == group * tiles - 1
-                    last_of_head: T.let[T.bool] = ticket[1] == tiles - 1
-                    head_norm(o_ws, x, nw, out, vals, part, inv, b, h, last_of_head)
-                    shift_qk(conv, x, b, slot, layer, kh, last_of_k)
-                    for tx in lanes():
-                        with T.sblock("reset"):
-                            T.reads()
-                            T.writes()
+                            wts = T.sblock_alloc_buffer((windows, kernel), "float32", scope="local")
+                            wins = T.sblock_alloc_buffer(
+                                (windows, kernel), "float32", scope="local"
+                            )
+                            wt = T.sblock_alloc_buffer((kernel,), "float32", scope="local")
+                            win = T.sblock_alloc_buffer((kernel,), "float32", scope="local")
+                            for e in T.unroll(windows):
+                                i: T.let[T.int32] = e * nt + tx
+                                if i < made:
+                                    c: T.let[T.int32] = channel(i, kh, h, col0)
+                                    for j in T.unroll(kernel):
+                                        wts[e, j] = T.Cast("float32", w[c, j])
+                                    for j in T.unroll(hist):
+                                        wins[e, j] = T.Cast("float32", conv[slot, layer, c, j])
+                            T.evaluate(wait_for_producers(gpu))
+                            T.evaluate(release_dependents(gpu))
+                            for e in T.unroll(windows):
+                                i: T.let[T.int32] = e * nt + tx
+                                if i < made:
+                                    c: T.let[T.int32] = channel(i, kh, h, col0)
+                                    for j in T.unroll(kernel):
+                                        wt[j] = wts[e, j]
+                                        win[j] = wins[e, j]
+                                    win[hist] = T.Cast("float32", x[row, c])
+                                    if i < 2 * k_dim:
+                                        raw[i] = conv_silu(wt, win, kernel, dtype)
+                                    else:
+                                        kq[i] = conv_silu(wt, win, kernel, dtype)
+                                        if gated:  # only this block reads its values' history
+                                            shift_history(conv, x, b, slot, layer, c)
                             if tx == 0:
-                                if last_of_k:
-                                    tickets[slot, kh] = 0
-                                if last_of_head:
-                                    tickets[slot, k_heads + h] = 0
+                                kq[made] = log_decay(
+                                    T.Cast("float32", x[row, conv_dim + value_dim + v_heads + h]),
+                                    a_log[h],
+                                    dt_bias[h],
+                                )
+                                kq[made + 1] = beta_gate(
+                                    T.Cast("float32", x[row, conv_dim + value_dim + h])
+                                )
+                    # l2 norms of k and q, summed in gdn_input's order (gdn_prep.l2_parts)
+                    for tx in lanes():
+                        with T.sblock("squares"):
+                            T.reads()
+                            T.writes()
+                            acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                            if tx < 2 * np_:
+                                acc[0] = T.float32(0)
+                                for j in T.serial((k_dim + np_ - 1) // np_):
+                                    if j * np_ + tx % np_ < k_dim:
+                                        sv: T.let[T.float32] = raw[
+                                            tx // np_ * k_dim + j * np_ + tx % np_
+                                        ]
+                                        acc[0] = acc[0] + sv * sv
+                                red[tx] = acc[0]
+                    for tx in lanes():
+                        with T.sblock("normalise"):
+                            T.reads()
+                            T.writes()
+                            acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                            for e in T.unroll((2 * k_dim + nt - 1) // nt):
+                                i: T.let[T.int32] = e * nt + tx
+                                if i < 2 * k_dim:
+                                    acc[0] = T.float32(0)
+                                    for p in T.unroll(np_):
+                                        acc[0] = acc[0] + red[i // k_dim * np_ + p]
+                                    kq[i] = raw[i] * (
+                                        T.float32(1) / T.sqrt(acc[0] + T.float32(1e-6))
+                                    )
+                    token_update(st, kq, red, o_ws, row, h, col0)
+                    if gated and gpu:
+                        # o and the reads of the q/k history done before the tickets are taken
+                        for _tx in lanes():
+                            with T.sblock("publish"):
+                                T.reads()
+                                T.writes()
+                                T.evaluate(T.cuda.thread_fence())
+                        T.tvm_storage_sync("shared")
+                        for tx in lanes():
+                            with T.sblock("tickets"):
+                                T.reads()
+                                T.writes()
+                                if tx < 2:
+                                    at: T.let[T.int32] = T.if_then_else(tx == 0, kh, k_heads + h)
+                                    ticket[tx] = T.cuda.atomic_add(
+                                        T.address_of(tickets[slot, at]), 1
+                                    )
+                    store_state(pool, slot, layer, h, col0, st)
+                    if gated and gpu:
+                        last_of_k: T.let[T.bool] = ticket[0] == group * tiles - 1
+                        last_of_head: T.let[T.bool] = ticket[1] == tiles - 1
+                        head_norm(o_ws, x, nw, out, vals, part, inv, b, h, last_of_head)
+                        shift_qk(conv, x, b, slot, layer, kh, last_of_k)
+                        for tx in lanes():
+                            with T.sblock("reset"):
+                                T.reads()
+                                T.writes()
+                                if tx == 0:
+                                    if last_of_k:
+                                        tickets[slot, kh] = 0
+                                    if last_of_head:
+                                        tickets[slot, k_heads + h] = 0
+                else:  # the chunked rule's sequence: wait all the same, or this grid could
+                    # end before in_proj and release the chunked kernels onto its rows early
+                    for _tx in lanes():
+                        with T.sblock("wait"):
+                            T.reads()
+                            T.writes()
+                            T.evaluate(wait_for_producers(gpu))
         if gated and not gpu:  # the blocks' ends, after all of them (a nest is a barrier)
             for bh in grid(batch * v_heads):
                 with T.sblock("gated_norm"):
@@ -301,7 +337,6 @@ def decode_delta_rule(
                     T.writes()
                     shift_qk(conv, x, bk // k_heads, slots[bk // k_heads], layer, bk % k_heads,
                              True)  # fmt: skip
-
 
     @T.prim_func(s_tir=True)
     def gdn_delta_rule_decode_gated(
@@ -332,7 +367,8 @@ def decode_delta_rule(
         tickets = T.match_buffer(tickets_h, (t_slots, k_heads + v_heads), "int32")
         o_ws = T.match_buffer(o_ws_h, (batch, v_heads, v_dim), "float32")
         out = T.match_buffer(out_h, (batch, value_dim), dtype)
-        blocks(x, w, a_log, dt_bias, nw, slots, conv, pool, tickets, layer, o_ws, out, batch, True)
+        blocks(x, w, a_log, dt_bias, nw, None, slots, conv, pool, tickets, layer, o_ws, out, batch,
+               True)  # fmt: skip
 
     @T.prim_func(s_tir=True)
     def gdn_delta_rule_decode(
@@ -357,11 +393,48 @@ def decode_delta_rule(
         conv = T.match_buffer(conv_h, (c_slots, c_layers, conv_dim, hist), dtype)
         pool = T.match_buffer(pool_h, (n_slots, n_layers, v_heads, v_dim, k_dim), "float32")
         o = T.match_buffer(o_h, (batch, v_heads, v_dim), "float32")
-        blocks(x, w, a_log, dt_bias, None, slots, conv, pool, None, layer, o, None, batch, False)
+        blocks(x, w, a_log, dt_bias, None, None, slots, conv, pool, None, layer, o, None, batch,
+               False)  # fmt: skip
+
+    @T.prim_func(s_tir=True)
+    def gdn_delta_rule_decode_ragged(
+        x_h: T.handle,
+        w_h: T.handle,
+        a_log_h: T.handle,
+        dt_bias_h: T.handle,
+        indptr_h: T.handle,
+        slots_h: T.handle,
+        conv_h: T.handle,
+        pool_h: T.handle,
+        layer: T.int32,
+        o_h: T.handle,
+    ):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        n_tok, batch, n_ptr, n_slots, n_layers = (
+            T.int32(),
+            T.int32(),
+            T.int32(),
+            T.int32(),
+            T.int32(),
+        )
+        c_slots, c_layers = T.int32(), T.int32()
+        x = T.match_buffer(x_h, (n_tok, width), dtype)
+        w = T.match_buffer(w_h, (conv_dim, kernel), dtype)
+        a_log = T.match_buffer(a_log_h, (v_heads,), "float32")
+        dt_bias = T.match_buffer(dt_bias_h, (v_heads,), "float32")
+        indptr = T.match_buffer(indptr_h, (n_ptr,), "int32")
+        slots = T.match_buffer(slots_h, (batch,), "int32")
+        conv = T.match_buffer(conv_h, (c_slots, c_layers, conv_dim, hist), dtype)
+        pool = T.match_buffer(pool_h, (n_slots, n_layers, v_heads, v_dim, k_dim), "float32")
+        o = T.match_buffer(o_h, (n_tok, v_heads, v_dim), "float32")
+        blocks(x, w, a_log, dt_bias, None, indptr, slots, conv, pool, None, layer, o, None, batch,
+               False)  # fmt: skip
 
     # decode and decode_wide each hold their layout's kernel: one module, two symbols, named by
     # the layout RuleLayout settled on (rows fall back to a divisor of v_dim)
     name = NAME if (rows, lay.parts) == (ROWS, PARTS) else f"{NAME}_r{rows}p{lay.parts}"
+    if ragged:
+        return gdn_delta_rule_decode_ragged.with_attr("global_symbol", name + "_ragged")
     if gated:
         return gdn_delta_rule_decode_gated.with_attr("global_symbol", name + "_gated")
     return gdn_delta_rule_decode.with_attr("global_symbol", name)

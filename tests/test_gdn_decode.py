@@ -135,6 +135,41 @@ def test_fused_decode_matches_the_three_kernels(dims, slots, dtype: str, layout:
     np.testing.assert_array_equal(np.delete(pool, LAYER, axis=1), np.delete(rec, LAYER, axis=1))
 
 
+def ragged_rule(inp: dict, rec: np.ndarray, dims, dtype: str):
+    """(o, recurrent pool after) from the ragged kernel (a prefill batch's one-token
+    sequences), o NaN where it must not write."""
+    hk, hv, dk, dv = dims
+    layout = {**WIDE_LAYOUT, "gated": False, "ragged": True}
+    func = decode_delta_rule(hk, hv, dk, dv, KERNEL, EPS, dtype, LLVM, **layout)
+    lib = _compile(("ragged", dims, dtype), func)
+    names = ("x", "w", "a_log", "dt_bias", "indptr", "slots", "pool")
+    args = [tvm.runtime.tensor(inp[name].copy()) for name in names]
+    pool = tvm.runtime.tensor(rec.copy())
+    o = tvm.runtime.tensor(np.full((inp["x"].shape[0], hv, dv), np.nan, np.float32))
+    lib[func.attrs["global_symbol"]](*args, pool, LAYER, o)
+    np.testing.assert_array_equal(args[-1].numpy(), inp["pool"])  # the conv history: read only
+    return o.numpy(), pool.numpy()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dims", DIMS[1:])
+def test_ragged_kernel_takes_exactly_the_one_token_sequences(dims, dtype: str) -> None:
+    # a mixed step: decode rows (one token) around prompt chunks of 2, 3 and 17 tokens
+    lengths, slots = [1, 3, 1, 17, 1, 2], [6, 0, 2, 8, 1, 4]
+    inp = make_input(lengths, slots, dims, KERNEL, dtype, seed=3)
+    rec = state_pool(dims, seed=9)
+    ref_o, _, ref_pool, _ = three_kernels(inp, rec, dims, dtype, {"rows": 32, "parts": 4})
+    o, pool = ragged_rule(inp, rec, dims, dtype)
+    single = [s for s, n in zip(slots, lengths, strict=True) if n == 1]
+    rows = inp["indptr"][:-1][np.array(lengths) == 1]
+    np.testing.assert_array_equal(o[rows], ref_o[rows])  # the same sums as the decode kernel
+    others = np.setdiff1d(np.arange(len(o)), rows)
+    assert np.isnan(o[others]).all(), "wrote rows of the chunked rule's sequences"
+    np.testing.assert_array_equal(pool[single], ref_pool[single])
+    untouched = np.setdiff1d(np.arange(N_SLOTS), single)  # the longer ones' slots too
+    np.testing.assert_array_equal(pool[untouched], rec[untouched])
+
+
 def test_comparison_catches_a_wrong_history() -> None:
     # mutation: the conv state of another slot changes the outputs past the tolerance
     dims, slots = DIMS[1], BATCHES[1]

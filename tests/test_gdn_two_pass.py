@@ -63,10 +63,11 @@ def test_workspace_covers_every_chunk_number() -> None:
     ]  # fmt: skip
 
 
+@pytest.mark.parametrize("skip_single", [False, True])
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-def test_kernels_assemble(arch: str) -> None:
+def test_kernels_assemble(arch: str, skip_single: bool) -> None:
     target = _cuda(arch)
-    two = two_pass(16, 32, 128, 128, target, "bfloat16")
+    two = two_pass(16, 32, 128, 128, target, "bfloat16", skip_single=skip_single)
     prep, scan = _source(two.prep, target), _source(two.scan, target)
     # the scan's serial loop: two barriers a chunk, nothing but cp.async reads global memory
     # for the next chunk (the state is read before the loop and written after it)
@@ -89,6 +90,11 @@ def test_kernels_assemble(arch: str) -> None:
     # sm_90, 2 on sm_80's 163 KiB)
     assert f"__launch_bounds__(256, {3 if arch == 'sm_90' else 2})" in prep
     assert scan.rindex("griddepcontrol_launch_dependents();") < scan.index("for (int ch = 0;")
+    # one-token sequences are the ragged decode kernel's: the scan then neither reads nor
+    # writes their state, and the prep's blocks for them skip everything past the search
+    guarded = re.search(r"if \(\(?\w+ != 1\)?\)", scan) is not None
+    assert guarded == skip_single
+    assert ("!= 1)" in prep[prep.index("griddepcontrol_wait") :]) == skip_single
 
 
 def test_shared_memory_limits() -> None:
@@ -139,5 +145,7 @@ def test_bf16_prefill_starts_the_chunked_gdn_from_in_proj() -> None:
     prefill has no gdn_input kernel; fp32 models keep gdn_input and the fp32 kernel."""
     bf16 = _prefill_kernels("bfloat16")
     assert {"gdn_chunk_prep", "gdn_chunk_scan"} <= bf16 and "gdn_input" not in bf16, bf16
+    # a mixed step's decode rows take decode's recurrent kernel (its ragged form)
+    assert "gdn_delta_rule_decode_r32p4_ragged" in bf16, bf16
     fp32 = _prefill_kernels("float32")
     assert {"gdn_input", "gdn_chunked_delta_rule"} <= fp32 and "gdn_chunk_prep" not in fp32, fp32
