@@ -171,21 +171,25 @@ def rule_phases(lay: RuleLayout, gpu: bool):
     lanes = thread_loop(nt, gpu)
 
     @T.macro
-    def load_state(pool, slot, layer, h, col0, st):
+    def load_state(pool, slot, layer, h, col0, st, active):
+        # `active` (True, or a block-uniform condition): whether the block's state is its own
+        # to read, update and write (gdn_decode's ragged form); tested inside the thread loop
         for tx in lanes():
             with T.sblock("load"):
                 T.reads()
                 T.writes()
                 reg = T.sblock_alloc_buffer((vec,), "float32", scope="local")
-                for e in T.unroll(copies):
-                    x: T.let[T.int32] = T.min(e * nt + tx, rows * per_row - 1)
-                    for i in T.vectorized(vec):
-                        reg[i] = pool[slot, layer, h, col0 + x // per_row, x % per_row * vec + i]
-                    for i in T.unroll(vec):
-                        st[x // per_row * stride + x % per_row * vec + i] = reg[i]
+                if active:
+                    for e in T.unroll(copies):
+                        x: T.let[T.int32] = T.min(e * nt + tx, rows * per_row - 1)
+                        for i in T.vectorized(vec):
+                            reg[i] = pool[slot, layer, h, col0 + x // per_row,
+                                          x % per_row * vec + i]  # fmt: skip
+                        for i in T.unroll(vec):
+                            st[x // per_row * stride + x % per_row * vec + i] = reg[i]
 
     @T.macro
-    def store_state(pool, slot, layer, h, col0, st):
+    def store_state(pool, slot, layer, h, col0, st, active):
         for tx in lanes():
             with T.sblock("store"):
                 T.reads()
@@ -193,7 +197,7 @@ def rule_phases(lay: RuleLayout, gpu: bool):
                 reg = T.sblock_alloc_buffer((vec,), "float32", scope="local")
                 for e in T.unroll(copies):
                     x: T.let[T.int32] = e * nt + tx
-                    if x < rows * per_row:
+                    if active and x < rows * per_row:
                         for i in T.unroll(vec):
                             reg[i] = st[x // per_row * stride + x % per_row * vec + i]
                         for i in T.vectorized(vec):
@@ -202,7 +206,7 @@ def rule_phases(lay: RuleLayout, gpu: bool):
                             )
 
     @T.macro
-    def token_update(st, kq, red, out, tok, h, col0):
+    def token_update(st, kq, red, out, tok, h, col0, active):
         # Each phase reads a thread's state words into registers before it writes any back:
         # a word read and written in turn would get a barrier on each side (ThreadSync cannot
         # tell that no other thread touches it), two a state element.
@@ -248,7 +252,7 @@ def rule_phases(lay: RuleLayout, gpu: bool):
                 T.reads()
                 T.writes()
                 acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                if tx < rows:
+                if active and tx < rows:
                     acc[0] = T.float32(0)
                     for p in T.unroll(parts):
                         acc[0] = acc[0] + red[nt + p * rows + tx]
@@ -327,7 +331,7 @@ def gated_delta_rule(
                 kh: T.let[T.int32] = h // group
                 start: T.let[T.int32] = indptr[b]
                 slot: T.let[T.int32] = slots[b]
-                load_state(pool, slot, layer, h, col0, st)
+                load_state(pool, slot, layer, h, col0, st, True)
                 for t in T.serial(indptr[b + 1] - start):
                     for tx in lanes():
                         with T.sblock("stage"):
@@ -345,8 +349,8 @@ def gated_delta_rule(
                                     kq[x] = g[start + t, h]
                                 elif x < staged:
                                     kq[x] = beta[start + t, h]
-                    token_update(st, kq, red, out, start + t, h, col0)
-                store_state(pool, slot, layer, h, col0, st)
+                    token_update(st, kq, red, out, start + t, h, col0, True)
+                store_state(pool, slot, layer, h, col0, st, True)
 
     return gdn_delta_rule
 

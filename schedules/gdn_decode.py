@@ -204,123 +204,118 @@ def decode_delta_rule(
                 kh: T.let[T.int32] = h // group
                 slot: T.let[T.int32] = slots[b]
                 row: T.let[T.int32] = token_row(indptr, b)
+                # ragged: a longer sequence's blocks run on (every phase holds barriers, which
+                # may not sit under a branch) but neither read nor write its state or o
+                mine = T.meta_var(single_token(indptr, b))
                 # before the wait (schedules/pdl.py): the state, the conv history and the slots
                 # were written two or more kernels back, so their loads overlap in_proj's tail
-                if single_token(indptr, b):  # ragged: other sequences are the chunked rule's
-                    load_state(pool, slot, layer, h, col0, st)
-                    # the token's inputs, staged as gated_delta_rule stages them: [k q v g beta]
-                    for tx in lanes():
-                        with T.sblock("conv"):
-                            T.reads()
-                            T.writes()
-                            wts = T.sblock_alloc_buffer((windows, kernel), "float32", scope="local")
-                            wins = T.sblock_alloc_buffer(
-                                (windows, kernel), "float32", scope="local"
-                            )
-                            wt = T.sblock_alloc_buffer((kernel,), "float32", scope="local")
-                            win = T.sblock_alloc_buffer((kernel,), "float32", scope="local")
-                            for e in T.unroll(windows):
-                                i: T.let[T.int32] = e * nt + tx
-                                if i < made:
-                                    c: T.let[T.int32] = channel(i, kh, h, col0)
-                                    for j in T.unroll(kernel):
-                                        wts[e, j] = T.Cast("float32", w[c, j])
-                                    for j in T.unroll(hist):
-                                        wins[e, j] = T.Cast("float32", conv[slot, layer, c, j])
-                            T.evaluate(wait_for_producers(gpu))
-                            T.evaluate(release_dependents(gpu))
-                            for e in T.unroll(windows):
-                                i: T.let[T.int32] = e * nt + tx
-                                if i < made:
-                                    c: T.let[T.int32] = channel(i, kh, h, col0)
-                                    for j in T.unroll(kernel):
-                                        wt[j] = wts[e, j]
-                                        win[j] = wins[e, j]
-                                    win[hist] = T.Cast("float32", x[row, c])
-                                    if i < 2 * k_dim:
-                                        raw[i] = conv_silu(wt, win, kernel, dtype)
-                                    else:
-                                        kq[i] = conv_silu(wt, win, kernel, dtype)
-                                        if gated:  # only this block reads its values' history
-                                            shift_history(conv, x, b, slot, layer, c)
-                            if tx == 0:
-                                kq[made] = log_decay(
-                                    T.Cast("float32", x[row, conv_dim + value_dim + v_heads + h]),
-                                    a_log[h],
-                                    dt_bias[h],
-                                )
-                                kq[made + 1] = beta_gate(
-                                    T.Cast("float32", x[row, conv_dim + value_dim + h])
-                                )
-                    # l2 norms of k and q, summed in gdn_input's order (gdn_prep.l2_parts)
-                    for tx in lanes():
-                        with T.sblock("squares"):
-                            T.reads()
-                            T.writes()
-                            acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                            if tx < 2 * np_:
-                                acc[0] = T.float32(0)
-                                for j in T.serial((k_dim + np_ - 1) // np_):
-                                    if j * np_ + tx % np_ < k_dim:
-                                        sv: T.let[T.float32] = raw[
-                                            tx // np_ * k_dim + j * np_ + tx % np_
-                                        ]
-                                        acc[0] = acc[0] + sv * sv
-                                red[tx] = acc[0]
-                    for tx in lanes():
-                        with T.sblock("normalise"):
-                            T.reads()
-                            T.writes()
-                            acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                            for e in T.unroll((2 * k_dim + nt - 1) // nt):
-                                i: T.let[T.int32] = e * nt + tx
+                load_state(pool, slot, layer, h, col0, st, mine)
+                # the token's inputs, staged as gated_delta_rule stages them: [k q v g beta]
+                for tx in lanes():
+                    with T.sblock("conv"):
+                        T.reads()
+                        T.writes()
+                        wts = T.sblock_alloc_buffer((windows, kernel), "float32", scope="local")
+                        wins = T.sblock_alloc_buffer(
+                            (windows, kernel), "float32", scope="local"
+                        )
+                        wt = T.sblock_alloc_buffer((kernel,), "float32", scope="local")
+                        win = T.sblock_alloc_buffer((kernel,), "float32", scope="local")
+                        for e in T.unroll(windows):
+                            i: T.let[T.int32] = e * nt + tx
+                            if i < made:
+                                c: T.let[T.int32] = channel(i, kh, h, col0)
+                                for j in T.unroll(kernel):
+                                    wts[e, j] = T.Cast("float32", w[c, j])
+                                for j in T.unroll(hist):
+                                    wins[e, j] = T.Cast("float32", conv[slot, layer, c, j])
+                        T.evaluate(wait_for_producers(gpu))
+                        T.evaluate(release_dependents(gpu))
+                        for e in T.unroll(windows):
+                            i: T.let[T.int32] = e * nt + tx
+                            if i < made:
+                                c: T.let[T.int32] = channel(i, kh, h, col0)
+                                for j in T.unroll(kernel):
+                                    wt[j] = wts[e, j]
+                                    win[j] = wins[e, j]
+                                win[hist] = T.Cast("float32", x[row, c])
                                 if i < 2 * k_dim:
-                                    acc[0] = T.float32(0)
-                                    for p in T.unroll(np_):
-                                        acc[0] = acc[0] + red[i // k_dim * np_ + p]
-                                    kq[i] = raw[i] * (
-                                        T.float32(1) / T.sqrt(acc[0] + T.float32(1e-6))
-                                    )
-                    token_update(st, kq, red, o_ws, row, h, col0)
-                    if gated and gpu:
-                        # o and the reads of the q/k history done before the tickets are taken
-                        for _tx in lanes():
-                            with T.sblock("publish"):
-                                T.reads()
-                                T.writes()
-                                T.evaluate(T.cuda.thread_fence())
-                        T.tvm_storage_sync("shared")
-                        for tx in lanes():
-                            with T.sblock("tickets"):
-                                T.reads()
-                                T.writes()
-                                if tx < 2:
-                                    at: T.let[T.int32] = T.if_then_else(tx == 0, kh, k_heads + h)
-                                    ticket[tx] = T.cuda.atomic_add(
-                                        T.address_of(tickets[slot, at]), 1
-                                    )
-                    store_state(pool, slot, layer, h, col0, st)
-                    if gated and gpu:
-                        last_of_k: T.let[T.bool] = ticket[0] == group * tiles - 1
-                        last_of_head: T.let[T.bool] = ticket[1] == tiles - 1
-                        head_norm(o_ws, x, nw, out, vals, part, inv, b, h, last_of_head)
-                        shift_qk(conv, x, b, slot, layer, kh, last_of_k)
-                        for tx in lanes():
-                            with T.sblock("reset"):
-                                T.reads()
-                                T.writes()
-                                if tx == 0:
-                                    if last_of_k:
-                                        tickets[slot, kh] = 0
-                                    if last_of_head:
-                                        tickets[slot, k_heads + h] = 0
-                else:  # the chunked rule's sequence: wait all the same, or this grid could
-                    # end before in_proj and release the chunked kernels onto its rows early
+                                    raw[i] = conv_silu(wt, win, kernel, dtype)
+                                else:
+                                    kq[i] = conv_silu(wt, win, kernel, dtype)
+                                    if gated:  # only this block reads its values' history
+                                        shift_history(conv, x, b, slot, layer, c)
+                        if tx == 0:
+                            kq[made] = log_decay(
+                                T.Cast("float32", x[row, conv_dim + value_dim + v_heads + h]),
+                                a_log[h],
+                                dt_bias[h],
+                            )
+                            kq[made + 1] = beta_gate(
+                                T.Cast("float32", x[row, conv_dim + value_dim + h])
+                            )
+                # l2 norms of k and q, summed in gdn_input's order (gdn_prep.l2_parts)
+                for tx in lanes():
+                    with T.sblock("squares"):
+                        T.reads()
+                        T.writes()
+                        acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                        if tx < 2 * np_:
+                            acc[0] = T.float32(0)
+                            for j in T.serial((k_dim + np_ - 1) // np_):
+                                if j * np_ + tx % np_ < k_dim:
+                                    sv: T.let[T.float32] = raw[
+                                        tx // np_ * k_dim + j * np_ + tx % np_
+                                    ]
+                                    acc[0] = acc[0] + sv * sv
+                            red[tx] = acc[0]
+                for tx in lanes():
+                    with T.sblock("normalise"):
+                        T.reads()
+                        T.writes()
+                        acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                        for e in T.unroll((2 * k_dim + nt - 1) // nt):
+                            i: T.let[T.int32] = e * nt + tx
+                            if i < 2 * k_dim:
+                                acc[0] = T.float32(0)
+                                for p in T.unroll(np_):
+                                    acc[0] = acc[0] + red[i // k_dim * np_ + p]
+                                kq[i] = raw[i] * (
+                                    T.float32(1) / T.sqrt(acc[0] + T.float32(1e-6))
+                                )
+                token_update(st, kq, red, o_ws, row, h, col0, mine)
+                if gated and gpu:
+                    # o and the reads of the q/k history done before the tickets are taken
                     for _tx in lanes():
-                        with T.sblock("wait"):
+                        with T.sblock("publish"):
                             T.reads()
                             T.writes()
-                            T.evaluate(wait_for_producers(gpu))
+                            T.evaluate(T.cuda.thread_fence())
+                    T.tvm_storage_sync("shared")
+                    for tx in lanes():
+                        with T.sblock("tickets"):
+                            T.reads()
+                            T.writes()
+                            if tx < 2:
+                                at: T.let[T.int32] = T.if_then_else(tx == 0, kh, k_heads + h)
+                                ticket[tx] = T.cuda.atomic_add(
+                                    T.address_of(tickets[slot, at]), 1
+                                )
+                store_state(pool, slot, layer, h, col0, st, mine)
+                if gated and gpu:
+                    last_of_k: T.let[T.bool] = ticket[0] == group * tiles - 1
+                    last_of_head: T.let[T.bool] = ticket[1] == tiles - 1
+                    head_norm(o_ws, x, nw, out, vals, part, inv, b, h, last_of_head)
+                    shift_qk(conv, x, b, slot, layer, kh, last_of_k)
+                    for tx in lanes():
+                        with T.sblock("reset"):
+                            T.reads()
+                            T.writes()
+                            if tx == 0:
+                                if last_of_k:
+                                    tickets[slot, kh] = 0
+                                if last_of_head:
+                                    tickets[slot, k_heads + h] = 0
         if gated and not gpu:  # the blocks' ends, after all of them (a nest is a barrier)
             for bh in grid(batch * v_heads):
                 with T.sblock("gated_norm"):

@@ -206,7 +206,7 @@ def test_compiles_for_cuda_with_a_barrier_a_phase(dtype: str) -> None:
 
     prepare_cuda_codegen(["sm_80"])
     cuda = Target({"kind": "cuda", "arch": "sm_80"}, host="llvm")
-    for layout in LAYOUTS.values():
+    for layout in [*LAYOUTS.values(), {**WIDE_LAYOUT, "gated": False, "ragged": True}]:
         fused = _cuda_source(
             decode_delta_rule(16, 32, 128, 128, KERNEL, EPS, dtype, cuda, **layout), cuda
         )
