@@ -224,8 +224,9 @@ class GatedDeltaNet(nn.Module):
         conv_pool, rec_pool, tickets = state
         conv_and_gates = [self.conv_weight, self.A_log, self.dt_bias]
         two = chunked and gdn_chunked.two_pass(
-            hk, hv, dk, dv, target, self.dtype, kernel=kernel, skip_single=True
-        )
+            hk, hv, dk, dv, target, self.dtype, kernel=kernel,
+            skip_single=gdn_chunked.MIXED_ROWS_RECURRENT,
+        )  # fmt: skip
         if chunked and two is None:  # fp32 or the CPU: q, k, v and the gates, then one kernel
             q, k, v, g, beta = op.tensor_ir_op(
                 gdn_prep.gdn_input(hk, hv, dk, dv, kernel, self.dtype, target),
@@ -246,21 +247,23 @@ class GatedDeltaNet(nn.Module):
                 inplace_indices=[7, -1],
                 out=[rec_pool, Tensor.placeholder((n_tok, hv, dv), F32)],
             )
-        elif chunked:  # bf16 on CUDA: a mixed step's decode rows (one-token sequences) by
-            # decode's recurrent kernel, whose cost is their state's; then, for the rest, every
-            # chunk's state-free part (from in_proj's rows) at once and the serial walk over
-            # chunks, both of which skip the one-token sequences
-            single = gdn_decode.decode_delta_rule(
-                hk, hv, dk, dv, kernel, cfg.rms_norm_eps, self.dtype, target,
-                **gdn_decode.WIDE_LAYOUT, gated=False, ragged=True,
-            )  # fmt: skip
-            rec_pool, o = op.tensor_ir_inplace_op(
-                single,
-                single.attrs["global_symbol"],
-                [proj, *conv_and_gates, indptr, slots, conv_pool, rec_pool, layer],
-                inplace_indices=[7, -1],
-                out=[rec_pool, Tensor.placeholder((n_tok, hv, dv), F32)],
-            )
+        elif chunked:  # bf16 on CUDA: every chunk's state-free part (from in_proj's rows) at
+            # once, then the serial walk over chunks; with `skip_single`, a mixed step's decode
+            # rows (one-token sequences) by decode's recurrent kernel instead, whose cost is
+            # their state's (gdn_chunked.MIXED_ROWS_RECURRENT)
+            o = Tensor.placeholder((n_tok, hv, dv), F32)
+            if two.skip_single:
+                single = gdn_decode.decode_delta_rule(
+                    hk, hv, dk, dv, kernel, cfg.rms_norm_eps, self.dtype, target,
+                    **gdn_decode.WIDE_LAYOUT, gated=False, ragged=True,
+                )  # fmt: skip
+                rec_pool, o = op.tensor_ir_inplace_op(
+                    single,
+                    single.attrs["global_symbol"],
+                    [proj, *conv_and_gates, indptr, slots, conv_pool, rec_pool, layer],
+                    inplace_indices=[7, -1],
+                    out=[rec_pool, o],
+                )
             work = op.tensor_ir_op(
                 two.prep,
                 "gdn_chunk_prep",
@@ -270,8 +273,8 @@ class GatedDeltaNet(nn.Module):
             rec_pool, o = op.tensor_ir_inplace_op(
                 two.scan,
                 "gdn_chunk_scan",
-                [*work, indptr, slots, rec_pool, layer, o],
-                inplace_indices=[8, 10],
+                [*work, indptr, slots, rec_pool, layer, *([o] if two.skip_single else [])],
+                inplace_indices=[8, 10 if two.skip_single else -1],
                 out=[rec_pool, o],
             )
         elif not wide:  # one token a sequence: its conv, norms, gates and gated norm in one kernel

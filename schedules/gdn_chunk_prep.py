@@ -304,7 +304,8 @@ def chunk_prep(
                     # branch around the barriers below.
                     seq[0] = indptr[lo[0]]
                     seq[1] = slots[lo[0]]
-                    seq[2] = indptr[lo[0] + 1] - indptr[lo[0]]
+                    if skip_single:
+                        seq[2] = indptr[lo[0] + 1] - indptr[lo[0]]
                     lo[0] = T.min(
                         indptr[lo[0]] + (cno - first_tile(indptr, lo[0], c)) * c, n_tok - 1
                     )

@@ -101,6 +101,12 @@ class TwoPass(NamedTuple):
 # and wins wherever several sequences share a step (16 x 1,024: 1,030 against 1,570 us): its
 # blocks take 95 KiB of shared memory, two an SM, where C64's take 157 KiB.
 TWO_PASS = (32, 64)
+# A prefill's one-token sequences (a mixed step's decode rows) through decode's recurrent kernel
+# (gdn_decode's ragged form), the two passes skipping them: a mixed step's 16 decode rows cost
+# 2.0 ms of GDN in the two passes against ~0.6 ms in decode's kernel
+# (profile_step_mixed16_s16.json). Off until measured on the H200: built and tested on the CPU
+# and for sm_80/sm_90, but the device was lost before its run (docs/performance.md, session 16).
+MIXED_ROWS_RECURRENT = False
 
 
 def two_pass(
