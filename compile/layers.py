@@ -253,17 +253,7 @@ class GatedDeltaNet(nn.Module):
             # their state's (gdn_chunked.MIXED_ROWS_RECURRENT)
             o = Tensor.placeholder((n_tok, hv, dv), F32)
             if two.skip_single:
-                single = gdn_decode.decode_delta_rule(
-                    hk, hv, dk, dv, kernel, cfg.rms_norm_eps, self.dtype, target,
-                    **gdn_decode.WIDE_LAYOUT, gated=False, ragged=True,
-                )  # fmt: skip
-                rec_pool, o = op.tensor_ir_inplace_op(
-                    single,
-                    single.attrs["global_symbol"],
-                    [proj, *conv_and_gates, indptr, slots, conv_pool, rec_pool, layer],
-                    inplace_indices=[7, -1],
-                    out=[rec_pool, o],
-                )
+                rec_pool, o = self._wide_rule(proj, indptr, slots, conv_pool, rec_pool, layer)
             work = op.tensor_ir_op(
                 two.prep,
                 "gdn_chunk_prep",
@@ -297,17 +287,7 @@ class GatedDeltaNet(nn.Module):
             )
             return self.out_proj(o), GDNState(conv_pool, rec_pool, tickets)
         else:  # decode_wide: the same without the gated norm (gdn_decode.decode_delta_rule)
-            rule = gdn_decode.decode_delta_rule(
-                hk, hv, dk, dv, kernel, cfg.rms_norm_eps, self.dtype, target,
-                **gdn_decode.WIDE_LAYOUT, gated=False,
-            )  # fmt: skip
-            rec_pool, o = op.tensor_ir_inplace_op(
-                rule,
-                rule.attrs["global_symbol"],
-                [proj, *conv_and_gates, slots, conv_pool, rec_pool, layer],
-                inplace_indices=[6, -1],
-                out=[rec_pool, Tensor.placeholder((n_tok, hv, dv), F32)],
-            )
+            rec_pool, o = self._wide_rule(proj, None, slots, conv_pool, rec_pool, layer)
         # Gated RMSNorm: HF rounds the core output to the activation dtype before the norm.
         # The conv state moves here, after every kernel that reads it.
         conv_pool, o = op.tensor_ir_inplace_op(
@@ -318,6 +298,28 @@ class GatedDeltaNet(nn.Module):
             out=[conv_pool, Tensor.placeholder((n_tok, cfg.value_dim), self.dtype)],
         )
         return self.out_proj(o), GDNState(conv_pool, rec_pool, tickets)
+
+
+    def _wide_rule(self, proj, indptr, slots, conv_pool, rec_pool, layer) -> tuple:
+        """(recurrent pool, o [n_tok, hv, dv]) from decode_wide's recurrent kernel, without the
+        gated norm: one token a sequence, or with `indptr` a prefill's one-token sequences
+        only (the ragged form; o's other rows are the two passes' to write)."""
+        cfg = self.cfg
+        hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        rule = gdn_decode.decode_delta_rule(
+            hk, hv, dk, dv, cfg.linear_conv_kernel_dim, cfg.rms_norm_eps, self.dtype,
+            Target.current(), **gdn_decode.WIDE_LAYOUT, gated=False, ragged=indptr is not None,
+        )  # fmt: skip
+        seqs = [slots] if indptr is None else [indptr, slots]
+        conv_at = 4 + len(seqs)
+        return op.tensor_ir_inplace_op(
+            rule,
+            rule.attrs["global_symbol"],
+            [proj, self.conv_weight, self.A_log, self.dt_bias, *seqs, conv_pool, rec_pool, layer],
+            inplace_indices=[conv_at + 1, -1],
+            out=[rec_pool, Tensor.placeholder((proj.shape[0], hv, dv), F32)],
+        )
 
 
 class DecoderLayer(nn.Module):
