@@ -151,6 +151,8 @@ def _bench(args: argparse.Namespace) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
+    from qwen35_tvm.runtime.step_costs import MIN_TOKENS  # numpy only: no TVM, no compiler
+
     p = argparse.ArgumentParser(prog="qwen35-tvm", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -248,7 +250,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--mixed-step-min-tokens",
         type=int,
-        default=128,
+        default=MIN_TOKENS,
         help="with --mixed-step-share: the fewest prompt tokens a mixed step takes, so that "
         "long prompts keep moving when even a small chunk costs more than the share",
     )

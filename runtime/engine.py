@@ -32,7 +32,7 @@ from .model_runner import ModelRunner
 from .sampler import Sampler, SamplingParams
 from .scheduler import Scheduler
 from .sequence import Completion, Output, Request, Sequence, Status
-from .step_costs import StepCosts
+from .step_costs import MIN_TOKENS, StepCosts
 from .step_sampling import Picked, Ready, StepSampler
 
 if TYPE_CHECKING:  # xgrammar loads only with the first constrained request
@@ -57,7 +57,7 @@ class Engine:
         prefill_chunk: int = PREFILL_CHUNK,
         memory_fraction: float | None = None,
         mixed_step_share: float | None = None,
-        mixed_step_min_tokens: int = 128,
+        mixed_step_min_tokens: int = MIN_TOKENS,
         overlap: bool | None = None,
         one_forward: bool = True,
     ):

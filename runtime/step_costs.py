@@ -18,13 +18,15 @@ import numpy as np
 
 # Decode times are kept per batch size; a size never measured borrows the nearest one.
 DECODE_EMA = 0.2
+# The fewest prompt tokens a mixed step takes by default (serve --mixed-step-min-tokens)
+MIN_TOKENS = 128
 
 
 class StepCosts:
     def __init__(
         self,
         share: float = 1.0,
-        min_tokens: int = 128,
+        min_tokens: int = MIN_TOKENS,
         window: int = 32,
         rows_in_prefill: bool = False,
     ) -> None:

@@ -218,9 +218,7 @@ def decode_delta_rule(
                         T.reads()
                         T.writes()
                         wts = T.sblock_alloc_buffer((windows, kernel), "float32", scope="local")
-                        wins = T.sblock_alloc_buffer(
-                            (windows, kernel), "float32", scope="local"
-                        )
+                        wins = T.sblock_alloc_buffer((windows, kernel), "float32", scope="local")
                         wt = T.sblock_alloc_buffer((kernel,), "float32", scope="local")
                         win = T.sblock_alloc_buffer((kernel,), "float32", scope="local")
                         for e in T.unroll(windows):
@@ -282,9 +280,7 @@ def decode_delta_rule(
                                 acc[0] = T.float32(0)
                                 for p in T.unroll(np_):
                                     acc[0] = acc[0] + red[i // k_dim * np_ + p]
-                                kq[i] = raw[i] * (
-                                    T.float32(1) / T.sqrt(acc[0] + T.float32(1e-6))
-                                )
+                                kq[i] = raw[i] * (T.float32(1) / T.sqrt(acc[0] + T.float32(1e-6)))
                 token_update(st, kq, red, o_ws, row, h, col0, mine)
                 if gated and gpu:
                     # o and the reads of the q/k history done before the tickets are taken
@@ -300,9 +296,7 @@ def decode_delta_rule(
                             T.writes()
                             if tx < 2:
                                 at: T.let[T.int32] = T.if_then_else(tx == 0, kh, k_heads + h)
-                                ticket[tx] = T.cuda.atomic_add(
-                                    T.address_of(tickets[slot, at]), 1
-                                )
+                                ticket[tx] = T.cuda.atomic_add(T.address_of(tickets[slot, at]), 1)
                 store_state(pool, slot, layer, h, col0, st, mine)
                 if gated and gpu:
                     last_of_k: T.let[T.bool] = ticket[0] == group * tiles - 1
@@ -407,14 +401,8 @@ def decode_delta_rule(
         o_h: T.handle,
     ):
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
-        n_tok, batch, n_ptr, n_slots, n_layers = (
-            T.int32(),
-            T.int32(),
-            T.int32(),
-            T.int32(),
-            T.int32(),
-        )
-        c_slots, c_layers = T.int32(), T.int32()
+        n_tok, batch, n_ptr = T.int32(), T.int32(), T.int32()
+        n_slots, n_layers, c_slots, c_layers = T.int32(), T.int32(), T.int32(), T.int32()
         x = T.match_buffer(x_h, (n_tok, width), dtype)
         w = T.match_buffer(w_h, (conv_dim, kernel), dtype)
         a_log = T.match_buffer(a_log_h, (v_heads,), "float32")

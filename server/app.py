@@ -21,6 +21,7 @@ from qwen35_tvm.runtime.engine import Engine
 from qwen35_tvm.runtime.grammar import GrammarCompiler
 from qwen35_tvm.runtime.sampler import SamplingParams
 from qwen35_tvm.runtime.sequence import Request as EngineRequest
+from qwen35_tvm.runtime.step_costs import MIN_TOKENS
 from qwen35_tvm.runtime.tokenizer import TextTokenizer
 
 from . import errors
@@ -167,7 +168,7 @@ def build_server(
     cfg: ServerConfig | None = None,
     memory_fraction: float | None = None,
     mixed_step_share: float | None = 1.0,
-    mixed_step_min_tokens: int = 128,
+    mixed_step_min_tokens: int = MIN_TOKENS,
 ) -> Server:
     artifact = Artifact(artifact_dir, device=device)
     if artifact.device_name == "cpu":
@@ -311,7 +312,7 @@ def serve(
     cfg: ServerConfig | None = None,
     memory_fraction: float | None = None,
     mixed_step_share: float | None = 1.0,
-    mixed_step_min_tokens: int = 128,
+    mixed_step_min_tokens: int = MIN_TOKENS,
 ) -> None:
     """Load the artifact and serve until interrupted."""
     import uvicorn
