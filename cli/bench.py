@@ -74,6 +74,10 @@ class RequestResult:
     output_tokens: int = 0
     chunks: int = 0
     itl: list[float] = field(default_factory=list)
+    # perf_counter seconds: when the request went out and when each token chunk came, so a
+    # report can line streams up and say which steps made the slow gaps
+    sent: float | None = None
+    arrivals: list[float] = field(default_factory=list)
 
     @property
     def tpot(self) -> float | None:
@@ -123,7 +127,7 @@ async def _stream(
     res = RequestResult()
     usage_tokens: int | None = None
     done = False
-    start = last = time.perf_counter()
+    start = last = res.sent = time.perf_counter()
     async with client.stream("POST", cfg.url + "/v1/completions", json=body, headers=headers) as r:
         if r.status_code != 200:
             res.error = _http_error(r.status_code, await r.aread())
@@ -153,6 +157,7 @@ async def _stream(
                     res.itl.extend([(now - last) / k] * k)
                 last = now
                 res.chunks += 1
+                res.arrivals.append(now)
     if not done:
         res.error = "the stream ended without [DONE]"
     elif usage_tokens is None:
@@ -200,8 +205,9 @@ async def run_level(
     headers: dict[str, str],
     concurrency: int,
     rng: np.random.Generator,
-) -> tuple[list[RequestResult], float]:
-    """All prompts of one level; returns the results and the wall time."""
+) -> tuple[list[RequestResult], float, float]:
+    """All prompts of one level; returns the results, the level's start (perf_counter) and
+    its wall time."""
     prompts = random_prompts(rng, cfg.num_prompts, cfg.input_len)
     gate = asyncio.Semaphore(concurrency)
 
@@ -216,7 +222,7 @@ async def run_level(
             await asyncio.sleep(float(rng.exponential(1.0 / cfg.request_rate)))
         tasks.append(asyncio.create_task(gated(prompt)))
     results = await asyncio.gather(*tasks)
-    return list(results), time.perf_counter() - start
+    return list(results), start, time.perf_counter() - start
 
 
 def _stats(values_ms: list[float]) -> tuple[float | None, float | None, float | None]:
@@ -227,8 +233,18 @@ def _stats(values_ms: list[float]) -> tuple[float | None, float | None, float | 
 
 
 def summarize(
-    results: list[RequestResult], duration: float, concurrency: int, input_len: int
+    results: list[RequestResult],
+    duration: float,
+    concurrency: int,
+    input_len: int,
+    origin: float = 0.0,
 ) -> dict[str, Any]:
+    """One level's row of the report; `origin` (perf_counter at the level's start) turns each
+    request's send and chunk times into offsets."""
+
+    def ms(t: float) -> float:
+        return round((t - origin) * 1e3, 3)
+
     ok = [r for r in results if r.ok]
     duration = max(duration, 1e-9)  # all refused at once can take "no" time
     out_tokens = sum(r.output_tokens for r in ok)
@@ -264,6 +280,8 @@ def summarize(
             "ttft_ms": None if r.ttft is None else r.ttft * 1e3,
             "tpot_ms": None if r.tpot is None else r.tpot * 1e3,
             "e2e_ms": None if r.e2e is None else r.e2e * 1e3,
+            "sent_ms": None if r.sent is None else ms(r.sent),
+            "chunk_ms": [ms(t) for t in r.arrivals],
         }
         for r in results
     ]
@@ -297,8 +315,8 @@ async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         model = await _model_name(client, cfg, headers)
         levels = []
         for c in cfg.concurrency:
-            results, duration = await run_level(client, cfg, model, headers, c, rng)
-            level = summarize(results, duration, c, cfg.input_len)
+            results, start, duration = await run_level(client, cfg, model, headers, c, rng)
+            level = summarize(results, duration, c, cfg.input_len, start)
             print(
                 f"concurrency {c}: {level['completed']}/{level['num_prompts']} completed "
                 f"in {duration:.2f} s",

@@ -16,6 +16,7 @@ import tvm
 from tvm.relax.frontend import nn
 
 from ..schedules.kv_cache import PAGE_SIZE
+from ..schedules.matmul_config import DEFAULT_CONFIG
 from .config import ModelConfig
 from .convert import convert_weights, log, write_meta
 from .cuda_toolchain import prepare_cuda_codegen
@@ -96,6 +97,9 @@ def compile_model(
     if template is not None:
         (out / "chat_template.jinja").write_text(template)
     (out / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
+    # rows of prefill's tensor-core GEMM tiles (bf16 on CUDA): the engine fills a mixed step's
+    # rows to whole tiles, since a row past one reads every weight once more
+    tile_rows = DEFAULT_CONFIG.block_m if (target, dtype) == ("cuda", "bfloat16") else 1
     meta: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION,
         "tvm_version": tvm.__version__,
@@ -107,6 +111,7 @@ def compile_model(
         "context_window": context_window or config.max_position_embeddings,
         "max_decode_batch": MAX_DECODE_BATCH,
         "page_size": PAGE_SIZE,
+        "prefill_tile_rows": tile_rows,
         "cuda_graph": cuda_graph,
         "dependent_launch": dependent_launch and target == "cuda",
         "eos_token_ids": _eos_ids(folder, tokenizer),

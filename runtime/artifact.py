@@ -99,6 +99,12 @@ class Artifact:
         return int(self.meta["page_size"])
 
     @property
+    def prefill_tile_rows(self) -> int:
+        """Rows of prefill's GEMM tiles (1: untiled, or an artifact from before it was
+        recorded)."""
+        return int(self.meta.get("prefill_tile_rows", 1))
+
+    @property
     def context_window(self) -> int:
         return int(self.meta["context_window"])
 

@@ -84,7 +84,12 @@ class Engine:
         self.scheduler = Scheduler(self.pool, max_batch_size, prefill_chunk)
         self.one_forward = one_forward
         self.costs = (
-            StepCosts(mixed_step_share, mixed_step_min_tokens, rows_in_prefill=one_forward)
+            StepCosts(
+                mixed_step_share,
+                mixed_step_min_tokens,
+                rows_in_prefill=one_forward,
+                tile_rows=artifact.prefill_tile_rows,
+            )
             if mixed_step_share
             else None
         )

@@ -7,7 +7,10 @@ pure decode step of the same batch. Prefill cost is fitted as `fixed + per_token
 chunks (the fixed part, a few ms of kernel launches, is why small chunks are not free), and a
 floor of `min_tokens` keeps long prompts moving when even the fixed part exceeds the share.
 Where the engine runs a mixed step as one forward (`rows_in_prefill`), the decode rows count as
-tokens of that forward, and the whole step may take (1 + share) decode steps.
+tokens of that forward, and the whole step may take (1 + share) decode steps. Its rows (decode
+rows plus prompt tokens) then fill whole tiles of prefill's GEMMs (`tile_rows`): a row past a
+tile reads every weight once more, a step in cost that no line fits (16 decode rows + 112
+prompt tokens: 1.74x a decode step; + 113: 2.11x; docs/results/mixed_step_b16_s17.json).
 """
 
 from __future__ import annotations
@@ -29,14 +32,19 @@ class StepCosts:
         min_tokens: int = MIN_TOKENS,
         window: int = 32,
         rows_in_prefill: bool = False,
+        tile_rows: int = 1,
     ) -> None:
         """`rows_in_prefill`: a mixed step is one forward, the decode rows riding in the prefill
         call as one-token chunks (their tokens count in `record_prefill`), so the whole step may
-        take (1 + share) decode steps."""
-        if share <= 0 or min_tokens < 1:
-            raise ValueError(f"share {share} must be > 0 and min_tokens {min_tokens} >= 1")
+        take (1 + share) decode steps, its rows rounded to whole `tile_rows`."""
+        if share <= 0 or min_tokens < 1 or tile_rows < 1:
+            raise ValueError(
+                f"share {share} must be > 0, min_tokens {min_tokens} and tile_rows {tile_rows}"
+                " >= 1"
+            )
         self.share = share
         self.rows_in_prefill = rows_in_prefill
+        self.tile_rows = tile_rows
         self.min_tokens = min_tokens
         self._decode: dict[int, float] = {}  # batch rows -> EMA of the step's seconds
         self._prefill: deque[tuple[int, float]] = deque(maxlen=window)  # (tokens, seconds)
@@ -84,4 +92,18 @@ class StepCosts:
         if self.rows_in_prefill:
             budget += step - per_token * decode_rows  # the rows' own share of the forward
         fits = int(budget / per_token + 1e-6)  # not 79.999 -> 79
-        return max(min(fits, most), min(self.min_tokens, most))
+        tokens = max(min(fits, most), min(self.min_tokens, most))
+        return self._whole_tiles(decode_rows, tokens, most) if self.rows_in_prefill else tokens
+
+    def _whole_tiles(self, rows: int, tokens: int, most: int) -> int:
+        """`tokens` beside `rows` decode rows, moved to where the step's rows end a GEMM tile:
+        down (the tile they spill into costs as much as a full one), unless that leaves fewer
+        than half of them (a floor, or a full batch); then up, into the tile they already pay."""
+        t = self.tile_rows
+        total = rows + tokens
+        down = total // t * t - rows
+        if tokens >= most or total % t == 0:
+            return tokens
+        if 2 * down >= tokens:
+            return down
+        return min(-(-total // t) * t - rows, most)

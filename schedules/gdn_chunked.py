@@ -104,9 +104,9 @@ TWO_PASS = (32, 64)
 # A prefill's one-token sequences (a mixed step's decode rows) through decode's recurrent kernel
 # (gdn_decode's ragged form), the two passes skipping them: a mixed step's 16 decode rows cost
 # 2.0 ms of GDN in the two passes against ~0.6 ms in decode's kernel
-# (profile_step_mixed16_s16.json). Off until measured on the H200: built and tested on the CPU
-# and for sm_80/sm_90, but the device was lost before its run (docs/performance.md, session 16).
-MIXED_ROWS_RECURRENT = False
+# (profile_step_mixed16_s16.json). Measured on the H200: a mixed step of 16 rows + 16/64/128
+# prompt tokens 7.09/7.42/8.96 -> 6.16/6.44/8.11 ms (mixed_step_s17.json), bf16 parity holds.
+MIXED_ROWS_RECURRENT = True
 
 
 def two_pass(

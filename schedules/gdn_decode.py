@@ -94,10 +94,10 @@ def decode_delta_rule(
     slots, conv pool, recurrent pool, layer) -> o [n_tok, hv, dv]: a prefill's sequences of
     one token (a mixed step's decode rows) take this kernel, every other sequence's blocks
     run on without reading or writing state or o (barriers may not sit under a branch), and
-    the two passes skip the single tokens in turn (gdn_chunked.MIXED_ROWS_RECURRENT, off until
-    measured). The passes' chunk machinery costs a whole chunk a sequence: 16 decode rows
-    beside a prompt chunk cost 2.0 ms of a step there (profile_step_mixed16_s16.json), against
-    ~0.6 ms for decode_wide's 16 rows here."""
+    the two passes skip the single tokens in turn (gdn_chunked.MIXED_ROWS_RECURRENT). The
+    passes' chunk machinery costs a whole chunk a sequence: 16 decode rows beside a prompt
+    chunk cost 2.0 ms of a step there (profile_step_mixed16_s16.json), against ~0.6 ms for
+    decode_wide's 16 rows here."""
     if ragged and gated:
         raise ValueError("the ragged kernel leaves the gated norm to gated_norm")
     hist = kernel - 1

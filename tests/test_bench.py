@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from test_server_harness import KEY, Served, free_port, start_server
 
@@ -72,6 +73,14 @@ def test_bench_with_a_request_rate_and_per_token_chunks(served: Served, tmp_path
     # With logprobs the server sends one chunk per token, so ITL is per token.
     assert level["tokens_per_chunk"] == 1.0
     assert all(r["chunks"] == 4 for r in level["requests"])
+    # The timeline: each stream's send and chunk times, ordered and within the level
+    for r in level["requests"]:
+        times = [r["sent_ms"], *r["chunk_ms"]]
+        assert len(times) == 5 and times == sorted(times) and times[0] >= 0, times
+        assert times[-1] <= level["duration_s"] * 1e3
+        gaps = np.diff(r["chunk_ms"])
+        assert np.isclose(r["chunk_ms"][0] - r["sent_ms"], r["ttft_ms"], atol=0.01)
+        assert 0 < gaps.sum() <= r["e2e_ms"] - r["ttft_ms"] + 0.01  # [DONE] comes last
 
 
 def test_a_wrong_api_key_fails_every_request_with_the_reason(served: Served, tmp_path, capsys):

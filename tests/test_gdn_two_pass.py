@@ -145,16 +145,17 @@ def test_bf16_prefill_starts_the_chunked_gdn_from_in_proj() -> None:
     prefill has no gdn_input kernel; fp32 models keep gdn_input and the fp32 kernel."""
     bf16 = _prefill_kernels("bfloat16")
     assert {"gdn_chunk_prep", "gdn_chunk_scan"} <= bf16 and "gdn_input" not in bf16, bf16
-    assert not any(name.endswith("_ragged") for name in bf16)  # MIXED_ROWS_RECURRENT is off
     fp32 = _prefill_kernels("float32")
     assert {"gdn_input", "gdn_chunked_delta_rule"} <= fp32 and "gdn_chunk_prep" not in fp32, fp32
 
 
-def test_mixed_rows_take_the_recurrent_kernel_when_switched_on(monkeypatch) -> None:
-    """With gdn_chunked.MIXED_ROWS_RECURRENT a bf16 prefill also runs decode's recurrent kernel
-    in its ragged form (a mixed step's one-token rows), and the two passes skip those rows."""
+def test_mixed_rows_take_the_recurrent_kernel(monkeypatch) -> None:
+    """A bf16 prefill also runs decode's recurrent kernel in its ragged form (a mixed step's
+    one-token rows), and the two passes skip those rows; switched off
+    (gdn_chunked.MIXED_ROWS_RECURRENT), the two passes take every row."""
     from qwen35_tvm.schedules import gdn_chunked
 
-    monkeypatch.setattr(gdn_chunked, "MIXED_ROWS_RECURRENT", True)
     bf16 = _prefill_kernels("bfloat16")
     assert {"gdn_delta_rule_decode_r32p4_ragged", "gdn_chunk_prep", "gdn_chunk_scan"} <= bf16
+    monkeypatch.setattr(gdn_chunked, "MIXED_ROWS_RECURRENT", False)
+    assert not any(name.endswith("_ragged") for name in _prefill_kernels("bfloat16"))

@@ -47,6 +47,22 @@ def test_one_forward_budget_counts_the_decode_rows():
     assert half.prefill_tokens(16, 2048) == 124  # (1.5 x 6 - 2) ms / 50 us - 16
 
 
+def test_mixed_steps_fill_whole_gemm_tiles():
+    """With `tile_rows`, a one-forward mixed step's rows end where a GEMM tile ends."""
+    tiled = costs_with(6e-3, 2e-3, 50e-6, min_tokens=16, rows_in_prefill=True, tile_rows=128)
+    assert tiled.prefill_tokens(16, 2048) == 112  # time fits 184: 200 rows, down to 128
+    assert tiled.prefill_tokens(16, 50) == 50  # the fixed chunk is never exceeded
+    assert tiled.prefill_tokens(40, 2048) == 88  # fits 160: 200 rows -> 128
+    # down would leave fewer than half: up, into the tile already paid for
+    assert tiled.prefill_tokens(120, 2048) == 136  # fits 64: 184 rows -> 256
+    assert tiled.prefill_tokens(120, 100) == 100
+    floor = costs_with(3e-3, 5e-3, 50e-6, min_tokens=128, rows_in_prefill=True, tile_rows=128)
+    assert floor.prefill_tokens(16, 2048) == 112  # the floor's 144 rows -> 128
+    assert floor.prefill_tokens(0, 2048) == 2048  # nothing decodes: the whole chunk
+    split = costs_with(6e-3, 2e-3, 50e-6, min_tokens=16, tile_rows=128)  # two calls: untiled
+    assert split.prefill_tokens(16, 2048) == 80
+
+
 def test_a_burst_of_prompts_gets_whole_chunks():
     costs = costs_with(6e-3, 2e-3, 50e-6, min_tokens=16)
     assert costs.prefill_tokens(2, 2048, prefilling=14) == 2048  # prompts outnumber decodes
@@ -114,6 +130,7 @@ def test_engine_times_its_steps_and_sizes_chunks_by_them(tiny_compiled):
             # steps look 4x as long as a 64-token prefill and nothing more is recorded
             assert engine.costs.decode_seconds(1) > 0 and engine.costs.prefill_fit() is not None
             assert engine.costs.min_tokens == 8
+            assert engine.costs.tile_rows == art.meta["prefill_tile_rows"] == 1  # fp32, CPU
             engine.costs = StepCosts(min_tokens=8)
             for n in (16, 64):
                 engine.costs.record_prefill(n, n * 1e-3)
