@@ -24,6 +24,10 @@ bench() {  # NAME [extra args]
   shift
   "${cli[@]}" bench --url $url --input-len "${INPUT_LEN:-1024}" --output-len "${OUTPUT_LEN:-256}" --num-prompts "$n" \
     --logprobs --out "$out/$name.json" --plot "$out/$name.png" "$@"
+  local rc=$?
+  # the server's step histograms so far (cumulative over the levels run before this one)
+  curl -s "$url/metrics" >"$out/$name.metrics.txt" || true
+  return $rc
 }
 bench levels --concurrency "${LEVELS:-1,8,16}" || true
 bench qps16 --concurrency 16 --request-rate 16 || true

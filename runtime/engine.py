@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -45,6 +46,16 @@ log = logging.getLogger(__name__)
 # with 8,192 (docs/results/engine_chunk*.json): four prompts a step fill the chunked GDN's
 # wide tiles.
 PREFILL_CHUNK = 4096
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """What the last `step()` call completed: a "decode", "mixed" (decode rows and prompt
+    tokens) or "prefill" step, with its decode rows and prompt tokens."""
+
+    kind: str
+    decode_rows: int
+    prompt_tokens: int
 
 
 class Engine:
@@ -113,6 +124,8 @@ class Engine:
         self.picker = StepSampler(self.runner, self.sampler, self.decodable)
         self._live: dict[int, Sequence] = {}
         self._pending: list[Output] = []  # abort notices, reported by the next step
+        # None where the call completed no step (one only launched, or nothing to do)
+        self.last_step: StepInfo | None = None
         self._next_id = 0
         self._bytes = (kv_bytes_per_token(artifact), gdn_bytes_per_slot(artifact))
         log.info("engine capacity: %s", self.capacity())
@@ -236,7 +249,9 @@ class Engine:
 
     def step(self) -> list[Output]:
         outputs, self._pending = self._pending, []
+        self.last_step = None
         if self._ahead is not None:
+            self.last_step = StepInfo("decode", len(self._ahead[0]), 0)
             return outputs + self._step_ahead()
         for seq in self.scheduler.admit():
             self.runner.add_sequence(seq.slot, seq.page_ids)  # also zeroes the slot
@@ -248,6 +263,9 @@ class Engine:
             self._launch(plan.decode, [s.output[-1] for s in plan.decode])
             return outputs  # this step's tokens come with the next step
         chunks = plan.prefill
+        if plan.decode or chunks:
+            kind = "mixed" if plan.decode and chunks else "decode" if plan.decode else "prefill"
+            self.last_step = StepInfo(kind, len(plan.decode), sum(n for _, n in chunks))
         if plan.decode and chunks and self.one_forward:
             chunks = [(s, 1) for s in plan.decode] + chunks
         elif plan.decode:

@@ -14,11 +14,12 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any
 
-from qwen35_tvm.runtime.engine import Engine
+from qwen35_tvm.runtime.engine import Engine, StepInfo
 from qwen35_tvm.runtime.sequence import Output, Request, TopLogprobs
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,9 @@ class EngineLoop:
         self.num_running = 0
         self._queued = 0  # sequences submitted but not yet seen by the engine thread
         self._queued_lock = threading.Lock()
+        # called on the engine thread after each step() that completed a step, with its wall
+        # seconds (the metrics' step histograms)
+        self.on_step: Callable[[StepInfo, float], None] | None = None
 
     # ---- asyncio side ---------------------------------------------------------------------
 
@@ -104,12 +108,16 @@ class EngineLoop:
             if not self.engine.has_work():
                 self._wake.wait(1.0)
                 continue
+            started = time.perf_counter()
             try:
                 outputs = self.engine.step()
             except Exception as err:  # keep serving: fail what was running, start afresh
                 log.exception("engine step failed")
                 self._fail_all(EngineFailure(f"the engine failed: {err}"))
                 continue
+            done = self.engine.last_step
+            if done is not None and self.on_step is not None:
+                self.on_step(done, time.perf_counter() - started)
             now = time.monotonic()
             self._count()  # before delivering, so no client sees a count older than its output
             for out in outputs:

@@ -7,9 +7,16 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from qwen35_tvm.runtime.engine import StepInfo
+
 from .engine_loop import EngineLoop
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+# a decode step takes a few ms; a mixed one should stay within ~2x of it
+_STEP = (0.002, 0.003, 0.004, 0.005, 0.006, 0.007, 0.008, 0.01, 0.0125, 0.015, 0.02, 0.03,
+         0.05, 0.1, 0.25, 0.5, 1.0)  # fmt: skip
+# a mixed step's prompt tokens end where a prefill GEMM tile (128 rows) does, or not
+_TOKENS = (16, 32, 64, 112, 128, 240, 256, 512, 1024, 2048, 4096, 8192)
 
 
 class Metrics:
@@ -42,6 +49,21 @@ class Metrics:
             buckets=_LATENCY,
             registry=reg,
         )
+        self.step_seconds = Histogram(
+            p + "engine_step_seconds",
+            "Wall time of an engine step, by kind: decode, mixed (decodes beside prompt tokens)"
+            " or prefill",
+            ["kind"],
+            buckets=_STEP,
+            registry=reg,
+        )
+        self.step_prompt_tokens = Histogram(
+            p + "engine_step_prompt_tokens",
+            "Prompt tokens of a step that also decodes",
+            buckets=_TOKENS,
+            registry=reg,
+        )
+        loop.on_step = self.observe_step
         engine = loop.engine
         gauges: dict[str, tuple[str, Any]] = {
             "num_requests_running": ("Sequences running", lambda: loop.num_running),
@@ -68,6 +90,12 @@ class Metrics:
             self.ttft.observe(ttft)
             if generated > 1:
                 self.tpot.observe((e2e - ttft) / (generated - 1))
+
+    def observe_step(self, step: StepInfo, seconds: float) -> None:
+        """One engine step (on the engine thread): what the inter-token gaps are made of."""
+        self.step_seconds.labels(step.kind).observe(seconds)
+        if step.kind == "mixed":
+            self.step_prompt_tokens.observe(step.prompt_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -125,3 +125,25 @@ def test_the_client_loads_neither_tvm_nor_the_runtime():
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "[]"
+
+
+def test_the_timeline_tool_groups_arrivals_into_steps(capsys):
+    """benchmarks/itl_timeline.py: arrivals within the window are one step, first tokens and
+    sends between steps are counted, and the slowest gap is listed first."""
+    import importlib.util
+
+    path = Path(__file__).parents[1] / "benchmarks" / "itl_timeline.py"
+    spec = importlib.util.spec_from_file_location("itl_timeline", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    a = {"ok": True, "sent_ms": 0.0, "chunk_ms": [10.0, 14.0, 18.0, 30.0, 34.0]}
+    b = {"ok": True, "sent_ms": 20.0, "chunk_ms": [30.5, 34.4]}  # its first token at 30.5
+    level = {"concurrency": 2, "requests": [a, b]}
+    steps = tool.steps_of(level, 2.0)
+    assert [(s["at"], s["streams"], s["firsts"]) for s in steps] == [
+        (10.0, 1, 1), (14.0, 1, 0), (18.0, 1, 0), (30.0, 2, 1), (34.0, 2, 0),
+    ]  # fmt: skip
+    tool.report(level, 2.0, top=1)
+    out = capsys.readouterr().out
+    assert "steps with a first token: 1, gap median 12.00 ms" in out
+    assert out.strip().splitlines()[-1].split() == ["30.0", "12.00", "2", "1", "1"]

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from qwen35_tvm.runtime.artifact import Artifact
-from qwen35_tvm.runtime.engine import Engine
+from qwen35_tvm.runtime.engine import Engine, StepInfo
 from qwen35_tvm.runtime.generate import Generator, PromptError
 from qwen35_tvm.runtime.kv_pool import gdn_bytes_per_slot, kv_bytes_per_token, plan_capacity
 from qwen35_tvm.runtime.model_runner import ModelRunner
@@ -100,15 +100,19 @@ def test_long_prefill_does_not_stall_decodes(tiny_compiled):
     engine = Engine(art, max_batch_size=4, max_total_tokens=512, prefill_chunk=32)
     a = engine.submit(prompt(5, gen.decodable, 1), GREEDY, 12, ignore_eos=True)
     engine.step()
+    assert engine.last_step == StepInfo("prefill", 0, 5)
     b = engine.submit(prompt(130, gen.decodable, 2), GREEDY, 2, ignore_eos=True)
-    steps_until_b = 0
+    steps = []
     while True:
         outs = {o.request_id: o for o in engine.step()}
-        steps_until_b += 1
+        steps.append(engine.last_step)
         assert a in outs, "the running decode got no token this step"
         if b in outs:
             break
-    assert steps_until_b == 5  # ceil(130 / 32) chunks, one decode of `a` each
+    # ceil(130 / 32) chunks, one decode of `a` each
+    assert steps == [StepInfo("mixed", 1, n) for n in (32, 32, 32, 32, 2)]
+    engine.step()
+    assert engine.last_step == StepInfo("decode", 2, 0)
 
 
 def test_a_mixed_step_decodes_inside_the_prefill_forward(tiny_compiled):

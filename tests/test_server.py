@@ -174,6 +174,9 @@ def test_models_health_and_metrics(served: Served):
         "qwen35_gdn_slots_used",
     ):
         assert name in metrics, name
+    # one prefill step, then decode steps (the second token's)
+    assert 'qwen35_engine_step_seconds_count{kind="prefill"}' in metrics
+    assert 'qwen35_engine_step_seconds_count{kind="decode"}' in metrics
 
 
 def test_serve_is_wired_into_the_cli(capsys):
