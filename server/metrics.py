@@ -31,37 +31,24 @@ class Metrics:
         )
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens submitted", registry=reg)
         self.generated_tokens = Counter(p + "generation_tokens", "Tokens generated", registry=reg)
-        self.ttft = Histogram(
-            p + "time_to_first_token_seconds",
-            "Submit to first token",
-            buckets=_LATENCY,
-            registry=reg,
+
+        def histogram(name: str, doc: str, buckets: tuple, labels: tuple = ()) -> Histogram:
+            return Histogram(p + name, doc, labels, buckets=buckets, registry=reg)
+
+        self.ttft = histogram("time_to_first_token_seconds", "Submit to first token", _LATENCY)
+        self.tpot = histogram(
+            "time_per_output_token_seconds", "Mean time per token after the first", _LATENCY
         )
-        self.tpot = Histogram(
-            p + "time_per_output_token_seconds",
-            "Mean time per token after the first",
-            buckets=_LATENCY,
-            registry=reg,
-        )
-        self.e2e = Histogram(
-            p + "e2e_request_latency_seconds",
-            "Submit to last token",
-            buckets=_LATENCY,
-            registry=reg,
-        )
-        self.step_seconds = Histogram(
-            p + "engine_step_seconds",
+        self.e2e = histogram("e2e_request_latency_seconds", "Submit to last token", _LATENCY)
+        self.step_seconds = histogram(
+            "engine_step_seconds",
             "Wall time of an engine step, by kind: decode, mixed (decodes beside prompt tokens)"
             " or prefill",
-            ["kind"],
-            buckets=_STEP,
-            registry=reg,
+            _STEP,
+            ("kind",),
         )
-        self.step_prompt_tokens = Histogram(
-            p + "engine_step_prompt_tokens",
-            "Prompt tokens of a step that also decodes",
-            buckets=_TOKENS,
-            registry=reg,
+        self.step_prompt_tokens = histogram(
+            "engine_step_prompt_tokens", "Prompt tokens of a step that also decodes", _TOKENS
         )
         loop.on_step = self.observe_step
         engine = loop.engine
