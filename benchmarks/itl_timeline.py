@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +52,7 @@ def report(level: dict[str, Any], window_ms: float, top: int) -> None:
     sent = np.array(sorted(r["sent_ms"] for r in ok))
     print(f"  ITL p50 {p50:.2f} ms, p99 {p99:.2f} ms ({p99 / p50:.2f}x); {len(steps)} steps")
     rows = []
-    for before, step in zip(steps, steps[1:], strict=False):
+    for before, step in pairwise(steps):
         gap = step["at"] - before["at"]
         arrived = int(((sent > before["at"]) & (sent <= step["at"])).sum())
         rows.append((gap, step["at"], step["streams"], step["firsts"], arrived))

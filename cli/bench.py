@@ -237,7 +237,7 @@ def summarize(
     duration: float,
     concurrency: int,
     input_len: int,
-    origin: float = 0.0,
+    origin: float,
 ) -> dict[str, Any]:
     """One level's row of the report; `origin` (perf_counter at the level's start) turns each
     request's send and chunk times into offsets."""

@@ -101,9 +101,9 @@ class StepCosts:
         than half of them (a floor, or a full batch); then up, into the tile they already pay."""
         t = self.tile_rows
         total = rows + tokens
-        down = total // t * t - rows
         if tokens >= most or total % t == 0:
             return tokens
+        down = total // t * t - rows
         if 2 * down >= tokens:
             return down
         return min(-(-total // t) * t - rows, most)
