@@ -1,14 +1,19 @@
-"""Shared fixtures: small Qwen3.5 models that differ where it matters, each compiled once
-per test session, and HF transformers' reference loaded from the same folder."""
+"""Shared fixtures: small Qwen3.5 models that differ where it matters, each compiled once a
+test run (once for all pytest-xdist workers), and HF transformers' reference loaded from the
+same folder; the tiny model's CUDA library, built once for the tests that read it."""
 
 from __future__ import annotations
 
 import copy
+import json
+import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import tvm.relax  # noqa: F401  the suite compiles, so the full TVM loads before the runtime's
+from filelock import FileLock
 
 from qwen35_tvm.compile.config import FULL, LINEAR
 from qwen35_tvm.compile.random_model import SHAPES, write_random_model
@@ -68,37 +73,47 @@ def write_model(name: str, root: Path) -> Path:
     return write_random_model(config, root / name, seed=1, dtype="float32", multimodal=multimodal)
 
 
+def built_once(root: Path, name: str, build: Callable[[Path], object]) -> Path:
+    """`root/name`, made by build(path) in whichever pytest-xdist worker asks first; the others
+    wait for it and reuse it, so a run compiles each shared model once, not once a worker."""
+    root.mkdir(parents=True, exist_ok=True)
+    out = root / name
+    with FileLock(str(root / f".{name}.lock")):
+        if not (root / f".{name}.done").exists():
+            build(out)
+            (root / f".{name}.done").touch()
+    return out
+
+
 def compile_model_once(name: str, root: Path, **kwargs) -> CompiledModel:
     from qwen35_tvm.compile.build import compile_model
 
-    hf_dir = write_model(name, root / "hf")
+    hf_dir = built_once(root / "hf", name, lambda out: write_model(name, out.parent))
     suffix = "-unmasked" if kwargs.get("_mask_pad") is False else ""
-    artifact = compile_model(hf_dir, root / "artifacts" / (name + suffix), **kwargs)
+    artifact = built_once(
+        root / "artifacts", name + suffix, lambda out: compile_model(hf_dir, out, **kwargs)
+    )
     return CompiledModel(name, hf_dir, artifact)
 
 
 @pytest.fixture(scope="session")
 def model_root(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("models")
-
-
-_compiled: dict[str, CompiledModel] = {}
+    """Models shared by the whole run: under xdist, the workers' common temp folder."""
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "models"
+    root.mkdir(exist_ok=True)
+    return root
 
 
 @pytest.fixture(scope="session", params=list(MODELS))
 def compiled(request, model_root) -> CompiledModel:
-    if request.param not in _compiled:
-        _compiled[request.param] = compile_model_once(request.param, model_root)
-    return _compiled[request.param]
+    return compile_model_once(request.param, model_root)
 
 
 @pytest.fixture(scope="session")
 def tiny_compiled(model_root) -> CompiledModel:
     """The first configuration only, for tests that need one model."""
-    name = next(iter(MODELS))
-    if name not in _compiled:
-        _compiled[name] = compile_model_once(name, model_root)
-    return _compiled[name]
+    return compile_model_once(next(iter(MODELS)), model_root)
 
 
 @pytest.fixture(scope="session")
@@ -106,4 +121,59 @@ def tiny_random_artifact(model_root) -> Path:
     """The embedded default, compiled exactly as the README does."""
     from qwen35_tvm.compile.build import compile_model
 
-    return compile_model("tiny-random", model_root / "artifacts" / "tiny-random")
+    return built_once(
+        model_root / "artifacts", "tiny-random", lambda out: compile_model("tiny-random", out)
+    )
+
+
+@dataclass
+class CudaLibrary:
+    """tiny-random's bf16 CUDA artifact (sm_80 + sm_90, no weights), the CUDA source handed to
+    nvcc, and which decode GEMMs the GEMV rule scheduled ({rows: {function: scheduled}})."""
+
+    artifact_dir: Path
+    source: str
+    gemv_rule: dict[str, dict[str, bool]]
+
+
+def _build_cuda_library(out: Path) -> None:
+    from qwen35_tvm.compile import cuda_toolchain
+    from qwen35_tvm.compile.build import compile_model
+    from qwen35_tvm.schedules.gemv_rule import DecodeGemv
+    from qwen35_tvm.schedules.matmul_config import ROWS_ATTR
+
+    sources: list[str] = []
+    seen: dict[str, dict[str, bool]] = {"small": {}, "wide": {}}
+    compile_fatbin, apply = cuda_toolchain.compile_fatbin, DecodeGemv.apply
+
+    def recording_fatbin(code, arches):
+        sources.append(code)
+        return compile_fatbin(code, arches)
+
+    def recording_apply(self, func, target, tunable):
+        sch = apply(self, func, target, tunable)
+        rows = func.attrs.get(ROWS_ATTR) if func.attrs is not None else None
+        if rows == self.rows:
+            got = seen[rows]
+            got[str(func.attrs.get("global_symbol", len(got)))] = sch is not None
+        return sch
+
+    cuda_toolchain.compile_fatbin, DecodeGemv.apply = recording_fatbin, recording_apply
+    try:
+        # arches out of order on purpose: the artifact lists them sorted
+        compile_model("tiny-random", out / "artifact", target="cuda", arch="sm_90,sm_80",
+                      dtype="bfloat16", convert=False)  # fmt: skip
+    finally:
+        cuda_toolchain.compile_fatbin, DecodeGemv.apply = compile_fatbin, apply
+    assert len(sources) == 1, "one nvcc call a library"
+    (out / "source.cu").write_text(sources[0])
+    (out / "gemv_rule.json").write_text(json.dumps(seen))
+
+
+@pytest.fixture(scope="session")
+def cuda_library(model_root) -> CudaLibrary:
+    """Built once a run (~3 min of TVM and nvcc): the SASS, dependent-launch and GEMV-rule
+    tests all read the same library."""
+    out = built_once(model_root, "cuda-tiny", _build_cuda_library)
+    gemv_rule = json.loads((out / "gemv_rule.json").read_text())
+    return CudaLibrary(out / "artifact", (out / "source.cu").read_text(), gemv_rule)

@@ -9,8 +9,6 @@ import re
 
 import pytest
 
-from qwen35_tvm.compile import cuda_toolchain
-from qwen35_tvm.compile.build import compile_model
 from qwen35_tvm.compile.cuda_toolchain import guard_sm90_asm
 from qwen35_tvm.compile.pipeline import DYN_SHARED_TAG, PDL_TAG, tag_dependent_launch
 
@@ -40,34 +38,8 @@ def touched_before_wait(params: list[str], body: str) -> list[str]:
     return [p for p in params if re.search(rf"\b{p}\b", head)]
 
 
-@pytest.fixture(scope="module")
-def tiny_cuda(tmp_path_factory):
-    """The tiny model's CUDA library and the CUDA source it was compiled from."""
-    sources = []
-    compile_fatbin = cuda_toolchain.compile_fatbin
-
-    def recording(code, arches):
-        sources.append(code)
-        return compile_fatbin(code, arches)
-
-    cuda_toolchain.compile_fatbin = recording
-    try:
-        out = compile_model(
-            "tiny-random",
-            tmp_path_factory.mktemp("pdl") / "cuda-tiny",
-            target="cuda",
-            arch="sm_80,sm_90",
-            dtype="bfloat16",
-            convert=False,
-        )
-    finally:
-        cuda_toolchain.compile_fatbin = compile_fatbin
-    assert len(sources) == 1
-    return out, sources[0]
-
-
-def test_decode_kernels_wait_before_touching_activations(tiny_cuda) -> None:
-    _, source = tiny_cuda
+def test_decode_kernels_wait_before_touching_activations(cuda_library) -> None:
+    source = cuda_library.source
     found = kernels(source)
     waiting = {name for name, (_, body) in found.items() if WAIT in body}
     # every family of the decode step waits: its first kernel, norms, GEMVs (and decode_wide's
@@ -94,13 +66,13 @@ def test_decode_kernels_wait_before_touching_activations(tiny_cuda) -> None:
             assert PREFETCH in body[: body.index(WAIT)], name
 
 
-def test_decode_and_decode_wide_take_their_gdn_layouts(tiny_cuda) -> None:
+def test_decode_and_decode_wide_take_their_gdn_layouts(cuda_library) -> None:
     """decode keeps gdn.ROWS x gdn.PARTS blocks and the gated norm, decode_wide
     gdn_decode.WIDE_LAYOUT's without it: both kernels are in the library, each waiting on its
     producer, and only decode's takes tickets."""
     from qwen35_tvm.schedules.gdn_decode import NAME, WIDE_LAYOUT
 
-    _, source = tiny_cuda
+    source = cuda_library.source
     found = kernels(source)
     # the tiny model's 16 value columns a head take 16-row blocks: WIDE_LAYOUT's parts show
     wide = [n for n in found if re.fullmatch(rf"{NAME}_r\d+p{WIDE_LAYOUT['parts']}_kernel", n)]
@@ -150,8 +122,8 @@ def test_the_checker_catches_a_read_or_write_before_the_wait() -> None:
     assert touched_before_wait(params, weight_load) == ["w_ptr"]
 
 
-def test_library_launches_with_the_attribute(tiny_cuda) -> None:
-    out, source = tiny_cuda
+def test_library_launches_with_the_attribute(cuda_library) -> None:
+    out, source = cuda_library.artifact_dir, cuda_library.source
     lib = (out / "model.so").read_bytes()
     waiting = sum(WAIT in body for _, body in kernels(source).values())
     assert lib.count(PDL_TAG.encode()) == waiting > 0
