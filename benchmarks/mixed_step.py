@@ -9,12 +9,17 @@ included (each call ends by reading its picks, as the engine's steps do), the ta
 pure decode step of the batch and, for each chunk size n, a mixed step both ways: one forward
 (the decode rows ride in the prefill call as one-token chunks: the engine's default) and split
 (a decode call, then a prefill call of n tokens). The chunk is a new prompt's first each time
-(its slot is reset, inside the timing, both ways). Each time is the median of `repeats`.
+(its slot is reset, inside the timing, both ways). Each time is the median of `repeats`. Then
+a decode step and a mixed step after it, as the engine runs them when a prompt arrives during
+decoding: read one after the other (`pair_sync_ms`), and with the mixed step launched while the
+decode step runs, its decode rows fed that step's picks on the device (`pair_ahead_ms`); their
+difference is the host time a mixed step no longer adds.
 
 The GPU check first: twin sequences (the same prompts in other slots) step twice, one set as a
 mixed step's decode rows beside a prompt chunk, the other by decode calls; their logits must
 agree within bf16 noise (a mixed step's one-token rows take decode's GDN kernel, and the chunked
-kernels skip them: a row updated twice or never shows at the second step).
+kernels skip them: a row updated twice or never shows at the second step). And a mixed step
+launched ahead, fed on the device, must pick exactly the tokens the host-fed one picks.
 """
 
 from __future__ import annotations
@@ -69,6 +74,41 @@ def check_mixed_rows(art, b: int, context: int, chunk: int, rng) -> dict:
     return {"chunk": chunk, "steps": steps}
 
 
+def check_fed_ahead(art, b: int, context: int, chunk: int, rng) -> dict:
+    """A decode step then a mixed step on twin sequences: one twin set read step by step (the
+    host feeds the picks), the other launched back to back (`launch_prefill` copies the
+    in-flight picks on the device). The same kernels on the same inputs: equal picks."""
+    from qwen35_tvm.runtime.model_runner import ModelRunner
+
+    pages, fresh = -(-(context + 4) // art.page_size), -(-chunk // art.page_size)
+    total = (2 * b * pages + 2 * fresh) * art.page_size
+    runner = ModelRunner(art, max_batch_size=b, max_total_tokens=total, num_slots=2 * b + 2)
+    sync, ahead = list(range(b)), list(range(b, 2 * b))
+    for s in sync + ahead:
+        runner.add_sequence(s, list(range(s * pages, (s + 1) * pages)))
+    for s in sync:
+        tokens = rng.integers(1000, 100000, context).tolist()
+        for t in (s, s + b):
+            runner.prefill([t], [tokens], np.array([context - 1]))
+    at = 2 * b * pages
+    for k in range(2):
+        runner.add_sequence(2 * b + k, list(range(at + k * fresh, at + (k + 1) * fresh)))
+    new = rng.integers(1000, 100000, chunk).tolist()
+    rows = np.append(np.arange(b), b + chunk - 1)
+    first = runner.decode(sync, [7] * b)
+    fed = [[int(t)] for t in first.best]
+    want = runner.prefill(sync + [2 * b], fed + [new], rows)
+    launched = runner.launch_decode(ahead, [7] * b)
+    mixed = runner.launch_prefill(ahead + [2 * b + 1], [[0]] * b + [new], list(range(b)))
+    ids, _ = launched.wait()
+    got, logprobs = mixed.wait()
+    return {
+        "decode_same": bool((ids == first.best).all()),
+        "mixed_same": bool((got == want.best).all()),
+        "logprob_max_diff": float(np.abs(logprobs - want.best_logprob).max()),
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("artifact", type=Path)
@@ -112,7 +152,10 @@ def main() -> None:
 
     check = check_mixed_rows(art, b, args.context, 64, np.random.default_rng(1))
     print("mixed rows against decode twins:", check["steps"], flush=True)
-    rows = {"check": check, "decode_ms": median_ms(decode, args.repeats), "mixed": []}
+    fed = check_fed_ahead(art, b, args.context, 64, np.random.default_rng(2))
+    print("a mixed step fed on the device against one fed by the host:", fed, flush=True)
+    rows = {"check": check, "fed_check": fed, "decode_ms": median_ms(decode, args.repeats)}
+    rows["mixed"] = []
     for n in chunks:
         chunk = [rng.integers(1000, 100000, n).tolist()]
         last = np.arange(b + 1, dtype=np.int32)
@@ -128,10 +171,25 @@ def main() -> None:
             decode()
             assert runner.prefill([b], chunk, np.array([n - 1])).best is not None
 
+        def pair_sync(chunk=chunk, last=last) -> None:
+            new_prompt()
+            decode()
+            assert runner.prefill(slots + [b], ones + chunk, last).best is not None
+
+        def pair_ahead(chunk=chunk) -> None:
+            new_prompt()
+            first = runner.launch_decode(slots, [1] * b)
+            mixed = runner.launch_prefill(slots + [b], ones + chunk, list(range(b)))
+            first.wait()
+            mixed.wait()
+
         one, two = median_ms(one_forward, args.repeats), median_ms(split, args.repeats)
-        rows["mixed"].append({"chunk": n, "one_forward_ms": one, "split_ms": two})
+        sync, ahead = median_ms(pair_sync, args.repeats), median_ms(pair_ahead, args.repeats)
+        rows["mixed"].append({"chunk": n, "one_forward_ms": one, "split_ms": two,
+                              "pair_sync_ms": sync, "pair_ahead_ms": ahead})  # fmt: skip
         print(f"chunk {n:5d}: one forward {one:6.2f} ms ({one / rows['decode_ms']:.2f}x decode), "
-              f"split {two:6.2f} ms ({two / rows['decode_ms']:.2f}x)", flush=True)  # fmt: skip
+              f"split {two:6.2f} ms ({two / rows['decode_ms']:.2f}x); decode + mixed "
+              f"{sync:6.2f} ms in turn, {ahead:6.2f} ms launched ahead", flush=True)  # fmt: skip
     print(f"decode step of {b}: {rows['decode_ms']:.2f} ms")
     report = {"device": args.device, "batch": b, "context": args.context, **rows}
     if args.out is not None:
@@ -142,6 +200,8 @@ def main() -> None:
     bad = [s for s in check["steps"] if s["max_rel_diff"] > 0.1 or s["argmax_agree"] < 0.75]
     if bad:
         raise SystemExit(f"mixed steps' decode rows disagree with decode: {check['steps']}")
+    if not (fed["decode_same"] and fed["mixed_same"]):
+        raise SystemExit(f"a mixed step fed on the device picked other tokens: {fed}")
 
 
 if __name__ == "__main__":

@@ -4,9 +4,10 @@ Each `step()` admits waiting requests that fit (pages for prompt + max_tokens an
 slot, reserved whole), runs one batched decode for every sequence past its prompt and one
 ragged prefill of up to `prefill_chunk` prompt tokens (one forward: the decode rows ride in the
 prefill as one-token chunks), samples each sequence with its own parameters and generator
-(runtime/step_sampling.py), and frees finished sequences at once. Steady greedy decoding runs a
-step ahead of the host: a step is launched before the tokens of the one before it are read
-(`_step_ahead`).
+(runtime/step_sampling.py), and frees finished sequences at once. Greedy decoding runs a step
+ahead of the host: a step is launched before the tokens of the one before it are read
+(`_step_ahead`): a decode step behind a decode step, and a mixed step (new prompts' chunks with
+the decode rows) behind either, its decode rows fed the in-flight step's picks on the device.
 """
 
 from __future__ import annotations
@@ -56,6 +57,16 @@ class StepInfo:
     kind: str
     decode_rows: int
     prompt_tokens: int
+
+
+@dataclass
+class InFlight:
+    """A step launched ahead and not read yet: the sequence each picks row samples (None: a
+    prompt chunk that does not end its prompt), the picks, and what the step is."""
+
+    rows: list[Sequence | None]
+    picks: PendingPicks
+    info: StepInfo
 
 
 class Engine:
@@ -118,7 +129,7 @@ class Engine:
         if overlap and not can:
             raise ValueError("overlap needs an artifact with feed_picks: recompile it")
         self.overlap = can and artifact.device_name != "cpu" if overlap is None else overlap
-        self._ahead: tuple[list[Sequence], PendingPicks] | None = None  # launched, not read
+        self._ahead: InFlight | None = None
         self._chained_at: float | None = None  # when a step chained behind another ended
         self.sampler = Sampler(self.decodable)
         self.picker = StepSampler(self.runner, self.sampler, self.decodable)
@@ -251,7 +262,6 @@ class Engine:
         outputs, self._pending = self._pending, []
         self.last_step = None
         if self._ahead is not None:
-            self.last_step = StepInfo("decode", len(self._ahead[0]), 0)
             return outputs + self._step_ahead()
         for seq in self.scheduler.admit():
             self.runner.add_sequence(seq.slot, seq.page_ids)  # also zeroes the slot
@@ -305,25 +315,76 @@ class Engine:
         )
 
     def _step_ahead(self) -> list[Output]:
-        """Launch the next decode behind the one in flight where `_may_launch_ahead`, then read
+        """Launch the next step behind the one in flight where it can be fed on the device (a
+        decode behind a decode, `_may_launch_ahead`; a mixed step, `_launch_mixed`), then read
         the one in flight and report its tokens. A row that stops now was already fed forward:
         its next token is computed and dropped (within its pages: they hold max_tokens)."""
-        seqs, pending = self._ahead
-        self._ahead = None
-        if self._may_launch_ahead(seqs, 1):
-            self._launch(seqs, None)  # fed by the step in flight
-        tokens, logprobs = pending.wait()
+        done, self._ahead = self._ahead, None
+        self.last_step = done.info
+        decoded = [s for s in done.rows if s is not None]
+        if done.info.kind == "decode" and self._may_launch_ahead(decoded, 1):
+            self._launch(decoded, None)  # fed by the step in flight
+        else:
+            self._launch_mixed(done)
+        tokens, logprobs = done.picks.wait()
         now = time.perf_counter()
-        if self.costs is not None and self._chained_at is not None:
-            self.costs.record_decode(len(seqs), now - self._chained_at)  # a step's GPU time
+        if self.costs is not None and self._chained_at is not None:  # a step's GPU time
+            if done.info.kind == "decode":
+                self.costs.record_decode(done.info.decode_rows, now - self._chained_at)
+            else:
+                tokens_in = done.info.decode_rows + done.info.prompt_tokens
+                self.costs.record_prefill(tokens_in, now - self._chained_at)
         self._chained_at = now if self._ahead is not None else None
-        live = [i for i, s in enumerate(seqs) if s.status is Status.RUNNING]
-        return self._emit([(seqs[i], int(tokens[i]), float(logprobs[i]), None) for i in live])
+        live = [i for i, s in enumerate(done.rows) if s is not None and s.status is Status.RUNNING]
+        return self._emit([(done.rows[i], int(tokens[i]), float(logprobs[i]), None) for i in live])
 
     def _launch(self, seqs: list[Sequence], tokens: list[int] | None) -> None:
-        self._ahead = (seqs, self.runner.launch_decode([s.slot for s in seqs], tokens))
+        picks = self.runner.launch_decode([s.slot for s in seqs], tokens)
+        self._ahead = InFlight(list(seqs), picks, StepInfo("decode", len(seqs), 0))
         for seq in seqs:
             seq.num_computed += 1
+
+    def _launch_mixed(self, done: InFlight) -> None:
+        """Admit, plan, and launch a mixed step behind `done` (in flight) where every row's
+        token is the device's pick: the decode rows' come from `done`'s picks, copied on the
+        device, and a prompt that ends here takes its first token the same way. Otherwise
+        nothing is launched, and the next `step()` runs synchronously."""
+        if not (self.overlap and self.one_forward):
+            return
+        row_of = {id(s): i for i, s in enumerate(done.rows) if s is not None}
+        if not all(id(s) in row_of or s.prefilling for s in self.scheduler.running):
+            return  # a decoding sequence whose next token the host must supply
+        if not self.scheduler.could_admit() and not any(
+            s.prefilling for s in self.scheduler.running
+        ):
+            return  # no prompt to prefill: the decode after `done` launches once it is read
+        for seq in self.scheduler.admit():
+            self.runner.add_sequence(seq.slot, seq.page_ids)
+        plan = self.scheduler.plan(self.costs.prefill_tokens if self.costs is not None else None)
+        if not (plan.decode and plan.prefill and self._fed_by_device(plan.decode, plan.prefill)):
+            return
+        chunks = [(s, 1) for s in plan.decode] + plan.prefill
+        picks = self.runner.launch_prefill(
+            [s.slot for s, _ in chunks],
+            [[0]] * len(plan.decode) + [s.next_tokens(n) for s, n in plan.prefill],
+            [row_of[id(s)] for s in plan.decode],
+        )
+        for seq, n in chunks:
+            seq.num_computed += n
+        rows = [None if s.prefilling else s for s, _ in chunks]
+        info = StepInfo("mixed", len(plan.decode), sum(n for _, n in plan.prefill))
+        self._ahead = InFlight(rows, picks, info)
+
+    def _fed_by_device(self, decode: list[Sequence], prefill: list[tuple[Sequence, int]]) -> bool:
+        """Whether a mixed step of these rows needs nothing from the host but its prompt
+        tokens: greedy picks only, no prompt logprobs, and no decode row sure to stop by
+        length at the step in flight."""
+        ends = [s for s, n in prefill if n == s.remaining_prompt]
+        return all(
+            s.status is Status.RUNNING and len(s.output) + 1 < s.max_tokens for s in decode
+        ) and all(
+            s.grammar is None and self.picker.wants_pick(s) for s in [*decode, *ends]
+        ) and not any(s.return_prompt_logprobs for s, _ in prefill)
 
     def _prefill(self, chunks: list[tuple[Sequence, int]]) -> list[Ready]:
         """One ragged forward over every chunk (a decoding sequence's is its last token);

@@ -1,9 +1,11 @@
-"""Greedy picks read back while the GPU runs ahead of the host.
+"""Host memory the GPU reads and writes while it runs ahead of the host: greedy picks read back
+(`PickBuffer`), and steps' inputs sent (`UploadStaging`).
 
-A decode step launched by `ModelRunner.launch_decode` returns at once. Its picks (a token id and
-a logprob a row) are copied after it, on the same stream, into page-locked host memory, and the
-host polls that memory. Synchronising the stream instead would also wait for the step launched
-after it, which is the one the GPU should be running while the host reads these picks.
+A step launched by `ModelRunner.launch_decode` or `launch_prefill` returns at once. Its picks (a
+token id and a logprob a row) are copied after it, on the same stream, into page-locked host
+memory, and the host polls that memory. Synchronising the stream instead would also wait for
+the step launched after it, which is the one the GPU should be running while the host reads
+these picks.
 
 Token ids are never negative, so -1 marks a row not yet arrived. The logprobs are copied before
 the ids, on the same stream, so they are in place once every id is.
@@ -71,3 +73,50 @@ class PickBuffer:
         logprob.copyto(self._logprob_buf._create_view((n,)))
         best.copyto(self._id_buf._create_view((n,)))
         return PendingPicks(self._ids[:n], self._logprobs[:n], self._device)
+
+
+class UploadStaging:
+    """Page-locked host memory that a step's int32 inputs cross to the device from. A copy from
+    ordinary (pageable) memory makes the host wait for the stream, i.e. for the step in flight,
+    which is what a step launched ahead must not do; from here the copy is queued like a kernel.
+    The host must not rewrite values before the GPU has copied them, so there are two turns, as
+    for the picks: a launch ahead starts the next turn, and a turn's memory is written again only
+    two launches later, once the engine has waited for the step launched from it. A synchronising
+    read (`settled`) frees both."""
+
+    def __init__(self, device: tvm.runtime.Device, capacity: int = 1 << 14):
+        on_gpu = device.dlpack_device_type() != tvm.cpu().dlpack_device_type()
+        self._host = tvm.runtime.device(CUDA_HOST, 0) if on_gpu else tvm.cpu()
+        self._bufs = [self._alloc(capacity) for _ in range(2)]
+        self._used = [0, 0]
+        self._retired: list[list[tvm.runtime.Tensor]] = [[], []]  # grown out of, maybe still read
+        self._turn = 0
+
+    def _alloc(self, n: int) -> tuple[tvm.runtime.Tensor, np.ndarray]:
+        buf = tvm.runtime.empty((n,), "int32", self._host)
+        return buf, _numpy_view(buf, ctypes.c_int32, n)
+
+    def put(self, values: np.ndarray, shape: tuple[int, ...]) -> tvm.runtime.Tensor:
+        """`values` (int32, flat) in host memory that stays put until the turn after next, as a
+        tensor of `shape` to copy from."""
+        n, t = values.size, self._turn
+        buf, view = self._bufs[t]
+        at = self._used[t]
+        if at + n > view.size:
+            self._retired[t].append(buf)
+            buf, view = self._bufs[t] = self._alloc(max(2 * view.size, at + n))
+        view[at : at + n] = values
+        self._used[t] = at + n
+        return buf._create_view(tvm.runtime.ShapeTuple(shape), "int32", 4 * at)
+
+    def next_turn(self) -> None:
+        """A step was launched ahead: what follows goes to the other turn's memory, whose last
+        step the engine has waited for."""
+        self._turn ^= 1
+        self._used[self._turn] = 0
+        self._retired[self._turn].clear()
+
+    def settled(self) -> None:
+        """The stream was synchronised: every queued copy is done."""
+        self._used = [0, 0]
+        self._retired = [[], []]

@@ -13,6 +13,9 @@ logits and greedy picks land in fixed output buffers; each call passes views of 
 (runtime/host_picks.py), and the artifact's `feed_picks` turns the step's inputs into the next
 step's on the device (each row's pick, one position on): the host launches step N + 1 before it
 reads step N's picks, and the GPU never waits for the host between steady decode steps.
+`launch_prefill` does the same for a mixed step (decode rows riding in a prefill): its decode
+rows' tokens are copied on the device from the picks of the step in flight. Inputs cross from
+page-locked memory, so no launch waits for the step before it.
 
 Constrained rows (structured output) get their token bitmasks applied where the logits are:
 `constrain` uploads the rows' masks into a fixed buffer and runs the artifact's
@@ -28,7 +31,7 @@ import numpy as np
 import tvm
 
 from .artifact import Artifact
-from .host_picks import PendingPicks, PickBuffer
+from .host_picks import PendingPicks, PickBuffer, UploadStaging
 
 # Decode batches from this size run `decode_wide`: on an H200 the GEMV schedules match cuBLAS
 # up to 4 rows and fall to a third of it by 16, where the tensor-core tiles reach 0.9x.
@@ -92,9 +95,14 @@ class ModelRunner:
         self.launches_ahead = vm.module.implements_function("feed_picks")
         if self.launches_ahead:
             self._feed = vm["feed_picks"]
-            self._pick_buffers = [PickBuffer(n, self.device) for _ in range(2)]
+            # a row a sequence: a mixed step's rows are distinct slots
+            rows = max(n, self.num_slots)
+            self._pick_buffers = [PickBuffer(rows, self.device) for _ in range(2)]
             self._turn = 0
         self._fed: tuple[int, ...] | None = None  # slots whose next inputs are on the device
+        # the device picks of the step launched last, not read by the host, and each row's slot
+        self._in_flight: tuple[tvm.runtime.Tensor, tuple[int, ...]] | None = None
+        self._staging = UploadStaging(self.device)
         self._ints: dict[str, tvm.runtime.Tensor] = {}  # prefill's and add_sequence's inputs
         # Artifacts built before the bitmask kernels lack these; the engine masks on the host.
         self.constrains_on_device = vm.module.implements_function("constrained_pick")
@@ -130,11 +138,12 @@ class ModelRunner:
         waits for the stream: prefill's five took ~0.3 ms), then move to their buffers by
         device-to-device copies, which the host does not wait for. Every copy is ordered after
         the kernels that read the buffers' last values. Views take shapes made once a length:
-        building one is most of a view's ~11 µs."""
+        building one is most of a view's ~11 µs. The one host-to-device copy is from page-locked
+        memory (`UploadStaging`): from pageable memory it would wait for the step in flight."""
         hosts = {n: np.ascontiguousarray(v, dtype=np.int32).ravel() for n, v in arrays.items()}
         packed = np.concatenate(list(hosts.values()))
         staging = self._buffer("_staging", len(packed))._create_view(_shape(len(packed)), INT32)
-        staging.copyfrom(packed)
+        staging.copyfrom(self._staging.put(packed, (len(packed),)))
         views, at = [], 0
         for name, host in hosts.items():
             shape = _shape(len(host))
@@ -220,6 +229,46 @@ class ModelRunner:
     def prefill(self, slots: list[int], tokens: list[list[int]], rows: np.ndarray) -> StepLogits:
         """Append `tokens[b]` to the sequence in `slots[b]`; the logits at `rows` (indices into
         the concatenated tokens) stay on the device until asked for."""
+        out = self._run_prefill(slots, tokens, rows, [])
+        self._in_flight = None
+        # Artifacts from before prefill's greedy pick return the logits and the pools only.
+        if len(out) == 5:
+            self.device.sync()  # as the picks' read below would
+            self._staging.settled()
+            return StepLogits(out[0])
+        best, logprob = out[1].numpy(), out[2].numpy()
+        self._staging.settled()
+        return StepLogits(out[0], best, logprob)
+
+    def launch_prefill(
+        self, slots: list[int], tokens: list[list[int]], fed: list[int]
+    ) -> PendingPicks:
+        """`prefill` with a logits row at each chunk's last token, returning before it runs:
+        only each row's greedy pick comes back, as from `launch_decode`. The first `len(fed)`
+        chunks are one-token decode rows whose token is row `fed[j]` of the picks of the step
+        launched just before, copied on the device (their `tokens` entries are not read): the
+        host launches this step before it reads that one's picks."""
+        if not self.launches_ahead:
+            raise RuntimeError("this artifact has no feed_picks; recompile it to launch ahead")
+        if fed:
+            if self._in_flight is None:
+                raise ValueError("no step in flight to take decode rows' tokens from")
+            held = self._in_flight[1]
+            wrong = [j for j, r in enumerate(fed) if held[r] != slots[j] or len(tokens[j]) != 1]
+            if wrong:
+                raise ValueError(f"rows {wrong}: fed rows are one-token chunks of their own slots")
+        rows = np.cumsum([len(t) for t in tokens]) - 1
+        out = self._run_prefill(slots, tokens, rows, fed)
+        if len(out) == 5:
+            raise RuntimeError("this artifact's prefill makes no greedy picks; recompile it")
+        self._fed = None
+        self._in_flight = (out[1], tuple(slots))
+        return self._fetch(out[1], out[2])
+
+    def _run_prefill(
+        self, slots: list[int], tokens: list[list[int]], rows: np.ndarray, fed: list[int]
+    ) -> list:
+        """Launch one prefill; the first len(fed) tokens are copied from the in-flight picks."""
         starts = self._advance(slots, [len(t) for t in tokens])
         positions = np.concatenate(
             [np.arange(s, s + len(t)) for s, t in zip(starts, tokens, strict=True)]
@@ -231,17 +280,23 @@ class ModelRunner:
             positions=positions,
             rows=rows,
         )
-        out = self._prefill(*inputs, *self._state())
-        # Artifacts from before prefill's greedy pick return the logits and the pools only.
-        if len(out) == 5:
-            return StepLogits(out[0])
-        return StepLogits(out[0], out[1].numpy(), out[2].numpy())
+        j = 0
+        while j < len(fed):  # a copy a run of consecutive rows (usually one)
+            n = 1
+            while j + n < len(fed) and fed[j + n] == fed[j] + n:
+                n += 1
+            src = self._in_flight[0]._create_view(_shape(n), INT32, 4 * fed[j])
+            inputs[0]._create_view(_shape(n), INT32, 4 * j).copyfrom(src)
+            j += n
+        return self._prefill(*inputs, *self._state())
 
     def decode(self, slots: list[int], tokens: list[int]) -> StepLogits:
         """One token for each sequence; the logits stay on the device until asked for."""
         _, logits, best, logprob = self._run_decode(slots, tokens)
-        self._fed = None
-        return StepLogits(logits, best.numpy(), logprob.numpy())
+        self._fed = self._in_flight = None
+        picks = StepLogits(logits, best.numpy(), logprob.numpy())
+        self._staging.settled()
+        return picks
 
     def launch_decode(self, slots: list[int], tokens: list[int] | None) -> PendingPicks:
         """`decode`, returning before the step runs: only its greedy picks come back, in host
@@ -255,8 +310,15 @@ class ModelRunner:
         _, _, best, logprob = self._run_decode(slots, tokens)
         self._feed(self._views(len(slots))[0], best)
         self._fed = tuple(slots)
+        self._in_flight = (best, tuple(slots))
+        return self._fetch(best, logprob)
+
+    def _fetch(self, best: tvm.runtime.Tensor, logprob: tvm.runtime.Tensor) -> PendingPicks:
+        """A launched step's picks, on their way to the host; its inputs' host memory is kept
+        until the step after next (the engine waits for a step before launching that one)."""
         buffer = self._pick_buffers[self._turn]
-        self._turn ^= 1  # the engine waits for a step before launching the one after next
+        self._turn ^= 1
+        self._staging.next_turn()
         return buffer.fetch(best, logprob)
 
     def _run_decode(self, slots: list[int], tokens: list[int] | None) -> tuple:
@@ -267,7 +329,8 @@ class ModelRunner:
         starts = self._advance(slots, [1] * batch)
         views = step, logits, best, logprob = self._views(batch)
         if tokens is not None:
-            step.copyfrom(np.array([tokens, slots, starts], dtype=np.int32).T)
+            host = np.array([tokens, slots, starts], dtype=np.int32).T.ravel()
+            step.copyfrom(self._staging.put(host, (batch, 3)))
         fn = self._decode_wide if batch >= WIDE_DECODE_FROM else self._decode
         fn(step, logits, best, logprob, *self._state())
         return views

@@ -1,6 +1,8 @@
-"""Decode steps launched ahead of the host (fp32, CPU): the artifact's `feed_picks` kernel, the
-runner's `launch_decode` chain and the engine's overlapped stepping give exactly the tokens of
-synchronous stepping, through stops, length limits, joins, sampled requests and aborts."""
+"""Steps launched ahead of the host (fp32, CPU): the artifact's `feed_picks` kernel, the
+runner's `launch_decode` chain, its `launch_prefill` (a mixed step whose decode rows take the
+in-flight step's picks on the device) and the engine's overlapped stepping give exactly the
+tokens of synchronous stepping, through stops, length limits, joins, sampled requests and
+aborts."""
 
 from __future__ import annotations
 
@@ -60,6 +62,29 @@ def test_a_launched_chain_matches_step_by_step_decoding(tiny_compiled):
         ahead.launch_decode(slots, None)
 
 
+def test_a_mixed_step_fed_on_the_device_matches_host_tokens(tiny_compiled):
+    art, _ = loaded(tiny_compiled)
+    slots, lengths = [2, 0, 3], [9, 1, 30]
+    sync, ahead = _prefilled(art, slots, lengths), _prefilled(art, slots, lengths)
+    chunk = prompt(40, art.widths.decodable, 5)
+    for runner in (sync, ahead):
+        runner.add_sequence(1, list(range(16, 32)))
+    first = sync.decode(slots, [7, 8, 9])
+    # the in-flight step's rows are slots 2, 0, 3; the mixed step feeds 3 then 2 (rows 2, 0),
+    # leaves slot 0 out and prefills 40 tokens of slot 1
+    want = sync.prefill([3, 2, 1], [[int(first.best[2])], [int(first.best[0])], chunk],
+                        np.array([0, 1, 41]))  # fmt: skip
+    ahead.launch_decode(slots, [7, 8, 9]).wait()
+    with pytest.raises(ValueError, match="one-token chunks of their own slots"):
+        ahead.launch_prefill([2, 3, 1], [[0], [0], chunk], [2, 0])  # rows of other slots
+    got = ahead.launch_prefill([3, 2, 1], [[0], [0], chunk], [2, 0])
+    ids, logprobs = got.wait()
+    np.testing.assert_array_equal(ids, want.best)
+    np.testing.assert_allclose(logprobs, want.best_logprob, rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="no step in flight"):
+        sync.launch_prefill([3], [[0]], [0])
+
+
 def _requests(decodable: int) -> list[Request]:
     sampled = SamplingParams(temperature=0.8, top_p=0.9, seed=3)
     shapes = [(5, 40, GREEDY), (40, 1, GREEDY), (17, 2, GREEDY), (3, 9, sampled), (70, 20, GREEDY)]
@@ -74,9 +99,10 @@ def _run(art, joins: dict[int, list[Request]], overlap: bool, stops=None, abort=
     it has 3 tokens); per request its tokens, logprobs and finish reason, and how many decode
     steps were launched ahead."""
     engine = Engine(art, max_batch_size=3, max_total_tokens=1024, prefill_chunk=32, overlap=overlap)
-    launched = []
-    launch = engine.runner.launch_decode
+    launched = []  # decode launches' tokens (None: fed on the device); ("mixed", fed rows)
+    launch, mixed = engine.runner.launch_decode, engine.runner.launch_prefill
     engine.runner.launch_decode = lambda s, t: launched.append(t) or launch(s, t)
+    engine.runner.launch_prefill = lambda s, t, f: launched.append(("mixed", f)) or mixed(s, t, f)
     got: dict[int, list] = {}
     step = 0
     while engine.has_work() or any(k >= step for k in joins):
@@ -123,38 +149,33 @@ def test_overlapped_engine_gives_the_tokens_of_synchronous_stepping(tiny_compile
     assert launched.count(None) >= 6, launched  # steps really ran ahead, fed on the device
 
 
-def test_an_abort_while_a_step_runs_ahead_leaves_the_others_alone(tiny_compiled):
-    art, gen = loaded(tiny_compiled)
-    reqs = [r for r in _requests(gen.decodable) if r.params is GREEDY][:3]
-    want, _ = _run(art, {0: reqs}, overlap=False)
-    got, _ = _run(art, {0: reqs}, overlap=True, abort=0)
-    assert got[0][2] == "abort" and got[0][0] == want[0][0][: len(got[0][0])]
-    _assert_same({k: v for k, v in got.items() if k}, {k: v for k, v in want.items() if k})
+def _join_during_decodes(decodable: int) -> dict[int, list[Request]]:
+    """Two greedy requests decode; a third's 70-token prompt joins them at step 4 (chunks of
+    32: three mixed steps, behind a decode step and then behind each other)."""
+    reqs = [Request(prompt(n, decodable, seed=n), GREEDY, 30, ignore_eos=True) for n in (6, 11)]
+    return {0: reqs, 4: [Request(prompt(70, decodable, seed=2), GREEDY, 8, ignore_eos=True)]}
 
 
-def test_the_comparison_fails_when_the_device_does_not_feed_positions(tiny_compiled):
-    """Teeth for the test above: a feed that leaves positions where they were (so each
-    chained step writes over its last K/V) changes what comes out."""
+def test_mixed_steps_run_ahead_between_decodes(tiny_compiled):
     art, gen = loaded(tiny_compiled)
-    joins = {0: _requests(gen.decodable)[:1]}
+    joins = _join_during_decodes(gen.decodable)
     want, _ = _run(art, joins, overlap=False)
-    real = ModelRunner.launch_decode
+    got, launched = _run(art, joins, overlap=True)
+    _assert_same(got, want)
+    mixed = [t[1] for t in launched if isinstance(t, tuple)]
+    assert len(mixed) == 3 and all(len(f) == 2 for f in mixed), launched  # every chunk ahead
 
-    def stale_positions(self, slots, tokens):
-        feed = self._feed
-        self._feed = lambda step, best: step.copyfrom(
-            np.column_stack([best.numpy(), step.numpy()[:, 1:]]).astype(np.int32)
-        )
-        try:
-            return real(self, slots, tokens)
-        finally:
-            self._feed = feed
 
-    ModelRunner.launch_decode = stale_positions
+def test_the_comparison_fails_when_mixed_rows_take_each_others_picks(tiny_compiled):
+    """Teeth for the test above: decode rows fed their neighbour's pick (past the runner's
+    check of the rows it was given) change what comes out."""
+    art, gen = loaded(tiny_compiled)
+    joins = _join_during_decodes(gen.decodable)
+    want, _ = _run(art, joins, overlap=False)
+    real = ModelRunner._run_prefill
+    ModelRunner._run_prefill = lambda self, s, t, rows, fed: real(self, s, t, rows, fed[::-1])
     try:
         got, _ = _run(art, joins, overlap=True)
     finally:
-        ModelRunner.launch_decode = real
-    drift = np.abs(np.subtract(got[0][1], want[0][1])).max()
-    print(f"logprob drift with stale positions: {drift:.3g}")
-    assert got[0][0] != want[0][0] or drift > 1e-3
+        ModelRunner._run_prefill = real
+    assert {k: v[0] for k, v in got.items()} != {k: v[0] for k, v in want.items()}
