@@ -9,7 +9,8 @@ included (each call ends by reading its picks, as the engine's steps do), the ta
 pure decode step of the batch and, for each chunk size n, a mixed step both ways: one forward
 (the decode rows ride in the prefill call as one-token chunks: the engine's default) and split
 (a decode call, then a prefill call of n tokens). The chunk is a new prompt's first each time
-(its slot is reset, inside the timing, both ways). Each time is the median of `repeats`. Then
+(its slot is reset, inside the timing, both ways), and one forward whose chunk does not end its
+prompt (no logits row for it: `mid_prompt_ms`). Each time is the median of `repeats`. Then
 a decode step and a mixed step after it, as the engine runs them when a prompt arrives during
 decoding: read one after the other (`pair_sync_ms`), and with the mixed step launched while the
 decode step runs, its decode rows fed that step's picks on the device (`pair_ahead_ms`); their
@@ -99,7 +100,7 @@ def check_fed_ahead(art, b: int, context: int, chunk: int, rng) -> dict:
     fed = [[int(t)] for t in first.best]
     want = runner.prefill(sync + [2 * b], fed + [new], rows)
     launched = runner.launch_decode(ahead, [7] * b)
-    mixed = runner.launch_prefill(ahead + [2 * b + 1], [[0]] * b + [new], list(range(b)))
+    mixed = runner.launch_prefill(ahead + [2 * b + 1], [[0]] * b + [new], rows, list(range(b)))
     ids, _ = launched.wait()
     got, logprobs = mixed.wait()
     return {
@@ -126,8 +127,8 @@ def main() -> None:
     chunks = [int(c) for c in args.chunks.split(",")]
     art = Artifact(args.artifact, device=args.device)
     b = args.batch
-    # each timed call adds a token to every decode row; the prompt slot starts afresh each call
-    per_seq = args.context + (2 * len(chunks) + 1) * (args.repeats + 1) + 64
+    # each timed call adds a token or two to every decode row; the prompt slot starts afresh
+    per_seq = args.context + (7 * len(chunks) + 1) * (args.repeats + 1) + 64
     prompt_pages = -(-max(chunks) // art.page_size)
     pages = -(-per_seq // art.page_size)
     total = (b * pages + prompt_pages) * art.page_size
@@ -166,6 +167,10 @@ def main() -> None:
             step = runner.prefill(slots + [b], ones + chunk, last)
             assert step.best is not None  # the picks came back: the step is done
 
+        def mid_prompt(chunk=chunk, last=last) -> None:  # no row for the prompt: b, not b + 1
+            new_prompt()
+            assert runner.prefill(slots + [b], ones + chunk, last[:b]).best is not None
+
         def split(chunk=chunk, n=n) -> None:
             new_prompt()
             decode()
@@ -176,20 +181,23 @@ def main() -> None:
             decode()
             assert runner.prefill(slots + [b], ones + chunk, last).best is not None
 
-        def pair_ahead(chunk=chunk) -> None:
+        def pair_ahead(chunk=chunk, last=last) -> None:
             new_prompt()
             first = runner.launch_decode(slots, [1] * b)
-            mixed = runner.launch_prefill(slots + [b], ones + chunk, list(range(b)))
+            mixed = runner.launch_prefill(slots + [b], ones + chunk, last, list(range(b)))
             first.wait()
             mixed.wait()
 
         one, two = median_ms(one_forward, args.repeats), median_ms(split, args.repeats)
         sync, ahead = median_ms(pair_sync, args.repeats), median_ms(pair_ahead, args.repeats)
+        mid = median_ms(mid_prompt, args.repeats)
         rows["mixed"].append({"chunk": n, "one_forward_ms": one, "split_ms": two,
-                              "pair_sync_ms": sync, "pair_ahead_ms": ahead})  # fmt: skip
+                              "mid_prompt_ms": mid, "pair_sync_ms": sync,
+                              "pair_ahead_ms": ahead})  # fmt: skip
         print(f"chunk {n:5d}: one forward {one:6.2f} ms ({one / rows['decode_ms']:.2f}x decode), "
               f"split {two:6.2f} ms ({two / rows['decode_ms']:.2f}x); decode + mixed "
-              f"{sync:6.2f} ms in turn, {ahead:6.2f} ms launched ahead", flush=True)  # fmt: skip
+              f"{sync:6.2f} ms in turn, {ahead:6.2f} ms launched ahead; mid-prompt {mid:6.2f} "
+              "ms", flush=True)  # fmt: skip
     print(f"decode step of {b}: {rows['decode_ms']:.2f} ms")
     report = {"device": args.device, "batch": b, "context": args.context, **rows}
     if args.out is not None:

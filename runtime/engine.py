@@ -59,12 +59,33 @@ class StepInfo:
     prompt_tokens: int
 
 
+def logits_rows(chunks: list[tuple[Sequence, int]]) -> tuple[np.ndarray, list[int]]:
+    """The rows a forward over `chunks` makes logits for (indices into the concatenated tokens),
+    and how many each chunk has: every position of a prompt chunk that asks for prompt
+    logprobs, the last token of a chunk sampled now (a decode row, or the end of a prompt), none
+    for the middle of a prompt: a mixed step of 16 decode rows stays in the logits kernel's
+    16-row bucket. A forward makes at least one row (its last token's, not read)."""
+    positions: list[int] = []
+    counts, offset = [], 0
+    for seq, n in chunks:
+        if seq.prefilling and seq.return_prompt_logprobs:
+            rows = list(range(offset, offset + n))
+        elif not seq.prefilling or n == seq.remaining_prompt:
+            rows = [offset + n - 1]
+        else:
+            rows = []
+        positions += rows
+        counts.append(len(rows))
+        offset += n
+    return np.asarray(positions or [offset - 1], dtype=np.int32), counts
+
+
 @dataclass
 class InFlight:
-    """A step launched ahead and not read yet: the sequence each picks row samples (None: a
-    prompt chunk that does not end its prompt), the picks, and what the step is."""
+    """A step launched ahead and not read yet: the sequence each picks row samples, the
+    picks, and what the step is."""
 
-    rows: list[Sequence | None]
+    rows: list[Sequence]
     picks: PendingPicks
     info: StepInfo
 
@@ -321,9 +342,8 @@ class Engine:
         its next token is computed and dropped (within its pages: they hold max_tokens)."""
         done, self._ahead = self._ahead, None
         self.last_step = done.info
-        decoded = [s for s in done.rows if s is not None]
-        if done.info.kind == "decode" and self._may_launch_ahead(decoded, 1):
-            self._launch(decoded, None)  # fed by the step in flight
+        if done.info.kind == "decode" and self._may_launch_ahead(done.rows, 1):
+            self._launch(done.rows, None)  # fed by the step in flight
         else:
             self._launch_mixed(done)
         tokens, logprobs = done.picks.wait()
@@ -335,7 +355,7 @@ class Engine:
                 tokens_in = done.info.decode_rows + done.info.prompt_tokens
                 self.costs.record_prefill(tokens_in, now - self._chained_at)
         self._chained_at = now if self._ahead is not None else None
-        live = [i for i, s in enumerate(done.rows) if s is not None and s.status is Status.RUNNING]
+        live = [i for i, s in enumerate(done.rows) if s.status is Status.RUNNING]
         return self._emit([(done.rows[i], int(tokens[i]), float(logprobs[i]), None) for i in live])
 
     def _launch(self, seqs: list[Sequence], tokens: list[int] | None) -> None:
@@ -351,7 +371,7 @@ class Engine:
         nothing is launched, and the next `step()` runs synchronously."""
         if not (self.overlap and self.one_forward):
             return
-        row_of = {id(s): i for i, s in enumerate(done.rows) if s is not None}
+        row_of = {id(s): i for i, s in enumerate(done.rows)}
         if not all(id(s) in row_of or s.prefilling for s in self.scheduler.running):
             return  # a decoding sequence whose next token the host must supply
         if not self.scheduler.could_admit() and not any(
@@ -364,16 +384,18 @@ class Engine:
         if not (plan.decode and plan.prefill and self._fed_by_device(plan.decode, plan.prefill)):
             return
         chunks = [(s, 1) for s in plan.decode] + plan.prefill
+        rows, counts = logits_rows(chunks)
         picks = self.runner.launch_prefill(
             [s.slot for s, _ in chunks],
             [[0]] * len(plan.decode) + [s.next_tokens(n) for s, n in plan.prefill],
+            rows,
             [row_of[id(s)] for s in plan.decode],
         )
         for seq, n in chunks:
             seq.num_computed += n
-        rows = [None if s.prefilling else s for s, _ in chunks]
+        sampled = [s for (s, _), count in zip(chunks, counts, strict=True) if count]
         info = StepInfo("mixed", len(plan.decode), sum(n for _, n in plan.prefill))
-        self._ahead = InFlight(rows, picks, info)
+        self._ahead = InFlight(sampled, picks, info)
 
     def _fed_by_device(self, decode: list[Sequence], prefill: list[tuple[Sequence, int]]) -> bool:
         """Whether a mixed step of these rows needs nothing from the host but its prompt
@@ -392,26 +414,15 @@ class Engine:
         logits row of its last token."""
         tokens = [seq.next_tokens(n) for seq, n in chunks]
         scored = [seq.prefilling and seq.return_prompt_logprobs for seq, _ in chunks]
-        positions, offset = [], 0
-        for (_, n), every in zip(chunks, scored, strict=True):
-            # Rows at every position only where prompt logprobs are asked for.
-            if every:
-                positions += range(offset, offset + n)
-            else:
-                positions.append(offset + n - 1)
-            offset += n
+        rows, counts = logits_rows(chunks)
         # Always `prefill` (never the decode path for one-token chunks): its logits are a
         # tensor of their own, left on the device for constrained rows to be masked there.
-        step = self.runner.prefill(
-            [s.slot for s, _ in chunks], tokens, np.asarray(positions, dtype=np.int32)
-        )
+        step = self.runner.prefill([s.slot for s, _ in chunks], tokens, rows)
         ready, row = [], 0
-        for (seq, n), every in zip(chunks, scored, strict=True):
+        for (seq, n), every, count in zip(chunks, scored, counts, strict=True):
             if every:
-                self.picker.score_prompt(seq, step.rows()[row : row + n])
-                row += n
-            else:
-                row += 1
+                self.picker.score_prompt(seq, step.rows()[row : row + count])
+            row += count
             seq.num_computed += n
             if not seq.prefilling:
                 ready.append((seq, step, row - 1))

@@ -241,13 +241,13 @@ class ModelRunner:
         return StepLogits(out[0], best, logprob)
 
     def launch_prefill(
-        self, slots: list[int], tokens: list[list[int]], fed: list[int]
+        self, slots: list[int], tokens: list[list[int]], rows: np.ndarray, fed: list[int]
     ) -> PendingPicks:
-        """`prefill` with a logits row at each chunk's last token, returning before it runs:
-        only each row's greedy pick comes back, as from `launch_decode`. The first `len(fed)`
-        chunks are one-token decode rows whose token is row `fed[j]` of the picks of the step
-        launched just before, copied on the device (their `tokens` entries are not read): the
-        host launches this step before it reads that one's picks."""
+        """`prefill`, returning before it runs: only each row's greedy pick comes back, as from
+        `launch_decode`. The first `len(fed)` chunks are one-token decode rows whose token is
+        row `fed[j]` of the picks of the step launched just before, copied on the device (their
+        `tokens` entries are not read): the host launches this step before it reads that one's
+        picks."""
         if not self.launches_ahead:
             raise RuntimeError("this artifact has no feed_picks; recompile it to launch ahead")
         if fed:
@@ -257,12 +257,12 @@ class ModelRunner:
             wrong = [j for j, r in enumerate(fed) if held[r] != slots[j] or len(tokens[j]) != 1]
             if wrong:
                 raise ValueError(f"rows {wrong}: fed rows are one-token chunks of their own slots")
-        rows = np.cumsum([len(t) for t in tokens]) - 1
         out = self._run_prefill(slots, tokens, rows, fed)
         if len(out) == 5:
             raise RuntimeError("this artifact's prefill makes no greedy picks; recompile it")
+        chunk_of_row = np.searchsorted(np.cumsum([len(t) for t in tokens]), rows, side="right")
         self._fed = None
-        self._in_flight = (out[1], tuple(slots))
+        self._in_flight = (out[1], tuple(slots[c] for c in chunk_of_row))
         return self._fetch(out[1], out[2])
 
     def _run_prefill(

@@ -348,3 +348,21 @@ def test_uploads_land_in_their_own_buffers(tiny_compiled):
         views = runner._upload(**arrays)
         for view, want in zip(views, arrays.values(), strict=True):
             np.testing.assert_array_equal(view.numpy(), want)
+
+
+def test_logits_rows_skip_the_middle_of_a_prompt():
+    from qwen35_tvm.runtime.engine import logits_rows
+    from qwen35_tvm.runtime.sequence import Sequence
+
+    def seq(prompt: int, done: int, output: int = 0, every: bool = False) -> Sequence:
+        s = Sequence(0, list(range(prompt)), GREEDY, 8, frozenset(), 1, every)
+        s.num_computed, s.output = done, list(range(output))
+        return s
+
+    decoding, ending, middle = seq(5, 5, 1), seq(10, 4), seq(10, 0)
+    rows, counts = logits_rows([(decoding, 1), (ending, 6), (middle, 3), (decoding, 1)])
+    assert rows.tolist() == [0, 6, 10] and counts == [1, 1, 0, 1]
+    rows, counts = logits_rows([(seq(10, 2, every=True), 3), (middle, 4)])
+    assert rows.tolist() == [0, 1, 2] and counts == [3, 0]  # every row of a scored chunk
+    rows, counts = logits_rows([(middle, 3), (seq(10, 0), 4)])
+    assert rows.tolist() == [6] and counts == [0, 0]  # a forward has a row, unread

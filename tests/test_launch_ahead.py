@@ -72,17 +72,17 @@ def test_a_mixed_step_fed_on_the_device_matches_host_tokens(tiny_compiled):
     first = sync.decode(slots, [7, 8, 9])
     # the in-flight step's rows are slots 2, 0, 3; the mixed step feeds 3 then 2 (rows 2, 0),
     # leaves slot 0 out and prefills 40 tokens of slot 1
-    want = sync.prefill([3, 2, 1], [[int(first.best[2])], [int(first.best[0])], chunk],
-                        np.array([0, 1, 41]))  # fmt: skip
+    rows = np.array([0, 1, 41])
+    want = sync.prefill([3, 2, 1], [[int(first.best[2])], [int(first.best[0])], chunk], rows)
     ahead.launch_decode(slots, [7, 8, 9]).wait()
     with pytest.raises(ValueError, match="one-token chunks of their own slots"):
-        ahead.launch_prefill([2, 3, 1], [[0], [0], chunk], [2, 0])  # rows of other slots
-    got = ahead.launch_prefill([3, 2, 1], [[0], [0], chunk], [2, 0])
+        ahead.launch_prefill([2, 3, 1], [[0], [0], chunk], rows, [2, 0])  # other slots' rows
+    got = ahead.launch_prefill([3, 2, 1], [[0], [0], chunk], rows, [2, 0])
     ids, logprobs = got.wait()
     np.testing.assert_array_equal(ids, want.best)
     np.testing.assert_allclose(logprobs, want.best_logprob, rtol=0, atol=1e-6)
     with pytest.raises(ValueError, match="no step in flight"):
-        sync.launch_prefill([3], [[0]], [0])
+        sync.launch_prefill([3], [[0]], np.array([0]), [0])
 
 
 def _requests(decodable: int) -> list[Request]:
@@ -102,7 +102,9 @@ def _run(art, joins: dict[int, list[Request]], overlap: bool, stops=None, abort=
     launched = []  # decode launches' tokens (None: fed on the device); ("mixed", fed rows)
     launch, mixed = engine.runner.launch_decode, engine.runner.launch_prefill
     engine.runner.launch_decode = lambda s, t: launched.append(t) or launch(s, t)
-    engine.runner.launch_prefill = lambda s, t, f: launched.append(("mixed", f)) or mixed(s, t, f)
+    engine.runner.launch_prefill = lambda s, t, r, f: launched.append(("mixed", f)) or mixed(
+        s, t, r, f
+    )
     got: dict[int, list] = {}
     step = 0
     while engine.has_work() or any(k >= step for k in joins):
