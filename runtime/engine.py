@@ -15,22 +15,18 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from .artifact import Artifact
-from .generate import PromptError
-from .host_picks import PendingPicks
 from .kv_pool import (
     CapacityPool,
     gdn_bytes_per_slot,
     kv_bytes_per_token,
-    pages_for,
     plan_from_free_memory,
 )
+from .launched import InFlight, StepInfo, logits_rows, picks_suffice
 from .model_runner import ModelRunner
+from .request_limits import RequestLimits
 from .sampler import Sampler, SamplingParams
 from .scheduler import Scheduler
 from .sequence import Completion, Output, Request, Sequence, Status
@@ -47,47 +43,6 @@ log = logging.getLogger(__name__)
 # with 8,192 (docs/results/engine_chunk*.json): four prompts a step fill the chunked GDN's
 # wide tiles.
 PREFILL_CHUNK = 4096
-
-
-@dataclass(frozen=True)
-class StepInfo:
-    """What the last `step()` call completed: a "decode", "mixed" (decode rows and prompt
-    tokens) or "prefill" step, with its decode rows and prompt tokens."""
-
-    kind: str
-    decode_rows: int
-    prompt_tokens: int
-
-
-def logits_rows(chunks: list[tuple[Sequence, int]]) -> tuple[np.ndarray, list[int]]:
-    """The rows a forward over `chunks` makes logits for (indices into the concatenated tokens),
-    and how many each chunk has: every position of a prompt chunk that asks for prompt
-    logprobs, the last token of a chunk sampled now (a decode row, or the end of a prompt), none
-    for the middle of a prompt: a mixed step of 16 decode rows stays in the logits kernel's
-    16-row bucket. A forward makes at least one row (its last token's, not read)."""
-    positions: list[int] = []
-    counts, offset = [], 0
-    for seq, n in chunks:
-        if seq.prefilling and seq.return_prompt_logprobs:
-            rows = list(range(offset, offset + n))
-        elif not seq.prefilling or n == seq.remaining_prompt:
-            rows = [offset + n - 1]
-        else:
-            rows = []
-        positions += rows
-        counts.append(len(rows))
-        offset += n
-    return np.asarray(positions or [offset - 1], dtype=np.int32), counts
-
-
-@dataclass
-class InFlight:
-    """A step launched ahead and not read yet: the sequence each picks row samples, the
-    picks, and what the step is."""
-
-    rows: list[Sequence]
-    picks: PendingPicks
-    info: StepInfo
 
 
 class Engine:
@@ -124,6 +79,13 @@ class Engine:
             max_total_tokens, num_slots = plan.max_total_tokens, plan.num_slots
         self.max_total_tokens = max_total_tokens or artifact.context_window
         self.pool = CapacityPool(self.max_total_tokens // page_size, num_slots or max_batch_size)
+        self.limits = RequestLimits(
+            self.decodable,
+            artifact.context_window,
+            page_size,
+            self.pool.total_pages,
+            self.max_total_tokens,
+        )
         self.scheduler = Scheduler(self.pool, max_batch_size, prefill_chunk)
         self.one_forward = one_forward
         self.costs = (
@@ -203,7 +165,7 @@ class Engine:
         """Queue a request; raises `PromptError` (a ValueError) if it could never run.
         `top_logprobs` > 0 reports that many alternatives with every token's logprob;
         `grammar` (this request's own) constrains every token it samples."""
-        prompt, pages = self._check(prompt_ids, max_tokens)
+        prompt, pages = self.limits.check(prompt_ids, max_tokens)
         stops = set() if ignore_eos else set(self.artifact.eos_token_ids)
         stops.update(int(t) for t in stop_token_ids or ())
         seq = Sequence(
@@ -221,42 +183,6 @@ class Engine:
         self._live[seq.request_id] = seq
         self.scheduler.add(seq)
         return seq.request_id
-
-    def _check(self, prompt_ids: Seq[int], max_tokens: int) -> tuple[list[int], int]:
-        """The prompt as a list of ints and the pages it needs, or a PromptError. An int array
-        is checked in numpy: element by element in Python, a 1,024-token prompt took ~0.2 ms
-        of the first token's latency."""
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise PromptError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
-        ids = np.asarray(prompt_ids)
-        if ids.ndim == 1 and ids.dtype.kind in "iu":
-            prompt = ids.tolist()
-            bad = np.flatnonzero((ids < 0) | (ids >= self.decodable))
-            first_bad = prompt[bad[0]] if bad.size else None
-        else:  # anything int() takes, as before (ids past int64 come here too)
-            prompt = [int(t) for t in prompt_ids]
-            first_bad = next((t for t in prompt if not 0 <= t < self.decodable), None)
-        if not prompt:
-            raise PromptError("the prompt is empty")
-        if first_bad is not None:
-            raise PromptError(
-                f"token id {first_bad} is outside the vocabulary [0, {self.decodable})"
-            )
-        total = len(prompt) + max_tokens
-        window = self.artifact.context_window
-        if total > window:
-            raise PromptError(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds the "
-                f"context window of {window} tokens"
-            )
-        pages = pages_for(total, self.page_size)
-        if pages > self.pool.total_pages:
-            raise PromptError(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) needs {pages} KV "
-                f"pages but the engine's whole pool has {self.pool.total_pages} pages "
-                f"(max_total_tokens={self.max_total_tokens}, page size {self.page_size})"
-            )
-        return prompt, pages
 
     def abort(self, request_id: int) -> bool:
         """Stop a waiting or running request now; the next step reports it as 'abort'.
@@ -326,13 +252,7 @@ class Engine:
             self.overlap
             and len(seqs) == len(self.scheduler.running)
             and not self.scheduler.could_admit()
-            and all(
-                s.status is Status.RUNNING
-                and s.grammar is None
-                and self.picker.wants_pick(s)
-                and len(s.output) + unread < s.max_tokens
-                for s in seqs
-            )
+            and picks_suffice(seqs, self.picker, unread)
         )
 
     def _step_ahead(self) -> list[Output]:
@@ -402,11 +322,11 @@ class Engine:
         tokens: greedy picks only, no prompt logprobs, and no decode row sure to stop by
         length at the step in flight."""
         ends = [s for s, n in prefill if n == s.remaining_prompt]
-        return all(
-            s.status is Status.RUNNING and len(s.output) + 1 < s.max_tokens for s in decode
-        ) and all(
-            s.grammar is None and self.picker.wants_pick(s) for s in [*decode, *ends]
-        ) and not any(s.return_prompt_logprobs for s, _ in prefill)
+        return (
+            picks_suffice(decode, self.picker, 1)
+            and picks_suffice(ends, self.picker, 0)
+            and not any(s.return_prompt_logprobs for s, _ in prefill)
+        )
 
     def _prefill(self, chunks: list[tuple[Sequence, int]]) -> list[Ready]:
         """One ragged forward over every chunk (a decoding sequence's is its last token);
@@ -481,7 +401,7 @@ class Engine:
         """Submit every request, step until all of them finish; results in request order.
         Nothing is submitted if any request is refused."""
         for r in requests:
-            self._check([int(t) for t in r.prompt_ids], r.max_tokens)
+            self.limits.check([int(t) for t in r.prompt_ids], r.max_tokens)
         ids = [self.submit_request(r) for r in requests]
         done = {i: Completion(i) for i in ids}
         open_ids = set(ids)

@@ -351,7 +351,7 @@ def test_uploads_land_in_their_own_buffers(tiny_compiled):
 
 
 def test_logits_rows_skip_the_middle_of_a_prompt():
-    from qwen35_tvm.runtime.engine import logits_rows
+    from qwen35_tvm.runtime.launched import logits_rows
     from qwen35_tvm.runtime.sequence import Sequence
 
     def seq(prompt: int, done: int, output: int = 0, every: bool = False) -> Sequence:
