@@ -28,7 +28,7 @@ from .launched import InFlight, StepInfo, logits_rows, picks_suffice
 from .model_runner import ModelRunner
 from .request_limits import RequestLimits
 from .sampler import Sampler, SamplingParams
-from .scheduler import Scheduler
+from .scheduler import Scheduler, StepPlan
 from .sequence import Completion, Output, Request, Sequence, Status
 from .step_costs import MIN_TOKENS, StepCosts
 from .step_sampling import Picked, Ready, StepSampler
@@ -219,6 +219,9 @@ class Engine:
         if plan.decode and not plan.prefill and self._may_launch_ahead(plan.decode, 0):
             self._launch(plan.decode, [s.output[-1] for s in plan.decode])
             return outputs  # this step's tokens come with the next step
+        if plan.decode and plan.prefill and self._may_mix_ahead(plan.decode, plan.prefill, 0):
+            self._launch_mixed(plan, None)  # the next mixed step can then chain behind it
+            return outputs
         chunks = plan.prefill
         if plan.decode or chunks:
             kind = "mixed" if plan.decode and chunks else "decode" if plan.decode else "prefill"
@@ -257,7 +260,7 @@ class Engine:
 
     def _step_ahead(self) -> list[Output]:
         """Launch the next step behind the one in flight where it can be fed on the device (a
-        decode behind a decode, `_may_launch_ahead`; a mixed step, `_launch_mixed`), then read
+        decode behind a decode, `_may_launch_ahead`; a mixed step, `_mix_behind`), then read
         the one in flight and report its tokens. A row that stops now was already fed forward:
         its next token is computed and dropped (within its pages: they hold max_tokens)."""
         done, self._ahead = self._ahead, None
@@ -265,7 +268,7 @@ class Engine:
         if done.info.kind == "decode" and self._may_launch_ahead(done.rows, 1):
             self._launch(done.rows, None)  # fed by the step in flight
         else:
-            self._launch_mixed(done)
+            self._mix_behind(done)
         tokens, logprobs = done.picks.wait()
         now = time.perf_counter()
         if self.costs is not None and self._chained_at is not None:  # a step's GPU time
@@ -284,13 +287,11 @@ class Engine:
         for seq in seqs:
             seq.num_computed += 1
 
-    def _launch_mixed(self, done: InFlight) -> None:
+    def _mix_behind(self, done: InFlight) -> None:
         """Admit, plan, and launch a mixed step behind `done` (in flight) where every row's
         token is the device's pick: the decode rows' come from `done`'s picks, copied on the
         device, and a prompt that ends here takes its first token the same way. Otherwise
         nothing is launched, and the next `step()` runs synchronously."""
-        if not (self.overlap and self.one_forward):
-            return
         row_of = {id(s): i for i, s in enumerate(done.rows)}
         if not all(id(s) in row_of or s.prefilling for s in self.scheduler.running):
             return  # a decoding sequence whose next token the host must supply
@@ -301,15 +302,23 @@ class Engine:
         for seq in self.scheduler.admit():
             self.runner.add_sequence(seq.slot, seq.page_ids)
         plan = self.scheduler.plan(self.costs.prefill_tokens if self.costs is not None else None)
-        if not (plan.decode and plan.prefill and self._fed_by_device(plan.decode, plan.prefill)):
-            return
+        if plan.decode and plan.prefill and self._may_mix_ahead(plan.decode, plan.prefill, 1):
+            self._launch_mixed(plan, row_of)
+
+    def _launch_mixed(self, plan: StepPlan, row_of: dict[int, int] | None) -> None:
+        """Launch `plan` as one forward without waiting for it; its decode rows' tokens are
+        rows `row_of` of the in-flight step's picks, or (None) their last tokens, from here."""
         chunks = [(s, 1) for s in plan.decode] + plan.prefill
         rows, counts = logits_rows(chunks)
+        if row_of is None:
+            decode_tokens, fed = [[s.output[-1]] for s in plan.decode], []
+        else:
+            decode_tokens, fed = [[0]] * len(plan.decode), [row_of[id(s)] for s in plan.decode]
         picks = self.runner.launch_prefill(
             [s.slot for s, _ in chunks],
-            [[0]] * len(plan.decode) + [s.next_tokens(n) for s, n in plan.prefill],
+            decode_tokens + [s.next_tokens(n) for s, n in plan.prefill],
             rows,
-            [row_of[id(s)] for s in plan.decode],
+            fed,
         )
         for seq, n in chunks:
             seq.num_computed += n
@@ -317,13 +326,17 @@ class Engine:
         info = StepInfo("mixed", len(plan.decode), sum(n for _, n in plan.prefill))
         self._ahead = InFlight(sampled, picks, info)
 
-    def _fed_by_device(self, decode: list[Sequence], prefill: list[tuple[Sequence, int]]) -> bool:
-        """Whether a mixed step of these rows needs nothing from the host but its prompt
-        tokens: greedy picks only, no prompt logprobs, and no decode row sure to stop by
-        length at the step in flight."""
+    def _may_mix_ahead(
+        self, decode: list[Sequence], prefill: list[tuple[Sequence, int]], unread: int
+    ) -> bool:
+        """Whether a mixed step of these rows may run without the host reading it first: one
+        forward, greedy picks only, no prompt logprobs, and no decode row sure to stop by length
+        at the `unread` tokens still in flight."""
         ends = [s for s, n in prefill if n == s.remaining_prompt]
         return (
-            picks_suffice(decode, self.picker, 1)
+            self.overlap
+            and self.one_forward
+            and picks_suffice(decode, self.picker, unread)
             and picks_suffice(ends, self.picker, 0)
             and not any(s.return_prompt_logprobs for s, _ in prefill)
         )

@@ -168,6 +168,20 @@ def test_mixed_steps_run_ahead_between_decodes(tiny_compiled):
     assert len(mixed) == 3 and all(len(f) == 2 for f in mixed), launched  # every chunk ahead
 
 
+def test_a_mixed_step_after_a_synchronous_one_launches_with_the_hosts_tokens(tiny_compiled):
+    """Two prompts at once: the first step prefills both (nothing decodes yet, so it runs
+    synchronously); the next is mixed, launched with its decode row's token from the host; the
+    one after that chains behind it, fed on the device."""
+    art, gen = loaded(tiny_compiled)
+    d = gen.decodable
+    joins = {0: [Request(prompt(n, d, seed=n), GREEDY, 12, ignore_eos=True) for n in (6, 70)]}
+    want, _ = _run(art, joins, overlap=False)
+    got, launched = _run(art, joins, overlap=True)
+    _assert_same(got, want)
+    mixed = [t[1] for t in launched if isinstance(t, tuple)]
+    assert mixed[:2] == [[], [0]], launched  # host tokens, then row 0 of the step in flight
+
+
 def test_the_comparison_fails_when_mixed_rows_take_each_others_picks(tiny_compiled):
     """Teeth for the test above: decode rows fed their neighbour's pick (past the runner's
     check of the rows it was given) change what comes out."""
