@@ -151,7 +151,10 @@ def _bench(args: argparse.Namespace) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from qwen35_tvm.runtime.step_costs import MIN_TOKENS  # numpy only: no TVM, no compiler
+    from qwen35_tvm.runtime.step_costs import (  # numpy only: no TVM, no compiler
+        MIN_TOKENS,
+        MIXED_STEP_SHARE,
+    )
 
     p = argparse.ArgumentParser(prog="qwen35-tvm", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -243,7 +246,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--mixed-step-share",
         type=float,
-        default=1.0,
+        default=MIXED_STEP_SHARE,
         help="prompt tokens beside running decodes: what takes this times a decode step "
         "(0: always the whole prefill chunk)",
     )

@@ -23,6 +23,10 @@ import numpy as np
 DECODE_EMA = 0.2
 # The fewest prompt tokens a mixed step takes by default (serve --mixed-step-min-tokens)
 MIN_TOKENS = 128
+# serve's default share: a mixed step of about 1.7 decode steps. With mixed steps chained on
+# the GPU (their recorded time is GPU time), 1.0 budgets 241-token chunks at 16 rows, 2.1-2.9x
+# a decode step; 0.7 keeps them at a 128-row tile (docs/results/serving_*_s18d.json).
+MIXED_STEP_SHARE = 0.7
 
 
 class StepCosts:

@@ -21,7 +21,7 @@ from qwen35_tvm.runtime.engine import Engine
 from qwen35_tvm.runtime.grammar import GrammarCompiler
 from qwen35_tvm.runtime.sampler import SamplingParams
 from qwen35_tvm.runtime.sequence import Request as EngineRequest
-from qwen35_tvm.runtime.step_costs import MIN_TOKENS
+from qwen35_tvm.runtime.step_costs import MIN_TOKENS, MIXED_STEP_SHARE
 from qwen35_tvm.runtime.tokenizer import TextTokenizer
 
 from . import errors
@@ -167,7 +167,7 @@ def build_server(
     max_total_tokens: int | None = None,
     cfg: ServerConfig | None = None,
     memory_fraction: float | None = None,
-    mixed_step_share: float | None = 1.0,
+    mixed_step_share: float | None = MIXED_STEP_SHARE,
     mixed_step_min_tokens: int = MIN_TOKENS,
 ) -> Server:
     artifact = Artifact(artifact_dir, device=device)
@@ -311,7 +311,7 @@ def serve(
     max_total_tokens: int | None = None,
     cfg: ServerConfig | None = None,
     memory_fraction: float | None = None,
-    mixed_step_share: float | None = 1.0,
+    mixed_step_share: float | None = MIXED_STEP_SHARE,
     mixed_step_min_tokens: int = MIN_TOKENS,
 ) -> None:
     """Load the artifact and serve until interrupted."""
