@@ -43,25 +43,32 @@ def median_ms(fn, repeats: int) -> float:
     return float(np.median(times)) * 1e3
 
 
-def check_mixed_rows(art, b: int, context: int, chunk: int, rng) -> dict:
-    """Largest |logit difference| over the largest |logit|, and argmax agreement, between
-    decode rows stepped inside mixed steps and their twins stepped by decode calls, per step."""
+def twin_runner(art, b: int, context: int, chunk: int, rng):
+    """A runner whose slots b..2b-1 hold the same random `context`-token prompts as 0..b-1,
+    and pages for two `chunk`-token prompts after them (slots 2b and 2b + 1, not added)."""
     from qwen35_tvm.runtime.model_runner import ModelRunner
 
-    pages = -(-(context + 4) // art.page_size)
-    fresh = -(-chunk // art.page_size)
-    runner = ModelRunner(art, max_batch_size=b, max_total_tokens=(2 * b * pages + 2 * fresh)
-                         * art.page_size, num_slots=2 * b + 1)  # fmt: skip
-    mixed, twins, prompt = list(range(b)), list(range(b, 2 * b)), 2 * b
-    for s in mixed + twins:
+    pages, fresh = -(-(context + 4) // art.page_size), -(-chunk // art.page_size)
+    total = (2 * b * pages + 2 * fresh) * art.page_size
+    runner = ModelRunner(art, max_batch_size=b, max_total_tokens=total, num_slots=2 * b + 2)
+    for s in range(2 * b):
         runner.add_sequence(s, list(range(s * pages, (s + 1) * pages)))
-    for s in mixed:
+    for s in range(b):
         tokens = rng.integers(1000, 100000, context).tolist()
         for t in (s, s + b):
             runner.prefill([t], [tokens], np.array([context - 1]))
-    steps, at = [], 2 * b * pages
+    at = 2 * b * pages
+    return runner, [list(range(at + k * fresh, at + (k + 1) * fresh)) for k in range(2)]
+
+
+def check_mixed_rows(art, b: int, context: int, chunk: int, rng) -> dict:
+    """Largest |logit difference| over the largest |logit|, and argmax agreement, between
+    decode rows stepped inside mixed steps and their twins stepped by decode calls, per step."""
+    runner, fresh = twin_runner(art, b, context, chunk, rng)
+    mixed, twins, prompt = list(range(b)), list(range(b, 2 * b)), 2 * b
+    steps = []
     for step in range(2):
-        runner.add_sequence(prompt, list(range(at + step * fresh, at + (step + 1) * fresh)))
+        runner.add_sequence(prompt, fresh[step])
         rows = np.arange(b + 1)
         rows[b] = b + chunk - 1
         new = [rng.integers(1000, 100000, chunk).tolist()]
@@ -79,21 +86,10 @@ def check_fed_ahead(art, b: int, context: int, chunk: int, rng) -> dict:
     """A decode step then a mixed step on twin sequences: one twin set read step by step (the
     host feeds the picks), the other launched back to back (`launch_prefill` copies the
     in-flight picks on the device). The same kernels on the same inputs: equal picks."""
-    from qwen35_tvm.runtime.model_runner import ModelRunner
-
-    pages, fresh = -(-(context + 4) // art.page_size), -(-chunk // art.page_size)
-    total = (2 * b * pages + 2 * fresh) * art.page_size
-    runner = ModelRunner(art, max_batch_size=b, max_total_tokens=total, num_slots=2 * b + 2)
+    runner, fresh = twin_runner(art, b, context, chunk, rng)
     sync, ahead = list(range(b)), list(range(b, 2 * b))
-    for s in sync + ahead:
-        runner.add_sequence(s, list(range(s * pages, (s + 1) * pages)))
-    for s in sync:
-        tokens = rng.integers(1000, 100000, context).tolist()
-        for t in (s, s + b):
-            runner.prefill([t], [tokens], np.array([context - 1]))
-    at = 2 * b * pages
     for k in range(2):
-        runner.add_sequence(2 * b + k, list(range(at + k * fresh, at + (k + 1) * fresh)))
+        runner.add_sequence(2 * b + k, fresh[k])
     new = rng.integers(1000, 100000, chunk).tolist()
     rows = np.append(np.arange(b), b + chunk - 1)
     first = runner.decode(sync, [7] * b)
