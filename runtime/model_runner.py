@@ -234,11 +234,11 @@ class ModelRunner:
         # Artifacts from before prefill's greedy pick return the logits and the pools only.
         if len(out) == 5:
             self.device.sync()  # as the picks' read below would
-            self._staging.settled()
-            return StepLogits(out[0])
-        best, logprob = out[1].numpy(), out[2].numpy()
+            step = StepLogits(out[0])
+        else:
+            step = StepLogits(out[0], out[1].numpy(), out[2].numpy())
         self._staging.settled()
-        return StepLogits(out[0], best, logprob)
+        return step
 
     def launch_prefill(
         self, slots: list[int], tokens: list[list[int]], rows: np.ndarray, fed: list[int]
