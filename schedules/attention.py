@@ -12,8 +12,15 @@ second kernel in the same function merges the pieces that hold keys (attention_m
 Per tile of keys (`tile_pages` pages, whose K and V are loaded together) the block runs four
 phases: partial scores (a thread per key x dim slice), whole scores (a thread per head x key),
 the online softmax (a thread per query head), and P.V (a thread per key group x 8-dim chunk,
-accumulating in registers). On the CPU the same loop nest runs its lanes serially, so the CPU
-tests check the GPU kernel's indexing.
+accumulating in registers). Scores are kept in log2 units, so the softmax and the merge run on
+exp2. On the CPU the same loop nest runs its lanes serially, so the CPU tests check the GPU
+kernel's indexing.
+
+Under dependent launch (schedules/pdl.py) both kernels do what needs no producer before their
+wait: the split kernel finds its sequence, slot and pages from the step's inputs and prefetches
+its first tile's K and V into L2; the merge reads positions and the output gates. So a
+sequence's first tile is already in L2 when the producer ends (B1 L32k: 66.7 -> 75.5% of copy
+bandwidth, docs/performance.md, session 19).
 """
 
 from __future__ import annotations
@@ -23,15 +30,18 @@ from tvm.target import Target
 from tvm.tirx import PrimFunc
 
 from .attention_merge import key_pages, merge_phase, split_pages
-from .attention_prep import gated_output
+from .attention_prep import gate_column, gate_product
 from .gdn_prep import rounded
 from .kv_cache import PAGE_SIZE, seq_of_token
 from .loops import block_loop, thread_loop
-from .pdl import release_dependents, wait_for_producers
+from .pdl import prefetch_l2, release_dependents, wait_for_producers
 
 # Split pieces of all tokens together: with few tokens each one's kv range is cut so that
 # tokens x splits stays at this many (x kv heads blocks), enough to fill an H200's 132 SMs.
 SPLIT_BUDGET = 128
+# 4 blocks an SM hide each other's phases (so at most 128 registers a thread)
+BLOCKS_PER_SM = 4
+LOG2E = 1.4426950408889634
 
 
 def num_splits(n_tok, budget: int = SPLIT_BUDGET):
@@ -72,7 +82,8 @@ def paged_attention(
     keys_per_group = tj // key_groups
     chunk_passes = max(1, chunks // nt)
     per_part = d // parts // vec  # vec-wide loads per thread in the score phase
-    scale = float(d) ** -0.5
+    # scores in log2 units: exp2 is one instruction, exp a dozen
+    scale = float(d) ** -0.5 * LOG2E
     shared = "shared" if gpu else "global"
     ws_rows = split_budget
 
@@ -94,14 +105,23 @@ def paged_attention(
     v_dtype = dtype if gpu else "float32"
     reg_rows = 1 if gpu else nt
 
-    def gated(gate, val, t, h, c):
-        return gated_output(rounded(val, dtype), gate, t, h, c, d, dtype)
+    def gate_value(gate, t, h, c):
+        return T.Cast("float32", gate[t, gate_column(h, d) + c])
+
+    def finish(val, g):
+        return gate_product(rounded(val, dtype), g, dtype)
+
+    # tile 0's K and V lines (128 bytes), prefetched into L2 before the wait
+    line_elems = 128 // (2 if dtype == "bfloat16" else 4)
+    page_lines = max(1, tj * d // line_elems)
+    pf_lines = 2 * tp * page_lines
 
     def dim(p, e, i):
         """Score phase: dims of slice p, interleaved so a warp's loads cover whole rows."""
         return (e * parts + p) * vec + i
 
-    merge = merge_phase(heads, d, nt, tp, ws_rows, gpu, gated)
+    chains = 4  # the softmax's independent max and sum chains (kt is a multiple of 16)
+    merge = merge_phase(heads, d, nt, tp, ws_rows, gpu, gate_value, finish)
 
     @T.prim_func(s_tir=True)
     def attn_paged(
@@ -138,6 +158,8 @@ def paged_attention(
             with T.sblock("attend"):
                 T.reads()
                 T.writes()
+                if gpu:
+                    T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", BLOCKS_PER_SM)
                 q_sh = T.sblock_alloc_buffer((group * d,), "float32", scope=shared)
                 part = T.sblock_alloc_buffer((group * kt * parts,), "float32", scope=shared)
                 s_sh = T.sblock_alloc_buffer((group * kt,), "float32", scope=shared)
@@ -152,8 +174,6 @@ def paged_attention(
                 vreg = T.sblock_alloc_buffer((reg_rows * n_v,), v_dtype, scope=reg)
                 lo = T.sblock_alloc_buffer((1,), "int32", scope="local")
                 hi = T.sblock_alloc_buffer((1,), "int32", scope="local")
-                T.evaluate(wait_for_producers(gpu))  # first: schedules/pdl.py
-                T.evaluate(release_dependents(gpu))
                 t: T.let[T.int32] = blk // (kv_heads * splits)
                 kvh: T.let[T.int32] = blk // splits % kv_heads
                 s: T.let[T.int32] = blk % splits
@@ -165,6 +185,28 @@ def paged_attention(
                 layer64: T.let[T.int64] = T.Cast("int64", layer)
                 p0: T.let[T.int32] = T.min(s * per_split, n_kv_pages)
                 p1: T.let[T.int32] = T.min(p0 + per_split, n_kv_pages)
+                # Before the wait: the step's inputs (indptr, slots, positions, the page table)
+                # are no producer's (schedules/pdl.py), and an L2 prefetch only warms lines (the
+                # producer may still write this step's keys), so tile 0 comes from L2 once the
+                # wait returns; its page lookups then hit L1.
+                for tx in lanes():
+                    with T.sblock("prefetch"):
+                        T.reads()
+                        T.writes()
+                        for e in T.unroll((pf_lines + nt - 1) // nt):
+                            ln: T.let[T.int32] = e * nt + tx
+                            u: T.let[T.int32] = ln // page_lines % tp
+                            el: T.let[T.int32] = ln % page_lines * line_elems
+                            if ln < pf_lines and p0 + u < p1:
+                                pg: T.let[T.int64] = T.Cast("int64", table[slot, p0 + u])
+                                if ln < pf_lines // 2:
+                                    T.evaluate(prefetch_l2(gpu, T.address_of(
+                                        kp[layer64, pg, kvh, el // d, el % d])))  # fmt: skip
+                                else:
+                                    T.evaluate(prefetch_l2(gpu, T.address_of(
+                                        vp[layer64, pg, kvh, el // d, el % d])))  # fmt: skip
+                T.evaluate(wait_for_producers(gpu))
+                T.evaluate(release_dependents(gpu))
                 for tx in lanes():
                     with T.sblock("init"):
                         T.reads()
@@ -251,18 +293,24 @@ def paged_attention(
                         with T.sblock("softmax"):
                             T.reads()
                             T.writes()
-                            mx = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                            sm = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                            mx = T.sblock_alloc_buffer((chains,), "float32", scope="local")
+                            sm = T.sblock_alloc_buffer((chains,), "float32", scope="local")
                             if tx < group:
-                                mx[0] = ml[own(tx, 0, 2)]
+                                # 4 chains of max and of sum, not one serial chain of kt
+                                for c in T.unroll(chains):
+                                    mx[c] = ml[own(tx, 0, 2)]
+                                    sm[c] = T.float32(0)
                                 for jt in T.unroll(kt):
-                                    mx[0] = T.max(mx[0], s_sh[tx * kt + jt])
-                                sm[0] = T.float32(0)
+                                    mx[jt % chains] = T.max(mx[jt % chains], s_sh[tx * kt + jt])
+                                for c in T.unroll(chains - 1):
+                                    mx[0] = T.max(mx[0], mx[c + 1])
                                 for jt in T.unroll(kt):
-                                    pv: T.let[T.float32] = T.exp(s_sh[tx * kt + jt] - mx[0])
+                                    pv: T.let[T.float32] = T.exp2(s_sh[tx * kt + jt] - mx[0])
                                     p_sh[tx * kt + jt] = pv
-                                    sm[0] += pv
-                                a: T.let[T.float32] = T.exp(ml[own(tx, 0, 2)] - mx[0])
+                                    sm[jt % chains] += pv
+                                for c in T.unroll(chains - 1):
+                                    sm[0] += sm[c + 1]
+                                a: T.let[T.float32] = T.exp2(ml[own(tx, 0, 2)] - mx[0])
                                 ml[own(tx, 1, 2)] = ml[own(tx, 1, 2)] * a + sm[0]
                                 ml[own(tx, 0, 2)] = mx[0]
                                 alpha[tx] = a
@@ -319,8 +367,9 @@ def paged_attention(
                                 for kg in T.serial(key_groups):
                                     sum_[0] += red[(kg * group + g) * d + x % d]
                                 if splits == 1:
-                                    o[t, kvh * group + g, x % d] = gated(
-                                        gate, sum_[0] / ml_sh[g * 2 + 1], t, kvh * group + g, x % d
+                                    hd: T.let[T.int32] = kvh * group + g
+                                    o[t, hd, x % d] = finish(
+                                        sum_[0] / ml_sh[g * 2 + 1], gate_value(gate, t, hd, x % d)
                                     )
                                 else:
                                     ws_acc[t * splits + s, kvh * group + g, x % d] = sum_[0]

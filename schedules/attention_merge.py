@@ -11,7 +11,8 @@ from .kv_cache import PAGE_SIZE
 from .loops import block_loop, thread_loop
 from .pdl import release_dependents, wait_for_producers
 
-MERGE_UNROLL = 8  # a thread's workspace loads in flight
+MERGE_UNROLL = 8  # a thread's workspace loads in flight, of a few pieces
+MANY_PIECES_UNROLL = 16  # of many: a group's share of 128 pieces in one round of loads
 MERGE_COLS = 16  # merge of many pieces: columns a block
 
 
@@ -30,39 +31,68 @@ def split_pages(n_pages, splits, min_pages: int):
 
 
 @T.macro
-def merge_pieces(ws_acc, ws_ml, row0, h, col, first, stride, pieces, run, ms, ls, xs):
+def merge_pieces(ws_acc, ws_ml, row0, h, col, first, stride, pieces, run, ms, ls, xs, unroll):
     # pieces first, first + stride, ... (of `pieces`, from workspace row row0) of column
-    # col of head h into a running (max, numerator, denominator), MERGE_UNROLL loads in
-    # flight at a time
+    # col of head h into a running (max, numerator, denominator), `unroll` loads in flight
+    # at a time
     run[0] = T.float32("-inf")
     run[1] = T.float32(0)
     run[2] = T.float32(0)
-    for s0 in T.serial((pieces - first + stride * MERGE_UNROLL - 1) // (stride * MERGE_UNROLL)):
-        for u in T.unroll(MERGE_UNROLL):
-            sp: T.let[T.int32] = T.min((s0 * MERGE_UNROLL + u) * stride + first, pieces - 1)
+    for s0 in T.serial((pieces - first + stride * unroll - 1) // (stride * unroll)):
+        for u in T.unroll(unroll):
+            sp: T.let[T.int32] = T.min((s0 * unroll + u) * stride + first, pieces - 1)
             ms[u] = ws_ml[row0 + sp, h, 0]
             ls[u] = ws_ml[row0 + sp, h, 1]
             xs[u] = ws_acc[row0 + sp, h, col]
-        for u in T.unroll(MERGE_UNROLL):
-            sp: T.let[T.int32] = (s0 * MERGE_UNROLL + u) * stride + first
+        for u in T.unroll(unroll):
+            sp: T.let[T.int32] = (s0 * unroll + u) * stride + first
             # empty pieces (max -inf) and clamped repeats add nothing
             if sp < pieces and ms[u] > T.float32("-inf"):
                 mn: T.let[T.float32] = T.max(run[0], ms[u])
-                ca: T.let[T.float32] = T.exp(run[0] - mn)
-                cb: T.let[T.float32] = T.exp(ms[u] - mn)
+                ca: T.let[T.float32] = T.exp2(run[0] - mn)
+                cb: T.let[T.float32] = T.exp2(ms[u] - mn)
                 run[1] = run[1] * ca + cb * xs[u]
                 run[2] = run[2] * ca + cb * ls[u]
                 run[0] = mn
 
 
-def merge_phase(heads: int, d: int, nt: int, tile_pages: int, ws_rows: int, gpu: bool, gated):
+def merge_phase(
+    heads: int,
+    d: int,
+    nt: int,
+    tile_pages: int,
+    ws_rows: int,
+    gpu: bool,
+    gate_value,
+    finish,
+):
     """The merge kernel as a macro (o, ws_acc, ws_ml, positions, gate, splits, n_tok) for blocks
-    of `nt` threads; `gated(gate, value, t, h, c)` gives the stored output."""
+    of `nt` threads; `gate_value(gate, t, h, c)` is an output's gate (fp32), `finish(value,
+    gate)` the stored output. The pieces' maxima are in log2 units."""
     dm, tp = MERGE_COLS, tile_pages
     if nt % dm:
         raise ValueError(f"{nt} threads a block do not split into groups of {dm} columns")
     shared = "shared" if gpu else "global"
+    reg, reg_rows = ("local", 1) if gpu else ("global", nt)
     grid, lanes = block_loop(gpu), thread_loop(nt, gpu)
+
+    def own(tx):
+        return 0 if gpu else tx
+
+    @T.macro
+    def merge_inputs(positions, gate, splits, mb, cols, n_cols, live, g_val):
+        # a thread's pieces holding keys (its group's column) and its stored column's gate
+        for tx in lanes():
+            with T.sblock("merge_inputs"):
+                T.reads()
+                T.writes()
+                x: T.let[T.int32] = mb * cols + tx % cols
+                if x < n_cols and splits > 1:
+                    pages: T.let[T.int32] = key_pages(positions[x // (heads * d)])
+                    live[own(tx)] = split_pages(pages, splits, tp)[1]
+                y: T.let[T.int32] = mb * cols + tx
+                if tx < cols and y < n_cols and splits > 1:
+                    g_val[own(tx)] = gate_value(gate, y // (heads * d), y // d % heads, y % d)
 
     @T.macro
     def merge(o, ws_acc, ws_ml, positions, gate, splits, n_tok):
@@ -81,24 +111,31 @@ def merge_phase(heads: int, d: int, nt: int, tile_pages: int, ws_rows: int, gpu:
                 m_sh = T.sblock_alloc_buffer((nt,), "float32", scope=shared)
                 n_sh = T.sblock_alloc_buffer((nt,), "float32", scope=shared)
                 d_sh = T.sblock_alloc_buffer((nt,), "float32", scope=shared)
-                T.evaluate(wait_for_producers(gpu))  # first: schedules/pdl.py
+                live = T.sblock_alloc_buffer((reg_rows,), "int32", scope=reg)
+                g_val = T.sblock_alloc_buffer((reg_rows,), "float32", scope=reg)
+                # the pieces' count (from positions, a step input) and the gate (qkv_proj's,
+                # two kernels back) are not the split kernel's: read before the wait
+                merge_inputs(positions, gate, splits, mb, cols, n_cols, live, g_val)
+                T.evaluate(wait_for_producers(gpu))  # schedules/pdl.py
                 T.evaluate(release_dependents(gpu))
                 for tx in lanes():
                     with T.sblock("merge_groups"):
                         T.reads()
                         T.writes()
                         run = T.sblock_alloc_buffer((3,), "float32", scope="local")
-                        ms = T.sblock_alloc_buffer((MERGE_UNROLL,), "float32", scope="local")
-                        ls = T.sblock_alloc_buffer((MERGE_UNROLL,), "float32", scope="local")
-                        xs = T.sblock_alloc_buffer((MERGE_UNROLL,), "float32", scope="local")
+                        ms = T.sblock_alloc_buffer((MANY_PIECES_UNROLL,), "float32", scope="local")
+                        ls = T.sblock_alloc_buffer((MANY_PIECES_UNROLL,), "float32", scope="local")
+                        xs = T.sblock_alloc_buffer((MANY_PIECES_UNROLL,), "float32", scope="local")
                         x: T.let[T.int32] = mb * cols + tx % cols
+                        if x < n_cols and splits > MERGE_UNROLL:  # a group's pieces: 1 round
+                            merge_pieces(ws_acc, ws_ml, x // (heads * d) * splits, x // d % heads,
+                                         x % d, tx // cols, groups, live[own(tx)], run, ms, ls,
+                                         xs, MANY_PIECES_UNROLL)  # fmt: skip
+                        elif x < n_cols and splits > 1:
+                            merge_pieces(ws_acc, ws_ml, x // (heads * d) * splits, x // d % heads,
+                                         x % d, tx // cols, groups, live[own(tx)], run, ms, ls,
+                                         xs, MERGE_UNROLL)  # fmt: skip
                         if x < n_cols and splits > 1:
-                            tm: T.let[T.int32] = x // (heads * d)
-                            live: T.let[T.int32] = split_pages(
-                                key_pages(positions[tm]), splits, tp
-                            )[1]
-                            merge_pieces(ws_acc, ws_ml, tm * splits, x // d % heads, x % d,
-                                         tx // cols, groups, live, run, ms, ls, xs)  # fmt: skip
                             m_sh[tx] = run[0]
                             n_sh[tx] = run[1]
                             d_sh[tx] = run[2]
@@ -115,11 +152,11 @@ def merge_phase(heads: int, d: int, nt: int, tile_pages: int, ws_rows: int, gpu:
                             tot[1] = T.float32(0)
                             tot[2] = T.float32(0)
                             for g in T.serial(groups):
-                                w: T.let[T.float32] = T.exp(m_sh[g * cols + tx] - tot[0])
+                                w: T.let[T.float32] = T.exp2(m_sh[g * cols + tx] - tot[0])
                                 tot[1] += w * n_sh[g * cols + tx]
                                 tot[2] += w * d_sh[g * cols + tx]
-                            o[x // (heads * d), x // d % heads, x % d] = gated(
-                                gate, tot[1] / tot[2], x // (heads * d), x // d % heads, x % d
+                            o[x // (heads * d), x // d % heads, x % d] = finish(
+                                tot[1] / tot[2], g_val[own(tx)]
                             )
 
     return merge

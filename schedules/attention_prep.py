@@ -10,8 +10,8 @@ here it is one kernel and a formula:
   kernel's output was), RoPE on the first `rotary_dim` dims (neox halves, cos/sin in fp32 from
   positions x inv_freq, rounded once at the store), q written for the attention kernels, k and
   v written straight into their pages (what kv_cache.append_kv did).
-- `gated_output`: round(o * round(sigmoid(gate))), o_proj's input, which both attention
-  kernels apply where they store o.
+- `gate_product`: round(o * round(sigmoid(gate))), o_proj's input, which both attention
+  kernels apply where they store o (the gate beside its query: `gate_column`).
 
 Written once as a grid of blocks, each a set of lanes (a channel a lane) with phases that meet
 in shared memory; the CPU runs the blocks in parallel and the lanes one after another.
@@ -188,8 +188,3 @@ def gate_column(h, head_dim: int):
     """Where head h's output gate starts in qkv_proj's row ([q_0 gate_0 q_1 gate_1 ... | k |
     v]): beside its query."""
     return h * 2 * head_dim + head_dim
-
-
-def gated_output(o, proj, t, h, c, head_dim: int, dtype: str):
-    """`gate_product` for channel c of head h of token t."""
-    return gate_product(o, T.Cast("float32", proj[t, gate_column(h, head_dim) + c]), dtype)

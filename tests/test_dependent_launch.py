@@ -15,6 +15,15 @@ from qwen35_tvm.compile.pipeline import DYN_SHARED_TAG, PDL_TAG, tag_dependent_l
 WAIT = "tvm_builtin_ptx_griddepcontrol_wait();"
 GDN_DECODE = "gdn_delta_rule_decode"
 PREFETCH = "tvm_builtin_ptx_prefetch_global_L2("
+# kernels that read before their wait, by name: what they may read there
+EARLY_READS = {
+    # the recurrent state, the conv history, the slots
+    rf"{GDN_DECODE}.*": {"pool_ptr", "conv_ptr", "slots_ptr", "w_ptr"},
+    # the step's inputs, to find a split's pages (and prefetch them: not a touch)
+    r"attn_paged_kernel": {"indptr_ptr", "slots_ptr", "positions_ptr", "table_ptr"},
+    # its merge: the pieces' count from positions, qkv_proj's output gates
+    r"attn_paged_kernel_1": {"positions_ptr", "gate_ptr"},
+}
 KERNEL = re.compile(
     r'extern "C" __global__ void (?:__launch_bounds__\([^)]*\) )?(\w+)\(([^)]*)\) \{'
 )
@@ -54,9 +63,9 @@ def test_decode_kernels_wait_before_touching_activations(cuda_library) -> None:
     for name in waiting:
         params, body = found[name]
         assert body.count(WAIT) == 1, name
-        if name.startswith(GDN_DECODE):  # reads, and only reads, what was written two or more
-            # kernels back: the recurrent state, the conv history, the slots (schedules/pdl.py)
-            early = {"pool_ptr", "conv_ptr", "slots_ptr", "w_ptr"}
+        early = next((e for k, e in EARLY_READS.items() if re.fullmatch(k, name)), None)
+        if early is not None:  # reads, and only reads, what was written two or more kernels
+            # back (schedules/pdl.py)
             assert set(touched_before_wait(params, body)) == early, name
             head = body[: body.index(WAIT)]
             assert not [p for p in params if re.search(rf"\b{p}\[[^;=]*\] = ", head)], name
