@@ -32,6 +32,7 @@ from tvm.script import tirx as T
 from tvm.target import Target
 from tvm.tirx import PrimFunc
 
+from .attention import LOG2E
 from .attention_prep import gate_column, gate_product
 from .kv_cache import PAGE_SIZE, first_tile
 from .matmul import acc_coords, ldmatrix_a_coords, ldmatrix_b_coords
@@ -75,7 +76,7 @@ def paged_prefill_mma(
     s_tiles = keys // 8  # n8 tiles of S a warp
     kv_copies = -(-keys * dch // nt)  # 16-byte copies a thread, for each of K and V
     q_copies = -(-rows * dch // nt)
-    scale = float(d) ** -0.5 * 1.4426950408889634  # log2(e): the softmax runs on exp2
+    scale = float(d) ** -0.5 * LOG2E  # the softmax runs on exp2
     sh = "shared.dyn"
 
     pv_steps = keys // 16 * (d // 16)  # (k16 step, pair of n8 tiles) of O += P V
