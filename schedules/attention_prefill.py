@@ -76,6 +76,7 @@ def paged_prefill_mma(
     s_tiles = keys // 8  # n8 tiles of S a warp
     kv_copies = -(-keys * dch // nt)  # 16-byte copies a thread, for each of K and V
     q_copies = -(-rows * dch // nt)
+    out_chunks = rows * dch // nt  # 16-byte chunks of o a thread stores (exact: dch % 8 == 0)
     scale = float(d) ** -0.5 * LOG2E  # the softmax runs on exp2
     sh = "shared.dyn"
 
@@ -188,7 +189,7 @@ def paged_prefill_mma(
                     l_run = T.sblock_alloc_buffer((2,), "float32", scope="local")
                     m_new = T.sblock_alloc_buffer((2,), "float32", scope="local")
                     o_vec = T.sblock_alloc_buffer((8,), DTYPE, scope="local")
-                    g_vec = T.sblock_alloc_buffer((8,), DTYPE, scope="local")
+                    g_all = T.sblock_alloc_buffer((out_chunks * 8,), DTYPE, scope="local")
                     cnt_sh = T.sblock_alloc_buffer((nt // 32,), "int32", scope=sh)
                     T.evaluate(wait_for_producers(True))  # first: schedules/pdl.py
                     T.evaluate(release_dependents(True))
@@ -318,21 +319,31 @@ def paged_prefill_mma(
                                 DTYPE, o_acc[nt8 * 4 + e] / l_run[e // 2]
                             )
                     T.tvm_storage_sync("shared.dyn")
-                    for it in T.unroll(rows * dch // nt):
+                    # every gate chunk is loaded before any store: under the store's condition
+                    # the loads went one round trip after another (SASS); rows past the chunk
+                    # re-read its last token, in bounds
+                    for it in T.unroll(out_chunks):
+                        x: T.let[T.int32] = it * nt + tx
+                        r: T.let[T.int32] = x // dch
+                        tok = T.meta_var(T.max(t0 + T.min(r // group, n_q - 1), 0))
+                        for v in T.vectorized(8):
+                            g_all[it * 8 + v] = gate[
+                                tok, gate_column(kvh * group + r % group, d) + x % dch * 8 + v
+                            ]
+                    for it in T.unroll(out_chunks):
                         x: T.let[T.int32] = it * nt + tx
                         r: T.let[T.int32] = x // dch
                         c: T.let[T.int32] = x % dch * 8
-                        hd: T.let[T.int32] = kvh * group + r % group
                         if found and r // group < n_q:
                             for v in T.vectorized(8):
                                 o_vec[v] = q_sh[_at(r, x % dch, dch) + v]
-                            for v in T.vectorized(8):
-                                g_vec[v] = gate[t0 + r // group, gate_column(hd, d) + c + v]
                             for v in T.unroll(8):
                                 o_vec[v] = gate_product(
-                                    T.Cast("float32", o_vec[v]), T.Cast("float32", g_vec[v]), DTYPE
+                                    T.Cast("float32", o_vec[v]),
+                                    T.Cast("float32", g_all[it * 8 + v]),
+                                    DTYPE,
                                 )
                             for v in T.vectorized(8):
-                                o[t0 + r // group, hd, c + v] = o_vec[v]
+                                o[t0 + r // group, kvh * group + r % group, c + v] = o_vec[v]
 
     return attn_prefill_mma
