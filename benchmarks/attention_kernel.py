@@ -247,7 +247,7 @@ def run(out_dir: Path, results: Path | None) -> None:
     }
     bw = copy_bandwidth(torch)
     print(f"device: {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s")
-    rows = []
+    rows, warmups = [], {}
     cases = [("decode", name, [L] * B, [1] * B) for name, (B, L) in DECODE.items()]
     cases += [("prefill", name, lens, lens) for name, lens in PREFILL.items()]
     print(
@@ -265,9 +265,16 @@ def run(out_dir: Path, results: Path | None) -> None:
         except Exception:
             traceback.print_exc()
             continue
-        for tp, attend in kernels.items():
-            if tp.startswith("mma") != (kind == "prefill"):
-                continue  # each kernel on its own kind of case
+        mine = {tp: f for tp, f in kernels.items() if tp.startswith("mma") == (kind == "prefill")}
+        # one kernel timed and discarded first: right after SDPA's runs, the first variant
+        # timed ran B1 ~2 us slower than the same kernel timed next (session 20)
+        tp0 = next(iter(mine))
+        try:
+            budget = DECODE_VARIANTS.get(tp0, (0, 128))[1]
+            warmups[name] = time_case(torch, tvm, mine[tp0], x, ref, bw, budget).get("graph_us")
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
+        for tp, attend in mine.items():
             row = {"kind": kind, "case": name, "kernel": tp}
             try:
                 budget = DECODE_VARIANTS.get(tp, (0, 128))[1]
@@ -299,7 +306,12 @@ def run(out_dir: Path, results: Path | None) -> None:
                 f"{row.get('max_abs_diff', '-')} |{err}",
                 flush=True,
             )
-    result = {"device": torch.cuda.get_device_name(), "copy_bw_tbs": bw / 1e12, "rows": rows}
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "copy_bw_tbs": bw / 1e12,
+        "rows": rows,
+        "discarded_warmup_graph_us": warmups,
+    }
     text = json.dumps(result, indent=1)
     (out_dir / "attention_bench_result.json").write_text(text)
     if results is not None:
