@@ -325,15 +325,15 @@ def paged_prefill_mma(
                     for it in T.unroll(out_chunks):
                         x: T.let[T.int32] = it * nt + tx
                         r: T.let[T.int32] = x // dch
+                        hd: T.let[T.int32] = kvh * group + r % group
                         tok = T.meta_var(T.max(t0 + T.min(r // group, n_q - 1), 0))
                         for v in T.vectorized(8):
-                            g_all[it * 8 + v] = gate[
-                                tok, gate_column(kvh * group + r % group, d) + x % dch * 8 + v
-                            ]
+                            g_all[it * 8 + v] = gate[tok, gate_column(hd, d) + x % dch * 8 + v]
                     for it in T.unroll(out_chunks):
                         x: T.let[T.int32] = it * nt + tx
                         r: T.let[T.int32] = x // dch
                         c: T.let[T.int32] = x % dch * 8
+                        hd: T.let[T.int32] = kvh * group + r % group
                         if found and r // group < n_q:
                             for v in T.vectorized(8):
                                 o_vec[v] = q_sh[_at(r, x % dch, dch) + v]
@@ -344,6 +344,6 @@ def paged_prefill_mma(
                                     DTYPE,
                                 )
                             for v in T.vectorized(8):
-                                o[t0 + r // group, kvh * group + r % group, c + v] = o_vec[v]
+                                o[t0 + r // group, hd, c + v] = o_vec[v]
 
     return attn_prefill_mma
