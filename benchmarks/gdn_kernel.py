@@ -4,25 +4,26 @@ Two steps, because the GPU server has no compiler:
   here (nvcc, no GPU):  python benchmarks/gdn_kernel.py build DIR [--arch sm_90]
   on the GPU server:    python benchmarks/gdn_kernel.py run DIR [--out docs/results]
 
-At the 4B shapes (16 key heads, 32 value heads, head dims 128), `run` times every kernel on
-one sequence of 1,024 and of 8,192 tokens and on 16 sequences of 1,024 tokens (prefill),
-each sequence starting from a non-zero state in a scattered slot; `--decode` adds 16 and 1
-sequences of 1 token. Kernels: the recurrent one, the fp32 chunked one (fp32 models), and
-the tensor-core two-pass form (gdn_chunk_prep + gdn_chunk_scan, bf16 operands, fp32 state) at
-chunk 64 with 32 value columns a scan block and at chunk 32 with 64 (two_c32_t64, the
-default); 4x1024 is in between. The inputs are in_proj-like rows (bf16), a conv history in
-each slot and conv weights and gates: gdn_input (timed as its own row) makes q, k, v, g and
-beta from them for the recurrent and fp32 kernels and the reference, while the two-pass
-form's first kernel starts from the rows themselves, as in the model. The one-kernel
-tensor-core version they replaced (mma2_*) is in git before session 12 and in
+At the 4B shapes (16 key heads, 32 value heads, head dims 128), `run` times every kernel on one
+sequence of 1,024 and of 8,192 tokens and on 16 sequences of 1,024 tokens (prefill), each
+sequence starting from a non-zero state in a scattered slot; `--decode` adds 16 and 1 sequences
+of 1 token. Kernels: the recurrent one, the fp32 chunked one (fp32 models), and the tensor-core
+two-pass form (gdn_chunk_prep + gdn_chunk_scan, bf16 operands, fp32 state) at chunk 64 with 32
+value columns a scan block, at chunk 32 with 64 (8 warps) or 32 (4 warps), and the default
+(two_c32_few), whose scan takes the 32-column blocks for steps of few sequences and the
+64-column ones otherwise; 2x1024 and 4x1024 are in between. The inputs are in_proj-like rows
+(bf16), a conv history in each slot and conv weights and gates: gdn_input (timed as its own
+row) makes q, k, v, g and beta from them for the recurrent and fp32 kernels and the reference,
+while the two-pass form's first kernel starts from the rows themselves, as in the model. The
+one-kernel tensor-core version they replaced (mma2_*) is in git before session 12 and in
 gdn_kernel_two_pass.json's rows. `ragged` (7 short sequences) has partial chunks and chunk
-numbers that no sequence takes. Every kernel is checked against a float64 torch recurrence
-(max |Δ| of outputs and final states, also relative to the largest |value|; `ok` holds the
-kernel to its bound: 1e-4 fp32, 1e-2 bf16 operands (3e-3 in the CPU emulation)), and each
-chunked variant against the recurrent kernel too. Decode rows also give the state bytes over
-the copy bandwidth of the same run. Every variant and case is isolated: a failure is printed and the
-rest still runs. A table goes to stdout and all rows, as JSON, to DIR/gdn_bench_result.json
-(and --out DIR/gdn_kernel.json).
+numbers that no sequence takes. Every kernel is checked against a float64 torch recurrence (max
+|Δ| of outputs and final states, also relative to the largest |value|; `ok` holds the kernel to
+its bound: 1e-4 fp32, 1e-2 bf16 operands (3e-3 in the CPU emulation)), and each chunked variant
+against the recurrent kernel too. Decode rows also give the state bytes over the copy bandwidth
+of the same run. Every variant and case is isolated: a failure is printed and the rest still
+runs. A table goes to stdout and all rows, as JSON, to DIR/gdn_bench_result.json (and --out
+DIR/gdn_kernel.json).
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ from common import copy_bandwidth, cuda_time
 K_HEADS, V_HEADS, K_DIM, V_DIM, CONV = 16, 32, 128, 128, 4
 CONV_DIM = 2 * K_HEADS * K_DIM + V_HEADS * V_DIM
 WIDTH = CONV_DIM + V_HEADS * V_DIM + 2 * V_HEADS  # in_proj's row: q k v | z | b | a
-CASES = {"1x1024": [1024], "1x8192": [8192], "4x1024": [1024] * 4, "16x1024": [1024] * 16,
-         "ragged": [1, 31, 33, 100, 5, 64, 2]}  # partial chunks, chunk numbers no one has
+# ragged: partial chunks, chunk numbers no one has
+CASES = {"1x1024": [1024], "2x1024": [1024] * 2, "1x8192": [8192], "4x1024": [1024] * 4,
+         "16x1024": [1024] * 16, "ragged": [1, 31, 33, 100, 5, 64, 2]}  # fmt: skip
 DECODE_CASES = {"16x1": [1] * 16, "1x1": [1], "64x1": [1] * 64}
 # recurrent kernel variants: name -> (value columns a block, threads a column)
 # (gdn_recurrent_sweep.json: 32 x 4, 16 x 4, 8 x 8 and 8 x 16 lost to the shipped 16 x 8)
@@ -48,8 +50,14 @@ N_SLOTS, N_LAYERS, LAYER = 80, 2, 1  # slots for every sequence of the largest c
 DEVICE = "cuda"  # a CPU smoke test of `run` swaps this (and the shapes) out
 # name -> chunked_gated_delta_rule keywords (the fp32 kernel)
 CHUNKED = {"fp32_c32": {"chunk": 32}}
-# the two-pass form (gdn_chunked.two_pass): name -> (chunk, scan col_tile)
-TWO_PASS = {"two_c64_t32": (64, 32), "two_c32_t64": (32, 64)}
+# the two-pass form (gdn_chunked.two_pass): name -> its keywords
+TWO_PASS = {
+    "two_c64_t32": {"chunk": 64, "col_tile": 32, "few": None},
+    "two_c32_t64": {"chunk": 32, "col_tile": 64, "few": None},
+    # twice the scan blocks a sequence, each half the columns and warps
+    "two_c32_t32w4": {"chunk": 32, "col_tile": 32, "scan_warps": 4, "few": None},
+    "two_c32_few": {},  # the default: the scan picks one of the two above by the batch's size
+}
 REL_BOUND = {"fp32": 1e-4, "two": 1e-2, "recurrent": 1e-5}
 
 
@@ -76,11 +84,9 @@ def build(out: Path, arch: str, chunked: bool = True, only: set[str] | None = No
         except Exception:  # keep the other variants
             traceback.print_exc()
     workspaces = {}  # name -> "tokens x sequences" -> the workspace's (shape, dtype)s
-    for name, (chunk, col_tile) in TWO_PASS.items() if chunked else ():
+    for name, kw in TWO_PASS.items() if chunked else ():
         try:
-            two = two_pass(
-                K_HEADS, V_HEADS, K_DIM, V_DIM, target, "bfloat16", chunk, col_tile, CONV
-            )
+            two = two_pass(K_HEADS, V_HEADS, K_DIM, V_DIM, target, "bfloat16", kernel=CONV, **kw)
             funcs[name] = {
                 "prep": two.prep.with_attr("global_symbol", "prep"),
                 "scan": two.scan.with_attr("global_symbol", "scan"),

@@ -17,7 +17,7 @@ from __future__ import annotations
 from tvm.script import tirx as T
 from tvm.tirx import PrimFunc
 
-from .gdn_chunk_prep import FPAD, THREADS, chunked_here, warp_mm
+from .gdn_chunk_prep import FPAD, chunked_here, warp_mm
 from .gdn_mma_tiles import WARPS, acc_rc, job_tile, n_group, swz
 from .kv_cache import first_tile
 from .pdl import release_dependents, wait_for_producers
@@ -39,19 +39,11 @@ def walked(tokens, skip_single: bool):
     return tokens if not skip_single else T.if_then_else(tokens == 1, 0, tokens)
 
 
-def chunk_scan(
-    k_heads: int,
-    v_heads: int,
-    dk: int,
-    dv: int,
-    chunk: int,
-    col_tile: int,
-    skip_single: bool = False,
-) -> PrimFunc:
-    """(K, Q, W, U0, P, G from gdn_chunk_prep; indptr, slots, pool, layer) -> (pool, out): the
-    state pool updated in place, out [n_tok, v_heads, dv] fp32. `skip_single`: one-token
-    sequences are gdn_decode's ragged kernel's (their state and rows untouched here)."""
-    c, ct, group, nt = chunk, col_tile, v_heads // k_heads, THREADS
+def _scan_blocks(
+    k_heads: int, v_heads: int, dk: int, dv: int, c: int, ct: int, warps: int, skip_single: bool
+):
+    """The macro of one scan kernel: its grid over (sequence, value head, column tile)."""
+    group, nt = v_heads // k_heads, 32 * warps
     if c % 16 or dv % ct or ct % 32 or dk % 64 or v_heads % k_heads:
         raise ValueError(f"chunk {c} (16 |), col_tile {ct} (32 | ct | dv), dk {dk} (64 |)")
     if scan_shared_bytes(c, ct, dk)[1] > 48 * 1024:
@@ -65,16 +57,16 @@ def chunk_scan(
     wq_n, k_n, u_n, p_n = 2 * c * dk, c * dk, c * ct, c * c  # elements a stage
     # 1. [W; Q] (2C rows) x Sᵀ (ct columns), over dk
     m1_mt, m1_n8 = 2 * c // 16, ct // 8
-    m1_ng = n_group(m1_n8, m1_mt)
-    m1_jobs = m1_mt * m1_n8 // m1_ng // WARPS
+    m1_ng = n_group(m1_n8, m1_mt, warps)
+    m1_jobs = m1_mt * m1_n8 // m1_ng // warps
     # 2. P (C x C) x U (C x ct); the state: (wU)ᵀ (ct x C) x K (C x dk), one job a warp
     o_mt, o_n8 = c // 16, ct // 8
-    o_ng = n_group(o_n8, o_mt)
-    o_jobs = o_mt * o_n8 // o_ng // WARPS
+    o_ng = n_group(o_n8, o_mt, warps)
+    o_jobs = o_mt * o_n8 // o_ng // warps
     s_mt, s_n8 = ct // 16, dk // 8
-    s_ng = s_mt * s_n8 // WARPS
+    s_ng = s_mt * s_n8 // warps
     if s_n8 % s_ng or s_ng % 2:
-        raise ValueError(f"state tile {ct} x {dk} does not split into {WARPS} warp tiles")
+        raise ValueError(f"state tile {ct} x {dk} does not split into {warps} warp tiles")
 
     @T.macro
     def s_copy(sb, st, smt, sn0, lane):
@@ -115,33 +107,8 @@ def chunk_scan(
             ))  # fmt: skip
         T.evaluate(T.ptx["cp.async.commit_group"]())
 
-    @T.prim_func(s_tir=True)
-    def gdn_chunk_scan(
-        kb_h: T.handle,
-        qb_h: T.handle,
-        w_h: T.handle,
-        u_h: T.handle,
-        p_h: T.handle,
-        gc_h: T.handle,
-        indptr_h: T.handle,
-        slots_h: T.handle,
-        pool_h: T.handle,
-        layer: T.int32,
-        out_h: T.handle,
-    ):
-        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
-        n_rows, n_tok, n_ptr, batch = T.int32(), T.int32(), T.int32(), T.int32()
-        n_slots, n_layers = T.int32(), T.int32()
-        kb = T.match_buffer(kb_h, (n_rows, k_heads, dk), DTYPE)
-        qb = T.match_buffer(qb_h, (n_rows, k_heads, dk), DTYPE)
-        w = T.match_buffer(w_h, (n_rows, v_heads, dk), DTYPE)
-        u = T.match_buffer(u_h, (n_rows, v_heads, dv), DTYPE)
-        p = T.match_buffer(p_h, (n_rows, v_heads, c), DTYPE)
-        gc = T.match_buffer(gc_h, (v_heads, n_rows), "float32")
-        indptr = T.match_buffer(indptr_h, (n_ptr,), "int32")
-        slots = T.match_buffer(slots_h, (batch,), "int32")
-        pool = T.match_buffer(pool_h, (n_slots, n_layers, v_heads, dv, dk), "float32")
-        out = T.match_buffer(out_h, (n_tok, v_heads, dv), "float32")
+    @T.macro
+    def blocks(kb, qb, w, u, p, gc, indptr, slots, pool, layer, out, batch):
         for blk in T.thread_binding(batch * v_heads * tiles, thread="blockIdx.x"):
             for tx in T.thread_binding(nt, thread="threadIdx.x"):
                 with T.sblock("gdn_chunk_scan"):
@@ -200,7 +167,7 @@ def chunk_scan(
                         # 1. [W; Q] x Sᵀ -> U, e^(G_last - G) U (bf16), e^G Q Sᵀ (fp32)
                         gl[0] = g_s[stage * c + c - 1]  # a store: TVM's shared planner wants one
                         for jb in T.unroll(m1_jobs):
-                            mt, n0 = T.meta_var(job_tile(jb * WARPS + warp, m1_ng, m1_n8))
+                            mt, n0 = T.meta_var(job_tile(jb * warps + warp, m1_ng, m1_n8))
                             for i in T.unroll(m1_ng * 4):
                                 acc[i] = T.float32(0)
                             warp_mm(wq_s, stage * wq_n, dk, False, sb, 0, dk, False, acc, af, bf,
@@ -231,7 +198,7 @@ def chunk_scan(
                         warp_mm(wub, 0, ct, True, k_s, stage * k_n, dk, True, st, af, bf, smt,
                                 sn0, s_ng, c // 16, lane)  # fmt: skip
                         for jb in T.unroll(o_jobs):
-                            mt, n0 = T.meta_var(job_tile(jb * WARPS + warp, o_ng, o_n8))
+                            mt, n0 = T.meta_var(job_tile(jb * warps + warp, o_ng, o_n8))
                             for i in T.unroll(o_ng * 4):
                                 er, ec = T.meta_var(acc_rc(lane, i % 4))
                                 acc[i] = os_[(mt * 16 + er) * ft + (n0 + i // 4) * 8 + ec]
@@ -250,5 +217,68 @@ def chunk_scan(
                             sr, sc = T.meta_var(acc_rc(lane, i % 4))
                             pool[slot, layer, h, col0 + smt * 16 + sr,
                                  (sn0 + i // 4) * 8 + sc] = st[i]  # fmt: skip
+
+    return blocks
+
+
+def chunk_scan(
+    k_heads: int,
+    v_heads: int,
+    dk: int,
+    dv: int,
+    chunk: int,
+    col_tile: int,
+    skip_single: bool = False,
+    warps: int = WARPS,
+    few: tuple[int, int, int] | None = None,
+) -> PrimFunc:
+    """(K, Q, W, U0, P, G from gdn_chunk_prep; indptr, slots, pool, layer) -> (pool, out): the
+    state pool updated in place, out [n_tok, v_heads, dv] fp32. `skip_single`: one-token
+    sequences are gdn_decode's ragged kernel's (their state and rows untouched here).
+
+    `few` = (sequences, col_tile, warps): a step of at most that many sequences runs a second
+    kernel with those tiles, chosen on the host from the batch's size (a sequence's chunks are
+    serial, so a few sequences fill the GPU only with narrower blocks)."""
+    c = chunk
+    wide = _scan_blocks(k_heads, v_heads, dk, dv, c, col_tile, warps, skip_single)
+    one_kernel = few is None
+    few_seqs = 0 if one_kernel else few[0]
+    narrow = (
+        wide if one_kernel else _scan_blocks(k_heads, v_heads, dk, dv, c, *few[1:], skip_single)
+    )
+
+    @T.prim_func(s_tir=True)
+    def gdn_chunk_scan(
+        kb_h: T.handle,
+        qb_h: T.handle,
+        w_h: T.handle,
+        u_h: T.handle,
+        p_h: T.handle,
+        gc_h: T.handle,
+        indptr_h: T.handle,
+        slots_h: T.handle,
+        pool_h: T.handle,
+        layer: T.int32,
+        out_h: T.handle,
+    ):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        n_rows, n_tok, n_ptr, batch = T.int32(), T.int32(), T.int32(), T.int32()
+        n_slots, n_layers = T.int32(), T.int32()
+        kb = T.match_buffer(kb_h, (n_rows, k_heads, dk), DTYPE)
+        qb = T.match_buffer(qb_h, (n_rows, k_heads, dk), DTYPE)
+        w = T.match_buffer(w_h, (n_rows, v_heads, dk), DTYPE)
+        u = T.match_buffer(u_h, (n_rows, v_heads, dv), DTYPE)
+        p = T.match_buffer(p_h, (n_rows, v_heads, c), DTYPE)
+        gc = T.match_buffer(gc_h, (v_heads, n_rows), "float32")
+        indptr = T.match_buffer(indptr_h, (n_ptr,), "int32")
+        slots = T.match_buffer(slots_h, (batch,), "int32")
+        pool = T.match_buffer(pool_h, (n_slots, n_layers, v_heads, dv, dk), "float32")
+        out = T.match_buffer(out_h, (n_tok, v_heads, dv), "float32")
+        if one_kernel:
+            wide(kb, qb, w, u, p, gc, indptr, slots, pool, layer, out, batch)
+        elif batch <= few_seqs:
+            narrow(kb, qb, w, u, p, gc, indptr, slots, pool, layer, out, batch)
+        else:
+            wide(kb, qb, w, u, p, gc, indptr, slots, pool, layer, out, batch)
 
     return gdn_chunk_scan

@@ -30,6 +30,7 @@ from .gdn_chunk_prep import blocks_per_sm, chunk_prep, prep_shared_bytes, worksp
 from .gdn_chunk_scan import chunk_scan, scan_shared_bytes
 from .gdn_chunked_fp32 import GPU_COL_TILE, GPU_THREADS, SOLVE_BLOCK, gdn_chunked_fp32
 from .gdn_chunked_fp32 import shared_bytes as fp32_shared_bytes
+from .gdn_mma_tiles import WARPS
 
 # Dynamic shared memory a block may use (KiB) by SM arch; unlisted archs get the smallest.
 _SMEM_KIB = {80: 163, 87: 163, 90: 227, 100: 227, 103: 227}
@@ -101,6 +102,11 @@ class TwoPass(NamedTuple):
 # and wins wherever several sequences share a step (16 x 1,024: 1,030 against 1,570 us): its
 # blocks take 95 KiB of shared memory, two an SM, where C64's take 157 KiB.
 TWO_PASS = (32, 64)
+# (sequences, col_tile, warps): a step of at most that many sequences scans with narrower,
+# smaller blocks, since one sequence's chunks are serial and its 64 wide blocks leave half the
+# H200's SMs idle. H200, 4B heads (gdn_kernel_s21.json): 1 x 1,024 123.3 -> 110.1 us a layer,
+# 1 x 8,192 898 -> 788 us, where 4 x 1,024 and 16 x 1,024 lose 11% and 6% with them.
+FEW_SEQUENCES_SCAN = (2, 32, 4)
 # A prefill's one-token sequences (a mixed step's decode rows) through decode's recurrent kernel
 # (gdn_decode's ragged form), the two passes skipping them: a mixed step's 16 decode rows cost
 # 2.0 ms of GDN in the two passes against ~0.6 ms in decode's kernel
@@ -120,11 +126,14 @@ def two_pass(
     col_tile: int | None = None,
     kernel: int = 4,
     skip_single: bool = False,
+    scan_warps: int | None = None,
+    few: tuple[int, int, int] | None = FEW_SEQUENCES_SCAN,
 ) -> TwoPass | None:
     """The two-pass kernels where they apply (bf16 activations on CUDA sm_80+, dims that tile),
     else None (the caller takes gdn_input and `chunked_gated_delta_rule`). The first pass
     starts from in_proj's output: `kernel` is the causal conv1d's width. `skip_single`: both
-    kernels leave one-token sequences alone, for gdn_decode's ragged kernel (the caller's)."""
+    kernels leave one-token sequences alone, for gdn_decode's ragged kernel (the caller's).
+    `few`: chunk_scan's second kernel for steps of few sequences (None: one kernel)."""
     gpu = target.kind.name == "cuda"
     arch = int(str(target.attrs.get("arch", "sm_80"))[3:]) if gpu else 0
     c, ct = chunk or TWO_PASS[0], col_tile or min(TWO_PASS[1], v_dim)
@@ -133,10 +142,11 @@ def two_pass(
     if k_dim % 64 or 256 % k_dim or v_dim % 32 or k_dim + v_dim > 256 or v_heads % k_heads:
         return None
     limit = _SMEM_KIB.get(arch, 99) * 1024
-    dyn, static = scan_shared_bytes(c, ct, k_dim)
-    if sum(prep_shared_bytes(c, k_dim, v_dim)) > limit or dyn + static > limit:
+    scan_bytes = [sum(scan_shared_bytes(c, t, k_dim)) for t in [ct, *(few or [])[1:2]]]
+    if sum(prep_shared_bytes(c, k_dim, v_dim)) > limit or max(scan_bytes) > limit:
         raise ValueError(f"chunk {c} x col_tile {ct}: too much shared memory for sm_{arch}")
     blocks = blocks_per_sm(c, k_dim, v_dim, limit)
     prep = chunk_prep(k_heads, v_heads, k_dim, v_dim, c, kernel, blocks, skip_single)
-    scan = chunk_scan(k_heads, v_heads, k_dim, v_dim, c, ct, skip_single)
+    warps = scan_warps or WARPS
+    scan = chunk_scan(k_heads, v_heads, k_dim, v_dim, c, ct, skip_single, warps, few)
     return TwoPass(prep, scan, c, k_heads, v_heads, k_dim, v_dim, skip_single)

@@ -15,7 +15,7 @@ from tvm.target import Target
 
 from qwen35_tvm.compile.cuda_toolchain import prepare_cuda_codegen
 from qwen35_tvm.schedules.gdn_chunk_prep import workspace_rows
-from qwen35_tvm.schedules.gdn_chunked import two_pass
+from qwen35_tvm.schedules.gdn_chunked import FEW_SEQUENCES_SCAN, two_pass
 
 LLVM = Target("llvm")
 
@@ -30,6 +30,12 @@ def _source(func, target: Target) -> str:
     cuda = [m for m in lib.mod.imports if m.kind == "cuda"]
     assert len(cuda) == 1 and cuda[0].is_runnable(), "CUDA source fallback, not a binary"
     return cuda[0].inspect_source()
+
+
+def _kernels(source: str) -> list[str]:
+    """Each kernel's definition in a module's CUDA source, in order."""
+    starts = [m.start() for m in re.finditer(r'extern "C" __global__ [^;]*\{', source)]
+    return [source[a:b] for a, b in zip(starts, [*starts[1:], len(source)], strict=True)]
 
 
 def test_routing() -> None:
@@ -63,21 +69,32 @@ def test_workspace_covers_every_chunk_number() -> None:
     ]  # fmt: skip
 
 
+def _check_scan(scan: str, skip_single: bool) -> None:
+    """One scan kernel's CUDA source."""
+    # the scan's serial loop: two barriers a chunk, nothing but cp.async reads global memory
+    # for the next chunk (the state is read before the loop and written after it)
+    loop = scan[scan.index("for (int ch = 0;") :]
+    assert scan.count("__syncthreads()") == loop.count("__syncthreads()") == 2
+    assert "wait_group_0()" in loop and loop.count("ptx_cp_async") > 0
+    for operand in ("w_ptr", "qb_ptr", "kb_ptr", "u_ptr", "p_ptr", "gc_ptr"):
+        loads = re.findall(rf"= [^;]*\b{operand}\[", loop)
+        assert loads == [], f"{operand} read in the loop other than by cp.async"
+    assert "pool_ptr[" not in loop[: loop.index("__syncthreads()")]
+    assert scan.rindex("griddepcontrol_launch_dependents();") < scan.index("for (int ch = 0;")
+    guarded = re.search(r"if \(\(?\w+ != 1\)?\)", scan) is not None
+    assert guarded == skip_single
+
+
 @pytest.mark.parametrize("skip_single", [False, True])
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_kernels_assemble(arch: str, skip_single: bool) -> None:
     target = _cuda(arch)
     two = two_pass(16, 32, 128, 128, target, "bfloat16", skip_single=skip_single)
-    prep, scan = _source(two.prep, target), _source(two.scan, target)
-    # the scan's serial loop: two barriers a chunk, nothing but cp.async reads global memory
-    # for the next chunk (the state is read before the loop and written after it)
-    loop = scan[scan.index("for (int ch = 0;") :]
-    assert scan.count("__syncthreads()") == loop.count("__syncthreads()") == 2
-    assert "cp.async.wait_group 0" in scan and loop.count("ptx_cp_async") > 0
-    for operand in ("w_ptr", "qb_ptr", "kb_ptr", "u_ptr", "p_ptr", "gc_ptr"):
-        loads = re.findall(rf"= [^;]*\b{operand}\[", loop)
-        assert loads == [], f"{operand} read in the loop other than by cp.async"
-    assert "pool_ptr[" not in loop[: loop.index("__syncthreads()")]
+    prep, scans = _source(two.prep, target), _kernels(_source(two.scan, target))
+    # the scan's two kernels: 32 columns and 4 warps for a few sequences, else 64 and 8
+    assert [re.search(r"__launch_bounds__\((\d+)\)", k)[1] for k in scans] == ["128", "256"]
+    for scan in scans:
+        _check_scan(scan, skip_single)
     # the first pass stores every workspace operand, and only then lets the scan launch:
     # released at its start, the scan's one wave of blocks landed on the SMs the prep's last
     # wave had freed first, two or three to an SM (a 1,024-token prefill's scans: 2.48 -> 1.68
@@ -89,12 +106,33 @@ def test_kernels_assemble(arch: str, skip_single: bool) -> None:
     # ptxas keeps to the registers of as many blocks an SM as shared memory allows (3 on
     # sm_90, 2 on sm_80's 163 KiB)
     assert f"__launch_bounds__(256, {3 if arch == 'sm_90' else 2})" in prep
-    assert scan.rindex("griddepcontrol_launch_dependents();") < scan.index("for (int ch = 0;")
     # one-token sequences are the ragged decode kernel's: the scan then neither reads nor
     # writes their state, and the prep's blocks for them skip everything past the search
-    guarded = re.search(r"if \(\(?\w+ != 1\)?\)", scan) is not None
-    assert guarded == skip_single
     assert ("!= 1)" in prep[prep.index("griddepcontrol_wait") :]) == skip_single
+
+
+def _host_code(func, target: Target) -> str:
+    """The TIR of a kernel's host side: what it launches, and on what condition."""
+    mod = tvm.IRModule({"main": func.with_attr("target", target)})
+    with target:
+        return tvm.tirx.get_default_tir_pipeline(target)[0](mod)["main"].script()
+
+
+def test_scan_takes_narrow_blocks_for_few_sequences() -> None:
+    """The host picks the scan's kernel by the batch's size: at most FEW_SEQUENCES_SCAN[0]
+    sequences get twice the blocks a sequence (32 columns, 4 warps), more the 64-column
+    blocks of 8 warps; with `few=None` there is one kernel and no choice."""
+    target = _cuda("sm_90")
+    few, col_tile, warps = FEW_SEQUENCES_SCAN
+    host = _host_code(two_pass(16, 32, 128, 128, target, "bfloat16").scan, target)
+    launches = re.findall(
+        r"batch \* (\d+), (\d+), T.int64", host[host.index(f"if batch <= {few}:") :]
+    )
+    assert launches == [(str(32 * 128 // col_tile), str(32 * warps)), ("64", "256")]
+    one = _host_code(two_pass(16, 32, 128, 128, target, "bfloat16", few=None).scan, target)
+    assert "if batch" not in one and re.findall(r"batch \* (\d+), (\d+), T.int64", one) == [
+        ("64", "256")
+    ]
 
 
 def test_shared_memory_limits() -> None:
