@@ -13,8 +13,9 @@ here it is one kernel and a formula:
 - `gate_product`: round(o * round(sigmoid(gate))), o_proj's input, which both attention
   kernels apply where they store o (the gate beside its query: `gate_column`).
 
-Written once as a grid of blocks, each a set of lanes (a channel a lane) with phases that meet
-in shared memory; the CPU runs the blocks in parallel and the lanes one after another.
+Written once as a grid of blocks, each a set of lanes (a warp a head, every 32nd channel a
+lane) with phases that meet in shared memory; the CPU runs the blocks in parallel and the lanes
+one after another.
 """
 
 from __future__ import annotations
@@ -24,19 +25,27 @@ from tvm.script import tirx as T
 from tvm.target import Target
 from tvm.tirx import PrimFunc
 
-from .gdn_prep import _lanes, rounded
+from .gdn_prep import rounded
 from .kv_cache import PAGE_SIZE, seq_of_token
 from .loops import block_loop, thread_loop
 from .pdl import release_dependents, wait_for_producers
 
 # the input kernel's name keeps "attn_append_kv": it is the layer's K/V append now
 INPUT_NAME = "attn_append_kv_qk_norm_rope"
+# a token's heads a block at most (a warp each)
+HEADS_A_BLOCK = 16
 
 
 def inv_freq(rotary_dim: int, theta: float) -> np.ndarray:
     """RoPE's inverse frequencies [rotary_dim // 2], computed in fp32 as HF does."""
     exps = np.arange(0, rotary_dim, 2, dtype=np.float32) / rotary_dim
     return (1.0 / (theta**exps)).astype(np.float32)
+
+
+def _normed(vals, base, dim, inv, kw, qw, kh, dtype: str):
+    """A head's value at `dim` after the RMSNorm, rounded as the norm kernel's output was."""
+    w = T.if_then_else(kh >= 0, kw[dim], qw[dim])
+    return rounded(vals[base + dim] * inv * w, dtype)
 
 
 def attention_input(
@@ -52,24 +61,39 @@ def attention_input(
     inv_freq [rotary_dim // 2], indptr, slots, positions, page_table, k_pool, v_pool, layer)
     -> k_pool, v_pool (in place; kv_cache's layout) and q [n_tok, heads, d].
 
-    A block owns one head of one token: a q head, or a kv head whose block writes both its k
-    (normed, rotated) and its v (copied) into the token's page. The norm's sum of squares is
-    two-level through shared memory; the rotation reads its partner lane's normed value there.
+    A warp owns one head of one token: a q head, or a kv head whose warp writes both its k
+    (normed, rotated) and its v (copied) into the token's page. A block holds up to
+    HEADS_A_BLOCK of a token's heads, so the token's page lookup is made once for them all. Two
+    phases: each lane loads every 32nd value of its head and sums their squares; after the one
+    barrier, each lane normalises its values and their rotation partners (read raw from shared
+    memory and normalised by the same formula) and stores them. A lane's partial sum and the
+    order of the sum over lanes are those of the RMSNorm kernel's 32 partials.
     """
     d, half = head_dim, rotary_dim // 2
     if rotary_dim % 2 or not 0 < rotary_dim <= d:
         raise ValueError(f"rotary_dim {rotary_dim} for head_dim {d}")
     width = (2 * heads + 2 * kv_heads) * d
     k_off, v_off = 2 * heads * d, (2 * heads + kv_heads) * d
-    blocks_per_tok = heads + kv_heads
-    gpu = target.kind.name == "cuda"
-    nt = _lanes(d)
-    parts = 32  # partial sums of squares, nt // parts lanes' squares each (bank-strided)
-    per_part = nt // parts
+    heads_a_tok = heads + kv_heads
+    groups = -(-heads_a_tok // HEADS_A_BLOCK)  # blocks a token, as even as they come
+    hpb = -(-heads_a_tok // groups)
+    per = -(-d // 32)  # values a lane: dims lane, lane + 32, ...
+    nt = 32 * hpb
     tj = PAGE_SIZE
+    gpu = target.kind.name == "cuda"
     shared = "shared" if gpu else "global"
 
     grid, lanes = block_loop(gpu), thread_loop(nt, gpu)
+
+    def normed(vals, base, dim, inv, kw, qw, kh):
+        return _normed(vals, base, dim, inv, kw, qw, kh, dtype)
+
+    def rotated(vals, base, dim, inv, kw, qw, kh, own, pos, freq):
+        # neox halves: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s), the partner normalised here
+        ang = T.Cast("float32", pos) * freq[dim % half]
+        partner = T.if_then_else(dim < half, T.min(dim + half, d - 1), T.max(dim - half, 0))
+        other = normed(vals, base, partner, inv, kw, qw, kh)
+        return own * T.cos(ang) + T.if_then_else(dim < half, -other, other) * T.sin(ang)
 
     @T.prim_func(s_tir=True)
     def attn_input_fn(
@@ -101,21 +125,18 @@ def attention_input(
         kp = T.match_buffer(kp_h, (n_layers, n_pages, kv_heads, tj, d), dtype)
         vp = T.match_buffer(vp_h, (n_layers, n_pages, kv_heads, tj, d), dtype)
         q = T.match_buffer(q_h, (n_tok, heads, d), dtype)
-        for blk in grid(n_tok * blocks_per_tok):
-            with T.sblock("head"):
+        for blk in grid(n_tok * groups):
+            with T.sblock("heads"):
                 T.reads()
                 T.writes()
-                vals = T.sblock_alloc_buffer((nt,), "float32", scope=shared)
-                part = T.sblock_alloc_buffer((parts,), "float32", scope=shared)
+                vals = T.sblock_alloc_buffer((hpb * per * 32,), "float32", scope=shared)
+                part = T.sblock_alloc_buffer((nt,), "float32", scope=shared)
                 lo = T.sblock_alloc_buffer((1,), "int32", scope="local")
                 hi = T.sblock_alloc_buffer((1,), "int32", scope="local")
                 T.evaluate(wait_for_producers(gpu))  # first: schedules/pdl.py
                 T.evaluate(release_dependents(gpu))
-                tok: T.let[T.int32] = blk // blocks_per_tok
-                hd: T.let[T.int32] = blk % blocks_per_tok
-                is_k: T.let[T.bool] = hd >= heads
-                kh: T.let[T.int32] = hd - heads
-                c0: T.let[T.int32] = T.if_then_else(is_k, k_off + kh * d, hd * 2 * d)
+                tok: T.let[T.int32] = blk // groups
+                hd0: T.let[T.int32] = blk % groups * hpb
                 seq_of_token(indptr, n_ptr - 1, tok, lo, hi)
                 pos: T.let[T.int32] = positions[tok]
                 page: T.let[T.int64] = T.Cast("int64", table[slots[lo[0]], pos // tj])
@@ -124,56 +145,46 @@ def attention_input(
                     with T.sblock("load"):
                         T.reads()
                         T.writes()
-                        vals[tx] = T.float32(0)
-                        if tx < d:
-                            vals[tx] = T.Cast("float32", x[tok, c0 + tx])
-                            if is_k:
-                                vp[lay, page, kh, pos % tj, tx] = x[tok, v_off + kh * d + tx]
-                for tx in lanes():
-                    with T.sblock("squares"):
-                        T.reads()
-                        T.writes()
                         acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                        if tx < parts:
-                            acc[0] = T.float32(0)
-                            for e in T.unroll(per_part):
-                                acc[0] = acc[0] + vals[e * parts + tx] * vals[e * parts + tx]
-                            part[tx] = acc[0]
-                for tx in lanes():
-                    with T.sblock("norm"):
-                        T.reads()
-                        T.writes()
-                        acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                        hd: T.let[T.int32] = hd0 + tx // 32
+                        kh: T.let[T.int32] = hd - heads
+                        c0: T.let[T.int32] = T.if_then_else(kh >= 0, k_off + kh * d, hd * 2 * d)
                         acc[0] = T.float32(0)
-                        for p in T.unroll(parts):
-                            acc[0] = acc[0] + part[p]
-                        if tx < d:
-                            # rounded to the model dtype, as the norm kernel's output was
-                            vals[tx] = rounded(
-                                vals[tx]
-                                * T.rsqrt(acc[0] / T.float32(d) + T.float32(eps))
-                                * T.if_then_else(is_k, kw[tx], qw[tx]),
-                                dtype,
-                            )
+                        for e in T.unroll(per):
+                            dim: T.let[T.int32] = e * 32 + tx % 32
+                            at: T.let[T.int32] = tx // 32 * per * 32 + dim
+                            vals[at] = T.float32(0)
+                            if hd < heads_a_tok and dim < d:
+                                vals[at] = T.Cast("float32", x[tok, c0 + dim])
+                                if kh >= 0:
+                                    vp[lay, page, kh, pos % tj, dim] = x[tok, v_off + kh * d + dim]
+                            acc[0] = acc[0] + vals[at] * vals[at]
+                        part[tx] = acc[0]
                 for tx in lanes():
-                    with T.sblock("rope"):
+                    with T.sblock("norm_rope"):
                         T.reads()
                         T.writes()
-                        out = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                        if tx < d:
-                            out[0] = vals[tx]
-                            if tx < rotary_dim:
-                                ang: T.let[T.float32] = T.Cast("float32", pos) * freq[tx % half]
-                                # neox halves: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s)
-                                out[0] = vals[tx] * T.cos(ang) + T.if_then_else(
-                                    tx < half,
-                                    -vals[T.min(tx + half, d - 1)],
-                                    vals[T.max(tx - half, 0)],
-                                ) * T.sin(ang)
-                            if is_k:
-                                kp[lay, page, kh, pos % tj, tx] = T.Cast(dtype, out[0])
-                            else:
-                                q[tok, hd, tx] = T.Cast(dtype, out[0])
+                        acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                        hd: T.let[T.int32] = hd0 + tx // 32
+                        kh: T.let[T.int32] = hd - heads
+                        base: T.let[T.int32] = tx // 32 * per * 32
+                        acc[0] = T.float32(0)
+                        for p in T.unroll(32):
+                            acc[0] = acc[0] + part[tx // 32 * 32 + p]
+                        inv: T.let[T.float32] = T.rsqrt(acc[0] / T.float32(d) + T.float32(eps))
+                        for e in T.unroll(per):
+                            dim: T.let[T.int32] = e * 32 + tx % 32
+                            if hd < heads_a_tok and dim < d:
+                                own: T.let[T.float32] = normed(vals, base, dim, inv, kw, qw, kh)
+                                rot: T.let[T.float32] = T.if_then_else(
+                                    dim < rotary_dim,
+                                    rotated(vals, base, dim, inv, kw, qw, kh, own, pos, freq),
+                                    own,
+                                )
+                                if kh >= 0:
+                                    kp[lay, page, kh, pos % tj, dim] = T.Cast(dtype, rot)
+                                else:
+                                    q[tok, hd, dim] = T.Cast(dtype, rot)
 
     return attn_input_fn.with_attr("global_symbol", INPUT_NAME)
 

@@ -125,8 +125,11 @@ def check_input(lengths, starts, dims, dtype, seed=0) -> None:
 
 
 # (heads, kv heads, head dim, rotary dim): tiny's, idle lanes (40 of 64), rotary = head dim,
-# the 4B's
-DIMS = [(4, 2, 32, 8), (6, 2, 40, 10), (2, 2, 16, 16), (4, 1, 64, 32), (16, 4, 256, 64)]
+# the 4B's (two blocks a token), an idle warp (17 heads a token in two blocks of 9 warps)
+DIMS = [
+    (4, 2, 32, 8), (6, 2, 40, 10), (2, 2, 16, 16), (4, 1, 64, 32), (16, 4, 256, 64),
+    (16, 1, 32, 16),
+]  # fmt: skip
 # an empty sequence, one token, sequences across page boundaries
 RAGGED = ([3, 0, 1, 2 * PAGE_SIZE + 5, 7], [0, 4, 9, 30, 13])
 
