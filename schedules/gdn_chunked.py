@@ -104,9 +104,10 @@ class TwoPass(NamedTuple):
 TWO_PASS = (32, 64)
 # (sequences, col_tile, warps): a step of at most that many sequences scans with narrower,
 # smaller blocks, since one sequence's chunks are serial and its 64 wide blocks leave half the
-# H200's SMs idle. H200, 4B heads (gdn_kernel_s21.json): 1 x 1,024 123.3 -> 110.1 us a layer,
-# 1 x 8,192 898 -> 788 us, where 4 x 1,024 and 16 x 1,024 lose 11% and 6% with them.
-FEW_SEQUENCES_SCAN = (2, 32, 4)
+# H200's SMs idle. H200, 4B heads (gdn_kernel_s22.json, kernel us, 64 wide -> 32 narrow):
+# 1 x 1,024 124.2 -> 110.6, 1 x 8,192 904 -> 800, but 2 x 1,024 176 -> 180, 4 x 1,024
+# 316 -> 351 and 16 x 1,024 1,240 -> 1,313.
+FEW_SEQUENCES_SCAN = (1, 32, 4)
 # A prefill's one-token sequences (a mixed step's decode rows) through decode's recurrent kernel
 # (gdn_decode's ragged form), the two passes skipping them: a mixed step's 16 decode rows cost
 # 2.0 ms of GDN in the two passes against ~0.6 ms in decode's kernel
