@@ -1,12 +1,10 @@
 """RMSNorm over the last axis, in float32, reading and writing the activation dtype.
 
 One kernel where Relax's `rms_norm` legalises to two or three (a cast to float32, the norm,
-the cast back). A warp per row, ROWS_A_BLOCK rows a block: each lane loads every 32nd
-128-bit vector of its row and sums their squares; after the one barrier, each lane adds its
-row's 32 sums and scales its vectors (loaded again, from L1). A lane issues all its loads
-before it uses any: issued one after another, the ten of a 2,560-wide row took 15.5 us at
-1,024 rows on the H200 (profile_step_s22.json), where a block a row of 320 threads and two
-barriers took 5.3 us (profile_step_s20.json), its 1,024 blocks in 1.3 waves.
+the cast back): a decode step runs 65 of them, each mostly latency. A block per row, a
+thread per 128-bit vector of it: each thread sums its squares, threads of a second phase add
+GROUP of those sums each, and every thread adds theirs and scales its vector (two barriers;
+the halving-stride reduction this replaced took eight more).
 """
 
 from __future__ import annotations
@@ -18,8 +16,8 @@ from tvm.tirx import PrimFunc
 from .loops import block_loop, thread_loop
 from .pdl import release_dependents, wait_for_producers
 
-ROWS_A_BLOCK = 4  # a warp a row
-UNROLLED = 16  # vectors a lane loads at once at most (a 4,096-wide bf16 row: 16)
+MAX_THREADS = 1024
+GROUP = 16  # partial sums a thread of the second phase adds
 EPS_ATTR = "qwen35.rms_norm_eps"  # on the kernel: compile/norm_fusion.py finds norms by it
 
 
@@ -27,28 +25,20 @@ def rms_norm(dim: int, eps: float, dtype: str, target: Target) -> PrimFunc:
     """out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight, over rows of `dim` values:
     (x [rows, dim] dtype, weight [dim] float32) -> out [rows, dim] dtype."""
     gpu = target.kind.name == "cuda"
-    vec = 8 if dtype == "bfloat16" else 4  # 128-bit loads
+    # 128-bit loads: a thread a vector, so a 2,560-wide bf16 row is 320 threads on the GPU
+    vec = 8 if dtype == "bfloat16" else 4
     vec = vec if dim % vec == 0 else 1
     chunks = dim // vec
-    per = -(-chunks // 32)  # vectors a lane: lane, lane + 32, ...
-    batch = min(per, UNROLLED)  # a lane's loads in flight: all of them, before any use
-    rounds = -(-per // batch)
-    nt = 32 * ROWS_A_BLOCK
+    # the CPU runs the same lanes one phase at a time, so its tests check the GPU's indexing
+    nt = min(MAX_THREADS, -(-chunks // 32) * 32)
+    per_thread = -(-chunks // nt)
+    groups = -(-nt // GROUP)
     shared = "shared" if gpu else "global"
     # staged in the activation dtype on the GPU (whole vectors), in float32 on the CPU (TVM's
-    # CPU bf16 legalisation rejects local bf16 buffers); the CPU runs the lanes one phase at a
-    # time, so its tests check the GPU's indexing
+    # CPU bf16 legalisation rejects local bf16 buffers)
     stage = dtype if gpu else "float32"
 
     grid, lanes = block_loop(gpu), thread_loop(nt, gpu)
-
-    @T.macro
-    def load(x, vals, r, rows, e0, tx):
-        for u in T.unroll(batch):
-            c: T.let[T.int32] = (e0 * batch + u) * 32 + tx % 32
-            if r < rows and c < chunks:
-                for v in T.vectorized(vec):
-                    vals[u * vec + v] = T.Cast(stage, x[r, c * vec + v])
 
     @T.prim_func(s_tir=True)
     def rms_norm_rows(x_h: T.handle, w_h: T.handle, out_h: T.handle):
@@ -57,54 +47,65 @@ def rms_norm(dim: int, eps: float, dtype: str, target: Target) -> PrimFunc:
         x = T.match_buffer(x_h, (rows, dim), dtype)
         w = T.match_buffer(w_h, (dim,), "float32")
         out = T.match_buffer(out_h, (rows, dim), dtype)
-        for blk in grid((rows + ROWS_A_BLOCK - 1) // ROWS_A_BLOCK):
-            with T.sblock("rows"):
+        for r in grid(rows):
+            with T.sblock("row"):
                 T.reads()
                 T.writes()
+                # two phases of partial sums (a thread's, then GROUP of them), two barriers
                 part = T.sblock_alloc_buffer((nt,), "float32", scope=shared)
+                part2 = T.sblock_alloc_buffer((groups,), "float32", scope=shared)
                 for tx in lanes():
                     with T.sblock("squares"):
                         T.reads()
                         T.writes()
                         acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                        vals = T.sblock_alloc_buffer((batch * vec,), stage, scope="local")
+                        vals = T.sblock_alloc_buffer((vec,), stage, scope="local")
                         T.evaluate(wait_for_producers(gpu))  # first: schedules/pdl.py
                         T.evaluate(release_dependents(gpu))
-                        r: T.let[T.int32] = blk * ROWS_A_BLOCK + tx // 32
                         acc[0] = T.float32(0)
-                        for e0 in T.serial(rounds):
-                            load(x, vals, r, rows, e0, tx)
-                            for u in T.unroll(batch):
-                                if r < rows and (e0 * batch + u) * 32 + tx % 32 < chunks:
-                                    for v in T.unroll(vec):
-                                        acc[0] = acc[0] + T.Cast(
-                                            "float32", vals[u * vec + v]
-                                        ) * T.Cast("float32", vals[u * vec + v])
+                        for e in T.serial(per_thread):
+                            if e * nt + tx < chunks:
+                                for v in T.vectorized(vec):
+                                    vals[v] = T.Cast(stage, x[r, (e * nt + tx) * vec + v])
+                                for v in T.unroll(vec):
+                                    acc[0] = acc[0] + T.Cast("float32", vals[v]) * T.Cast(
+                                        "float32", vals[v]
+                                    )
                         part[tx] = acc[0]
+                for tx in lanes():
+                    with T.sblock("groups"):
+                        T.reads()
+                        T.writes()
+                        acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                        if tx < groups:
+                            acc[0] = T.float32(0)
+                            # every groups-th sum: consecutive lanes, consecutive banks
+                            for p in T.unroll(GROUP):
+                                if p * groups + tx < nt:
+                                    acc[0] = acc[0] + part[p * groups + tx]
+                            part2[tx] = acc[0]
                 for tx in lanes():
                     with T.sblock("scale"):
                         T.reads()
                         T.writes()
                         acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                        vals = T.sblock_alloc_buffer((batch * vec,), stage, scope="local")
+                        vals = T.sblock_alloc_buffer((vec,), stage, scope="local")
                         res = T.sblock_alloc_buffer((vec,), stage, scope="local")
-                        r: T.let[T.int32] = blk * ROWS_A_BLOCK + tx // 32
                         acc[0] = T.float32(0)
-                        for p in T.unroll(32):
-                            acc[0] = acc[0] + part[tx // 32 * 32 + p]
+                        for g in T.serial(groups):
+                            acc[0] = acc[0] + part2[g]
                         inv: T.let[T.float32] = T.rsqrt(acc[0] / T.float32(dim) + T.float32(eps))
-                        for e0 in T.serial(rounds):
-                            load(x, vals, r, rows, e0, tx)
-                            for u in T.unroll(batch):
-                                c: T.let[T.int32] = ((e0 * batch + u) * 32 + tx % 32) * vec
-                                if r < rows and c < dim:
-                                    for v in T.unroll(vec):
-                                        res[v] = T.Cast(
-                                            stage,
-                                            T.Cast("float32", vals[u * vec + v]) * inv * w[c + v],
-                                        )
-                                    for v in T.vectorized(vec):
-                                        out[r, c + v] = T.Cast(dtype, res[v])
+                        for e in T.serial(per_thread):
+                            c: T.let[T.int32] = (e * nt + tx) * vec
+                            if e * nt + tx < chunks:
+                                for v in T.vectorized(vec):
+                                    vals[v] = T.Cast(stage, x[r, c + v])
+                                for v in T.unroll(vec):
+                                    res[v] = T.Cast(
+                                        stage, T.Cast("float32", vals[v]) * inv * w[c + v]
+                                    )
+                                for v in T.vectorized(vec):
+                                    out[r, c + v] = T.Cast(dtype, res[v])
 
     # names must differ in a module, which holds one kernel for each width, dtype and eps
     named = rms_norm_rows.with_attr("global_symbol", kernel_name(dim, eps, dtype))

@@ -1,6 +1,6 @@
 """schedules/norm.py's RMSNorm against numpy, in float32 and bfloat16 (the CPU build runs the
-GPU kernel's loop nest), at row widths that leave lanes idle or give them many vectors, at row
-counts that leave a block's warps idle, and compiled for CUDA."""
+GPU kernel's loop nest), at row widths that leave threads idle or give them several columns,
+and compiled for CUDA."""
 
 from __future__ import annotations
 
@@ -33,8 +33,8 @@ def reference(x: np.ndarray, w: np.ndarray, dtype: str) -> np.ndarray:
 
 
 @pytest.mark.parametrize("dtype, tol", [("float32", 1e-5), ("bfloat16", 1.6e-2)])
-# widths of one vector, of 2-5 lanes, of 10 scalars a lane (300 in bf16), of 10 vectors a lane
-# (2,560 bf16), and of 36 (9,000 bf16: past UNROLLED, a loop); 5 rows leave 3 warps idle
+# widths of one vector, of 1-2 lanes, of groups part-filled (300: 10 warps of scalars), of
+# 320 lanes (2,560 bf16), and past MAX_THREADS vectors (9,000: 2-3 vectors a lane)
 @pytest.mark.parametrize(
     "rows, dim", [(1, 1), (5, 7), (3, 40), (2, 300), (1, 2560), (2, 9000)]
 )
