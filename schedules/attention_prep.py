@@ -42,12 +42,6 @@ def inv_freq(rotary_dim: int, theta: float) -> np.ndarray:
     return (1.0 / (theta**exps)).astype(np.float32)
 
 
-def _normed(vals, base, dim, inv, kw, qw, kh, dtype: str):
-    """A head's value at `dim` after the RMSNorm, rounded as the norm kernel's output was."""
-    w = T.if_then_else(kh >= 0, kw[dim], qw[dim])
-    return rounded(vals[base + dim] * inv * w, dtype)
-
-
 def attention_input(
     heads: int,
     kv_heads: int,
@@ -67,7 +61,9 @@ def attention_input(
     phases: each lane loads every 32nd value of its head and sums their squares; after the one
     barrier, each lane normalises its values and their rotation partners (read raw from shared
     memory and normalised by the same formula) and stores them. A lane's partial sum and the
-    order of the sum over lanes are those of the RMSNorm kernel's 32 partials.
+    order of the sum over lanes are those of the RMSNorm kernel's 32 partials. Each phase
+    issues all of a lane's global loads before it uses one: a decode step's few blocks wait on
+    them, where a 1,024-token prefill's many blocks hide each other's.
     """
     d, half = head_dim, rotary_dim // 2
     if rotary_dim % 2 or not 0 < rotary_dim <= d:
@@ -82,17 +78,19 @@ def attention_input(
     tj = PAGE_SIZE
     gpu = target.kind.name == "cuda"
     shared = "shared" if gpu else "global"
+    # v staged in the activation dtype on the GPU, in float32 on the CPU (TVM's CPU bf16
+    # legalisation rejects local bf16 buffers)
+    stage = dtype if gpu else "float32"
 
     grid, lanes = block_loop(gpu), thread_loop(nt, gpu)
 
-    def normed(vals, base, dim, inv, kw, qw, kh):
-        return _normed(vals, base, dim, inv, kw, qw, kh, dtype)
+    def partner(dim):
+        # a dim's partner in the rotation (neox halves); past rotary_dim, any in-bounds dim
+        return T.if_then_else(dim < half, T.min(dim + half, d - 1), T.max(dim - half, 0))
 
-    def rotated(vals, base, dim, inv, kw, qw, kh, own, pos, freq):
-        # neox halves: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s), the partner normalised here
+    def rotated(dim, own, other, pos, freq):
+        # (x1, x2) -> (x1 c - x2 s, x2 c + x1 s)
         ang = T.Cast("float32", pos) * freq[dim % half]
-        partner = T.if_then_else(dim < half, T.min(dim + half, d - 1), T.max(dim - half, 0))
-        other = normed(vals, base, partner, inv, kw, qw, kh)
         return own * T.cos(ang) + T.if_then_else(dim < half, -other, other) * T.sin(ang)
 
     @T.prim_func(s_tir=True)
@@ -146,28 +144,41 @@ def attention_input(
                         T.reads()
                         T.writes()
                         acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                        xs = T.sblock_alloc_buffer((per,), "float32", scope="local")
+                        vs = T.sblock_alloc_buffer((per,), stage, scope="local")
                         hd: T.let[T.int32] = hd0 + tx // 32
                         kh: T.let[T.int32] = hd - heads
                         c0: T.let[T.int32] = T.if_then_else(kh >= 0, k_off + kh * d, hd * 2 * d)
+                        for e in T.unroll(per):  # every load in flight before any use
+                            dim: T.let[T.int32] = e * 32 + tx % 32
+                            xs[e] = T.float32(0)
+                            if hd < heads_a_tok and dim < d:
+                                xs[e] = T.Cast("float32", x[tok, c0 + dim])
+                                if kh >= 0:
+                                    vs[e] = T.Cast(stage, x[tok, v_off + kh * d + dim])
                         acc[0] = T.float32(0)
                         for e in T.unroll(per):
                             dim: T.let[T.int32] = e * 32 + tx % 32
-                            at: T.let[T.int32] = tx // 32 * per * 32 + dim
-                            vals[at] = T.float32(0)
-                            if hd < heads_a_tok and dim < d:
-                                vals[at] = T.Cast("float32", x[tok, c0 + dim])
-                                if kh >= 0:
-                                    vp[lay, page, kh, pos % tj, dim] = x[tok, v_off + kh * d + dim]
-                            acc[0] = acc[0] + vals[at] * vals[at]
+                            vals[tx // 32 * per * 32 + dim] = xs[e]
+                            acc[0] = acc[0] + xs[e] * xs[e]
+                            if hd < heads_a_tok and dim < d and kh >= 0:
+                                vp[lay, page, kh, pos % tj, dim] = T.Cast(dtype, vs[e])
                         part[tx] = acc[0]
                 for tx in lanes():
                     with T.sblock("norm_rope"):
                         T.reads()
                         T.writes()
                         acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                        ws = T.sblock_alloc_buffer((2 * per,), "float32", scope="local")
                         hd: T.let[T.int32] = hd0 + tx // 32
                         kh: T.let[T.int32] = hd - heads
                         base: T.let[T.int32] = tx // 32 * per * 32
+                        for e in T.unroll(per):  # the norm weights of a value and its partner
+                            dim: T.let[T.int32] = T.min(e * 32 + tx % 32, d - 1)
+                            ws[e] = T.if_then_else(kh >= 0, kw[dim], qw[dim])
+                            ws[per + e] = T.if_then_else(
+                                kh >= 0, kw[partner(dim)], qw[partner(dim)]
+                            )
                         acc[0] = T.float32(0)
                         for p in T.unroll(32):
                             acc[0] = acc[0] + part[tx // 32 * 32 + p]
@@ -175,11 +186,15 @@ def attention_input(
                         for e in T.unroll(per):
                             dim: T.let[T.int32] = e * 32 + tx % 32
                             if hd < heads_a_tok and dim < d:
-                                own: T.let[T.float32] = normed(vals, base, dim, inv, kw, qw, kh)
+                                # rounded to the model dtype, as the norm kernel's output was
+                                own: T.let[T.float32] = rounded(
+                                    vals[base + dim] * inv * ws[e], dtype
+                                )
+                                other: T.let[T.float32] = rounded(
+                                    vals[base + partner(dim)] * inv * ws[per + e], dtype
+                                )
                                 rot: T.let[T.float32] = T.if_then_else(
-                                    dim < rotary_dim,
-                                    rotated(vals, base, dim, inv, kw, qw, kh, own, pos, freq),
-                                    own,
+                                    dim < rotary_dim, rotated(dim, own, other, pos, freq), own
                                 )
                                 if kh >= 0:
                                     kp[lay, page, kh, pos % tj, dim] = T.Cast(dtype, rot)
