@@ -11,6 +11,7 @@ import re
 
 import pytest
 import tvm
+from tir_host import host_code
 from tvm.target import Target
 
 from qwen35_tvm.compile.cuda_toolchain import prepare_cuda_codegen
@@ -111,25 +112,18 @@ def test_kernels_assemble(arch: str, skip_single: bool) -> None:
     assert ("!= 1)" in prep[prep.index("griddepcontrol_wait") :]) == skip_single
 
 
-def _host_code(func, target: Target) -> str:
-    """The TIR of a kernel's host side: what it launches, and on what condition."""
-    mod = tvm.IRModule({"main": func.with_attr("target", target)})
-    with target:
-        return tvm.tirx.get_default_tir_pipeline(target)[0](mod)["main"].script()
-
-
 def test_scan_takes_narrow_blocks_for_few_sequences() -> None:
     """The host picks the scan's kernel by the batch's size: at most FEW_SEQUENCES_SCAN[0]
     sequences get twice the blocks a sequence (32 columns, 4 warps), more the 64-column
     blocks of 8 warps; with `few=None` there is one kernel and no choice."""
     target = _cuda("sm_90")
     few, col_tile, warps = FEW_SEQUENCES_SCAN
-    host = _host_code(two_pass(16, 32, 128, 128, target, "bfloat16").scan, target)
+    host = host_code(two_pass(16, 32, 128, 128, target, "bfloat16").scan, target)
     launches = re.findall(
         r"batch \* (\d+), (\d+), T.int64", host[host.index(f"if batch <= {few}:") :]
     )
     assert launches == [(str(32 * 128 // col_tile), str(32 * warps)), ("64", "256")]
-    one = _host_code(two_pass(16, 32, 128, 128, target, "bfloat16", few=None).scan, target)
+    one = host_code(two_pass(16, 32, 128, 128, target, "bfloat16", few=None).scan, target)
     assert "if batch" not in one and re.findall(r"batch \* (\d+), (\d+), T.int64", one) == [
         ("64", "256")
     ]
