@@ -60,8 +60,9 @@ def attention_input(
     HEADS_A_BLOCK of a token's heads, so the token's page lookup is made once for them all. Two
     phases: each lane loads every 32nd value of its head and sums their squares; after the one
     barrier, each lane normalises its values and their rotation partners (read raw from shared
-    memory and normalised by the same formula) and stores them. A lane's partial sum and the
-    order of the sum over lanes are those of the RMSNorm kernel's 32 partials. Each phase
+    memory and normalised by the same formula) and stores them. A lane's partial sum of squares
+    and the order of the sum over lanes are the 32 partials of the block-a-head form this
+    replaced, so outputs are unchanged bit for bit. Each phase
     issues all of a lane's global loads before it uses one: a decode step's few blocks wait on
     them, where a 1,024-token prefill's many blocks hide each other's.
     """
