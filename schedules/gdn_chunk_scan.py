@@ -241,11 +241,8 @@ def chunk_scan(
     serial, so a few sequences fill the GPU only with narrower blocks)."""
     c = chunk
     wide = _scan_blocks(k_heads, v_heads, dk, dv, c, col_tile, warps, skip_single)
-    one_kernel = few is None
-    few_seqs = 0 if one_kernel else few[0]
-    narrow = (
-        wide if one_kernel else _scan_blocks(k_heads, v_heads, dk, dv, c, *few[1:], skip_single)
-    )
+    if few is not None:
+        few_seqs, narrow = few[0], _scan_blocks(k_heads, v_heads, dk, dv, c, *few[1:], skip_single)
 
     @T.prim_func(s_tir=True)
     def gdn_chunk_scan(
@@ -274,7 +271,7 @@ def chunk_scan(
         slots = T.match_buffer(slots_h, (batch,), "int32")
         pool = T.match_buffer(pool_h, (n_slots, n_layers, v_heads, dv, dk), "float32")
         out = T.match_buffer(out_h, (n_tok, v_heads, dv), "float32")
-        if one_kernel:
+        if few is None:
             wide(kb, qb, w, u, p, gc, indptr, slots, pool, layer, out, batch)
         elif batch <= few_seqs:
             narrow(kb, qb, w, u, p, gc, indptr, slots, pool, layer, out, batch)

@@ -143,8 +143,9 @@ def two_pass(
     if k_dim % 64 or 256 % k_dim or v_dim % 32 or k_dim + v_dim > 256 or v_heads % k_heads:
         return None
     limit = _SMEM_KIB.get(arch, 99) * 1024
-    scan_bytes = [sum(scan_shared_bytes(c, t, k_dim)) for t in [ct, *(few or [])[1:2]]]
-    if sum(prep_shared_bytes(c, k_dim, v_dim)) > limit or max(scan_bytes) > limit:
+    scan_tiles = [ct] if few is None else [ct, few[1]]
+    scan_bytes = max(sum(scan_shared_bytes(c, t, k_dim)) for t in scan_tiles)
+    if sum(prep_shared_bytes(c, k_dim, v_dim)) > limit or scan_bytes > limit:
         raise ValueError(f"chunk {c} x col_tile {ct}: too much shared memory for sm_{arch}")
     blocks = blocks_per_sm(c, k_dim, v_dim, limit)
     prep = chunk_prep(k_heads, v_heads, k_dim, v_dim, c, kernel, blocks, skip_single)
