@@ -20,7 +20,7 @@ from ..schedules.matmul_config import DEFAULT_CONFIG
 from .config import ModelConfig
 from .convert import convert_weights, log, write_meta
 from .cuda_toolchain import prepare_cuda_codegen
-from .exports import export_spec, mark_decode_for_cuda_graph
+from .exports import export_spec, mark_decode_for_cuda_graph, prompts_prefill_differs
 from .hf_folder import HFModelFolder, resolve_model
 from .model import Qwen35LM
 from .pipeline import relax_pipeline, tir_pipeline
@@ -43,7 +43,7 @@ def build_module(
 ) -> tuple[tvm.IRModule, list[tuple[str, nn.Parameter]]]:
     with target:
         model = Qwen35LM(config, widths, dtype, mask_pad=mask_pad)
-        spec = export_spec(config, widths, dtype)
+        spec = export_spec(config, widths, dtype, prompts_prefill_differs(config, dtype, target))
         mod, named_params, _ = model.export_tvm(spec=spec, allow_extern=True)
     return mark_decode_for_cuda_graph(mod, MAX_DECODE_BATCH), named_params
 

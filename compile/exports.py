@@ -6,15 +6,26 @@ from __future__ import annotations
 
 from tvm import IRModule
 from tvm.relax.frontend import nn
+from tvm.target import Target
 
-from ..schedules import greedy
+from ..schedules import gdn_chunked, greedy
 from .config import ModelConfig
 from .model import F32, gdn_pool_shapes, kv_pool_shapes
 from .vocab import VocabWidths
 
 
-def export_spec(cfg: ModelConfig, widths: VocabWidths, dtype: str) -> dict:
-    """The functions the artifact exports, with their argument shapes."""
+def prompts_prefill_differs(cfg: ModelConfig, dtype: str, target: Target) -> bool:
+    """Whether Qwen35LM.prefill_prompts is another function than prefill: where the chunked
+    GDN's two passes leave a mixed step's one-token rows to decode's kernel (bf16 on CUDA)."""
+    return gdn_chunked.MIXED_ROWS_RECURRENT and gdn_chunked.two_pass_applies(
+        cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+        cfg.linear_value_head_dim, target, dtype,
+    )  # fmt: skip
+
+
+def export_spec(cfg: ModelConfig, widths: VocabWidths, dtype: str, prompts: bool = False) -> dict:
+    """The functions the artifact exports, with their argument shapes; `prompts`: also
+    prefill_prompts (`prompts_prefill_differs`)."""
     conv, rec, tickets = gdn_pool_shapes(cfg, "n_slots")
     pool, table = kv_pool_shapes(cfg, "n_pages", "n_slots", "pages_per_seq")
     state = {
@@ -33,16 +44,18 @@ def export_spec(cfg: ModelConfig, widths: VocabWidths, dtype: str) -> dict:
         "rows": nn.spec.Tensor(["n"], "int32"),
         "bitmask": nn.spec.Tensor(["n", greedy.mask_words(widths.decodable)], "int32"),
     }
+    prefill = {
+        "input_ids": nn.spec.Tensor(["n_tok"], "int32"),
+        "indptr": nn.spec.Tensor(["n_ptr"], "int32"),
+        "slots": nn.spec.Tensor(["n_seq"], "int32"),
+        "positions": nn.spec.Tensor(["n_tok"], "int32"),
+        "logit_positions": nn.spec.Tensor(["n_out"], "int32"),
+        **state,
+        **packed,
+    }
     return {
-        "prefill": {
-            "input_ids": nn.spec.Tensor(["n_tok"], "int32"),
-            "indptr": nn.spec.Tensor(["n_ptr"], "int32"),
-            "slots": nn.spec.Tensor(["n_seq"], "int32"),
-            "positions": nn.spec.Tensor(["n_tok"], "int32"),
-            "logit_positions": nn.spec.Tensor(["n_out"], "int32"),
-            **state,
-            **packed,
-        },
+        "prefill": prefill,
+        **({"prefill_prompts": prefill} if prompts else {}),
         **{
             name: {
                 "step": nn.spec.Tensor(["batch", 3], "int32"),

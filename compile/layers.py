@@ -209,10 +209,12 @@ class GatedDeltaNet(nn.Module):
         state: GDNState,
         chunked: bool,
         wide: bool = False,
+        mixed: bool = True,
     ) -> tuple[Tensor, GDNState]:
         """`chunked` picks the chunkwise-parallel delta rule (prefill) over the recurrent one
         (decode); both read and update the same state. `wide`: decode_wide's step, whose
-        recurrent kernel takes gdn_decode.WIDE_LAYOUT."""
+        recurrent kernel takes gdn_decode.WIDE_LAYOUT. `mixed=False`: a prefill whose one-token
+        sequences (if any) the two passes take too, with no launch of decode's kernel."""
         cfg = self.cfg
         n_tok = x.shape[0]
         hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
@@ -225,7 +227,7 @@ class GatedDeltaNet(nn.Module):
         conv_and_gates = [self.conv_weight, self.A_log, self.dt_bias]
         two = chunked and gdn_chunked.two_pass(
             hk, hv, dk, dv, target, self.dtype, kernel=kernel,
-            skip_single=gdn_chunked.MIXED_ROWS_RECURRENT,
+            skip_single=mixed and gdn_chunked.MIXED_ROWS_RECURRENT,
         )  # fmt: skip
         if chunked and two is None:  # fp32 or the CPU: q, k, v and the gates, then one kernel
             q, k, v, g, beta = op.tensor_ir_op(

@@ -111,10 +111,52 @@ class Qwen35LM(nn.Module):
         selection] at the given token positions, and each row's greedy pick, so a greedy
         request's first token costs the host 8 bytes rather than a 1 MB row and a softmax. The
         pools come back only because they are updated in place."""
+        return self._prefill(
+            input_ids, indptr, slots, positions, logit_positions, k_pool, v_pool, page_table,
+            conv_pool, rec_pool, gdn_tickets, mixed=True,
+        )  # fmt: skip
+
+    def prefill_prompts(
+        self,
+        input_ids: Tensor,
+        indptr: Tensor,
+        slots: Tensor,
+        positions: Tensor,
+        logit_positions: Tensor,
+        k_pool: Tensor,
+        v_pool: Tensor,
+        page_table: Tensor,
+        conv_pool: Tensor,
+        rec_pool: Tensor,
+        gdn_tickets: Tensor,
+    ) -> tuple[Tensor, ...]:
+        """`prefill` for steps of prompt chunks only: the chunked GDN's two passes take any
+        one-token sequence themselves, so decode's GDN kernel, there for a mixed step's decode
+        rows, is not launched (exported where it differs: `prompts_prefill_differs`)."""
+        return self._prefill(
+            input_ids, indptr, slots, positions, logit_positions, k_pool, v_pool, page_table,
+            conv_pool, rec_pool, gdn_tickets, mixed=False,
+        )  # fmt: skip
+
+    def _prefill(
+        self,
+        input_ids: Tensor,
+        indptr: Tensor,
+        slots: Tensor,
+        positions: Tensor,
+        logit_positions: Tensor,
+        k_pool: Tensor,
+        v_pool: Tensor,
+        page_table: Tensor,
+        conv_pool: Tensor,
+        rec_pool: Tensor,
+        gdn_tickets: Tensor,
+        mixed: bool,
+    ) -> tuple[Tensor, ...]:
         kv = KVCache(k_pool, v_pool, page_table)
         x, kv, gdn_state = self._stack(
             self.embed_tokens(input_ids), indptr, slots, positions, kv,
-            GDNState(conv_pool, rec_pool, gdn_tickets), chunked=True,
+            GDNState(conv_pool, rec_pool, gdn_tickets), chunked=True, mixed=mixed,
         )  # fmt: skip
         hidden = self.norm(op.take(x, logit_positions, axis=0))
         logits_rows = self.lm_head(hidden)
@@ -251,15 +293,18 @@ class Qwen35LM(nn.Module):
         gdn_state: GDNState,
         chunked: bool,
         wide: bool = False,
+        mixed: bool = True,
     ) -> tuple[Tensor, KVCache, GDNState]:
         """The decoder layers over embeddings x: hidden states [tokens, hidden] before the norm;
-        `wide`: decode_wide's step (see GatedDeltaNet.forward)."""
+        `wide` (decode_wide's step) and `mixed` as in GatedDeltaNet.forward."""
         for layer in self.layers:
             h = layer.input_layernorm(x)
             if layer.kind == FULL:
                 h, kv = layer.self_attn(h, indptr, slots, positions, kv, prefill=chunked)
             else:
-                h, gdn_state = layer.linear_attn(h, indptr, slots, gdn_state, chunked, wide)
+                h, gdn_state = layer.linear_attn(
+                    h, indptr, slots, gdn_state, chunked, wide, mixed
+                )
             x = x + h
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return x, kv, gdn_state

@@ -29,7 +29,9 @@ from .swiglu_fusion import fold_swiglu_into_gemv
 
 # Exported Relax functions by how many rows their projections see: prefill a whole prompt
 # chunk ("large"), decode_wide 8-64 sequences ("wide"), decode fewer ("small").
-ROW_CLASSES = {"prefill": "large", "decode_wide": "wide", "decode": "small"}
+ROW_CLASSES = {
+    "prefill": "large", "prefill_prompts": "large", "decode_wide": "wide", "decode": "small"
+}  # fmt: skip
 GEMM_DTYPES = ("bfloat16", "float32")  # split and marked; only bf16 has the tensor-core kernel
 
 

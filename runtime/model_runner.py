@@ -71,6 +71,10 @@ class ModelRunner:
         # A VM of its own: captured CUDA graphs keep the addresses of this runner's buffers.
         self._vm = vm = artifact.new_vm()
         self._prefill = vm["prefill"]
+        # steps of prompt chunks only, where the artifact has such a prefill (bf16 on CUDA):
+        # decode's GDN kernel for one-token rows is not launched
+        has_prompts = vm.module.implements_function("prefill_prompts")
+        self._prefill_prompts = vm["prefill_prompts"] if has_prompts else self._prefill
         self._decode = vm["decode"]
         self._decode_wide = vm["decode_wide"]
         self._reset = vm["reset_gdn_slots"]
@@ -288,7 +292,8 @@ class ModelRunner:
             src = self._in_flight[0]._create_view(_shape(n), INT32, 4 * fed[j])
             inputs[0]._create_view(_shape(n), INT32, 4 * j).copyfrom(src)
             j += n
-        return self._prefill(*inputs, *self._state())
+        prompts_only = all(len(t) > 1 for t in tokens)
+        return (self._prefill_prompts if prompts_only else self._prefill)(*inputs, *self._state())
 
     def decode(self, slots: list[int], tokens: list[int]) -> StepLogits:
         """One token for each sequence; the logits stay on the device until asked for."""

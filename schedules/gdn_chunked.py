@@ -116,6 +116,21 @@ FEW_SEQUENCES_SCAN = (1, 32, 4)
 MIXED_ROWS_RECURRENT = True
 
 
+def _arch(target: Target) -> int:
+    return int(str(target.attrs.get("arch", "sm_80"))[3:]) if target.kind.name == "cuda" else 0
+
+
+def two_pass_applies(
+    k_heads: int, v_heads: int, k_dim: int, v_dim: int, target: Target, act_dtype: str
+) -> bool:
+    """Whether `two_pass` gives kernels: bf16 activations on CUDA sm_80+, dims that tile."""
+    if _arch(target) < 80 or act_dtype != "bfloat16":
+        return False
+    return not (
+        k_dim % 64 or 256 % k_dim or v_dim % 32 or k_dim + v_dim > 256 or v_heads % k_heads
+    )
+
+
 def two_pass(
     k_heads: int,
     v_heads: int,
@@ -135,13 +150,10 @@ def two_pass(
     starts from in_proj's output: `kernel` is the causal conv1d's width. `skip_single`: both
     kernels leave one-token sequences alone, for gdn_decode's ragged kernel (the caller's).
     `few`: chunk_scan's second kernel for steps of few sequences (None: one kernel)."""
-    gpu = target.kind.name == "cuda"
-    arch = int(str(target.attrs.get("arch", "sm_80"))[3:]) if gpu else 0
+    if not two_pass_applies(k_heads, v_heads, k_dim, v_dim, target, act_dtype):
+        return None
+    arch = _arch(target)
     c, ct = chunk or TWO_PASS[0], col_tile or min(TWO_PASS[1], v_dim)
-    if not gpu or arch < 80 or act_dtype != "bfloat16":
-        return None
-    if k_dim % 64 or 256 % k_dim or v_dim % 32 or k_dim + v_dim > 256 or v_heads % k_heads:
-        return None
     limit = _SMEM_KIB.get(arch, 99) * 1024
     scan_tiles = [ct] if few is None else [ct, few[1]]
     scan_bytes = max(sum(scan_shared_bytes(c, t, k_dim)) for t in scan_tiles)

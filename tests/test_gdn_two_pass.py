@@ -136,27 +136,34 @@ def test_shared_memory_limits() -> None:
         two_pass(16, 32, 128, 128, _cuda("sm_80"), "bfloat16", chunk=128, col_tile=32)
 
 
-def _prefill_kernels(dtype: str) -> set[str]:
-    """The kernels of one GDN layer's prefill, with 128-wide heads (which tile)."""
+def _config_128():
+    """The tiny config with 128-wide GDN heads, which the two passes tile."""
     import dataclasses
 
-    from tvm.relax.frontend import nn
-
     from qwen35_tvm.compile.config import ModelConfig
-    from qwen35_tvm.compile.layers import GatedDeltaNet, GDNState
-    from qwen35_tvm.compile.model import gdn_pool_shapes
     from qwen35_tvm.compile.random_model import SHAPES
 
-    cfg = dataclasses.replace(
+    return dataclasses.replace(
         ModelConfig.from_hf(SHAPES["tiny"]), linear_key_head_dim=128, linear_value_head_dim=128
     )
+
+
+def _prefill_kernels(dtype: str, mixed: bool = True) -> set[str]:
+    """The kernels of one GDN layer's prefill, with 128-wide heads (which tile)."""
+    from tvm.relax.frontend import nn
+
+    from qwen35_tvm.compile.layers import GatedDeltaNet, GDNState
+    from qwen35_tvm.compile.model import gdn_pool_shapes
+
+    cfg = _config_128()
 
     class Prefill(nn.Module):
         def __init__(self) -> None:
             self.gdn = GatedDeltaNet(cfg, 0, dtype)
 
         def forward(self, x, indptr, slots, conv, rec, tickets):
-            return self.gdn(x, indptr, slots, GDNState(conv, rec, tickets), chunked=True)[0]
+            state = GDNState(conv, rec, tickets)
+            return self.gdn(x, indptr, slots, state, chunked=True, mixed=mixed)[0]
 
     conv, rec, tickets = gdn_pool_shapes(cfg, 2)
     spec = {"forward": {
@@ -191,3 +198,23 @@ def test_mixed_rows_take_the_recurrent_kernel(monkeypatch) -> None:
     assert {"gdn_delta_rule_decode_r32p4_ragged", "gdn_chunk_prep", "gdn_chunk_scan"} <= bf16
     monkeypatch.setattr(gdn_chunked, "MIXED_ROWS_RECURRENT", False)
     assert not any(name.endswith("_ragged") for name in _prefill_kernels("bfloat16"))
+
+
+def test_a_prompts_only_prefill_launches_no_decode_kernel() -> None:
+    """prefill_prompts (mixed=False): the two passes take every sequence and decode's ragged
+    kernel is gone; it is exported only where it differs from prefill (bf16 on CUDA, dims the
+    two passes tile)."""
+    from qwen35_tvm.compile.exports import export_spec, prompts_prefill_differs
+    from qwen35_tvm.compile.vocab import VocabWidths
+
+    prompts = _prefill_kernels("bfloat16", mixed=False)
+    assert {"gdn_chunk_prep", "gdn_chunk_scan"} <= prompts
+    assert not any(name.endswith("_ragged") for name in prompts), prompts
+    cfg = _config_128()
+    assert prompts_prefill_differs(cfg, "bfloat16", _cuda("sm_90"))
+    assert not prompts_prefill_differs(cfg, "float32", _cuda("sm_90"))
+    assert not prompts_prefill_differs(cfg, "bfloat16", LLVM)
+    widths = VocabWidths.resolve(cfg.vocab_size, cfg.vocab_size)
+    spec = export_spec(cfg, widths, "bfloat16", prompts=True)
+    assert spec["prefill_prompts"] == spec["prefill"]
+    assert "prefill_prompts" not in export_spec(cfg, widths, "bfloat16")

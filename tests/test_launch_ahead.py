@@ -195,3 +195,21 @@ def test_the_comparison_fails_when_mixed_rows_take_each_others_picks(tiny_compil
     finally:
         ModelRunner._run_prefill = real
     assert {k: v[0] for k, v in got.items()} != {k: v[0] for k, v in want.items()}
+
+
+def test_steps_of_prompt_chunks_take_the_prompts_prefill(tiny_compiled):
+    """A step whose chunks all hold more than one token runs prefill_prompts, one with any
+    one-token chunk (a decode row, a one-token prompt) prefill; the CPU artifact has no
+    prefill_prompts (it would equal prefill), so both name the same function there."""
+    art, _ = loaded(tiny_compiled)
+    runner = ModelRunner(art, max_batch_size=4, max_total_tokens=1024, num_slots=4)
+    assert runner._prefill_prompts is runner._prefill
+    plain, calls = runner._prefill, []
+    runner._prefill = lambda *args: calls.append("prefill") or plain(*args)
+    runner._prefill_prompts = lambda *args: calls.append("prefill_prompts") or plain(*args)
+    runner.add_sequence(0, [0, 1])
+    runner.add_sequence(1, [2, 3])
+    runner.prefill([0, 1], [[5, 6, 7], [8, 9]], np.array([2, 4]))
+    runner.prefill([0, 1], [[5], [8, 9, 10]], np.array([0, 3]))
+    runner.prefill([1], [[11]], np.array([0]))
+    assert calls == ["prefill_prompts", "prefill", "prefill"]
