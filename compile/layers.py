@@ -258,13 +258,13 @@ class GatedDeltaNet(nn.Module):
                 rec_pool, o = self._wide_rule(proj, indptr, slots, conv_pool, rec_pool, layer)
             work = op.tensor_ir_op(
                 two.prep,
-                "gdn_chunk_prep",
+                two.prep.attrs["global_symbol"],
                 [proj, *conv_and_gates, indptr, slots, conv_pool, layer],
                 out=[Tensor.placeholder(s, d) for s, d in two.workspace(n_tok, slots.shape[0])],
             )
             rec_pool, o = op.tensor_ir_inplace_op(
                 two.scan,
-                "gdn_chunk_scan",
+                two.scan.attrs["global_symbol"],
                 [*work, indptr, slots, rec_pool, layer, *([o] if two.skip_single else [])],
                 inplace_indices=[8, 10 if two.skip_single else -1],
                 out=[rec_pool, o],

@@ -163,4 +163,8 @@ def two_pass(
     prep = chunk_prep(k_heads, v_heads, k_dim, v_dim, c, kernel, blocks, skip_single)
     warps = scan_warps or WARPS
     scan = chunk_scan(k_heads, v_heads, k_dim, v_dim, c, ct, skip_single, warps, few)
+    # a module may hold both forms (prefill's and prefill_prompts'): names apart
+    tag = "" if skip_single else "_all"
+    prep = prep.with_attr("global_symbol", f"gdn_chunk_prep{tag}")
+    scan = scan.with_attr("global_symbol", f"gdn_chunk_scan{tag}")
     return TwoPass(prep, scan, c, k_heads, v_heads, k_dim, v_dim, skip_single)
