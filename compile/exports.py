@@ -55,7 +55,7 @@ def export_spec(cfg: ModelConfig, widths: VocabWidths, dtype: str, prompts: bool
     }
     return {
         "prefill": prefill,
-        **({"prefill_prompts": prefill} if prompts else {}),
+        **({"prefill_prompts": dict(prefill)} if prompts else {}),  # export_tvm pops "$"
         **{
             name: {
                 "step": nn.spec.Tensor(["batch", 3], "int32"),

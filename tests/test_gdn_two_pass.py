@@ -216,6 +216,12 @@ def test_a_prompts_only_prefill_launches_no_decode_kernel() -> None:
     assert not prompts_prefill_differs(cfg, "float32", _cuda("sm_90"))
     assert not prompts_prefill_differs(cfg, "bfloat16", LLVM)
     widths = VocabWidths.resolve(cfg.vocab_size, cfg.vocab_size)
-    spec = export_spec(cfg, widths, "bfloat16", prompts=True)
-    assert spec["prefill_prompts"] == spec["prefill"]
     assert "prefill_prompts" not in export_spec(cfg, widths, "bfloat16")
+    # exported, it takes prefill's arguments (the weights packed into one, as prefill's)
+    from qwen35_tvm.compile.model import Qwen35LM
+
+    with LLVM:
+        spec = export_spec(cfg, widths, "float32", prompts=True)
+        mod, _, _ = Qwen35LM(cfg, widths, "float32").export_tvm(spec=spec, allow_extern=True)
+    params = {name: len(mod[name].params) for name in ("prefill", "prefill_prompts")}
+    assert params["prefill_prompts"] == params["prefill"] == 12, params
