@@ -1,4 +1,5 @@
-"""Kernel launches per call of `decode` and `prefill` in a CUDA build, counted without a GPU.
+"""Kernel launches per call of `decode`, `prefill` and (where built) `prefill_prompts` in a CUDA
+build, counted without a GPU.
 
 The model is lowered with the CUDA Relax pipeline (CUDA graphs off, so every launch stays in the
 function itself); each PrimFunc call is then worth as many kernels as the PrimFunc has
@@ -67,7 +68,8 @@ def main() -> None:
     p.add_argument("--by-kernel", action="store_true")
     args = p.parse_args()
     mod = lowered(args.shape, args.dtype)
-    for fn in ("decode", "decode_wide", "prefill"):
+    names = {gv.name_hint for gv, _ in mod.functions_items()}
+    for fn in [f for f in ("decode", "decode_wide", "prefill", "prefill_prompts") if f in names]:
         found = launches(mod, fn)
         print(f"{fn}: {sum(found.values())} kernel launches, {len(found)} distinct PrimFuncs")
         if args.by_kernel:
