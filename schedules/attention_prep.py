@@ -34,6 +34,10 @@ from .pdl import release_dependents, wait_for_producers
 INPUT_NAME = "attn_append_kv_qk_norm_rope"
 # a token's heads a block at most (a warp each)
 HEADS_A_BLOCK = 16
+# steps of at most this many tokens (decode, decode_wide) run a warp a block: their few blocks
+# of 10 warps put a 16-row step's 320 heads on 32 SMs (36.0 us a step against 24.8 for the
+# 256-lane block a head before, profile_step_s22.json)
+FEW_TOKENS = 64
 
 
 def inv_freq(rotary_dim: int, theta: float) -> np.ndarray:
@@ -50,6 +54,7 @@ def attention_input(
     eps: float,
     dtype: str,
     target: Target,
+    few_tokens: int = FEW_TOKENS,
 ) -> PrimFunc:
     """(proj [n_tok, (2 heads + 2 kv_heads) head_dim], q_norm weight [d], k_norm weight [d],
     inv_freq [rotary_dim // 2], indptr, slots, positions, page_table, k_pool, v_pool, layer)
@@ -65,6 +70,9 @@ def attention_input(
     replaced, so outputs are unchanged bit for bit. Each phase
     issues all of a lane's global loads before it uses one: a decode step's few blocks wait on
     them, where a 1,024-token prefill's many blocks hide each other's.
+
+    A step of at most `few_tokens` tokens launches a second kernel of the same body, a warp a
+    block, chosen on the host by n_tok: a decode step's heads then spread over the SMs.
     """
     d, half = head_dim, rotary_dim // 2
     if rotary_dim % 2 or not 0 < rotary_dim <= d:
@@ -72,18 +80,13 @@ def attention_input(
     width = (2 * heads + 2 * kv_heads) * d
     k_off, v_off = 2 * heads * d, (2 * heads + kv_heads) * d
     heads_a_tok = heads + kv_heads
-    groups = -(-heads_a_tok // HEADS_A_BLOCK)  # blocks a token, as even as they come
-    hpb = -(-heads_a_tok // groups)
     per = -(-d // 32)  # values a lane: dims lane, lane + 32, ...
-    nt = 32 * hpb
     tj = PAGE_SIZE
     gpu = target.kind.name == "cuda"
     shared = "shared" if gpu else "global"
     # v staged in the activation dtype on the GPU, in float32 on the CPU (TVM's CPU bf16
     # legalisation rejects local bf16 buffers)
     stage = dtype if gpu else "float32"
-
-    grid, lanes = block_loop(gpu), thread_loop(nt, gpu)
 
     def partner(dim):
         # a dim's partner in the rotation (neox halves); past rotary_dim, any in-bounds dim
@@ -93,6 +96,102 @@ def attention_input(
         # (x1, x2) -> (x1 c - x2 s, x2 c + x1 s)
         ang = T.Cast("float32", pos) * freq[dim % half]
         return own * T.cos(ang) + T.if_then_else(dim < half, -other, other) * T.sin(ang)
+
+    def blocks(most: int):
+        """The macro of one kernel: up to `most` of a token's heads a block."""
+        groups = -(-heads_a_tok // most)  # blocks a token, as even as they come
+        hpb = -(-heads_a_tok // groups)
+        nt = 32 * hpb
+        grid, lanes = block_loop(gpu), thread_loop(nt, gpu)
+
+        @T.macro
+        def launch(x, qw, kw, freq, indptr, slots, positions, table, kp, vp, layer, q, n_tok,
+                   n_ptr):  # fmt: skip
+            for blk in grid(n_tok * groups):
+                with T.sblock("heads"):
+                    T.reads()
+                    T.writes()
+                    vals = T.sblock_alloc_buffer((hpb * per * 32,), "float32", scope=shared)
+                    part = T.sblock_alloc_buffer((nt,), "float32", scope=shared)
+                    lo = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                    hi = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                    T.evaluate(wait_for_producers(gpu))  # first: schedules/pdl.py
+                    T.evaluate(release_dependents(gpu))
+                    tok: T.let[T.int32] = blk // groups
+                    hd0: T.let[T.int32] = blk % groups * hpb
+                    seq_of_token(indptr, n_ptr - 1, tok, lo, hi)
+                    pos: T.let[T.int32] = positions[tok]
+                    page: T.let[T.int64] = T.Cast("int64", table[slots[lo[0]], pos // tj])
+                    lay: T.let[T.int64] = T.Cast("int64", layer)
+                    for tx in lanes():
+                        with T.sblock("load"):
+                            T.reads()
+                            T.writes()
+                            acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                            xs = T.sblock_alloc_buffer((per,), "float32", scope="local")
+                            vs = T.sblock_alloc_buffer((per,), stage, scope="local")
+                            hd: T.let[T.int32] = hd0 + tx // 32
+                            kh: T.let[T.int32] = hd - heads
+                            c0: T.let[T.int32] = T.if_then_else(
+                                kh >= 0, k_off + kh * d, hd * 2 * d
+                            )
+                            for e in T.unroll(per):  # every load in flight before any use
+                                dim: T.let[T.int32] = e * 32 + tx % 32
+                                xs[e] = T.float32(0)
+                                if hd < heads_a_tok and dim < d:
+                                    xs[e] = T.Cast("float32", x[tok, c0 + dim])
+                                    if kh >= 0:
+                                        vs[e] = T.Cast(stage, x[tok, v_off + kh * d + dim])
+                            acc[0] = T.float32(0)
+                            for e in T.unroll(per):
+                                dim: T.let[T.int32] = e * 32 + tx % 32
+                                vals[tx // 32 * per * 32 + dim] = xs[e]
+                                acc[0] = acc[0] + xs[e] * xs[e]
+                                if hd < heads_a_tok and dim < d and kh >= 0:
+                                    vp[lay, page, kh, pos % tj, dim] = T.Cast(dtype, vs[e])
+                            part[tx] = acc[0]
+                    if gpu:  # explicit: the planner places none under the host's kernel choice
+                        T.tvm_storage_sync("shared")
+                    for tx in lanes():
+                        with T.sblock("norm_rope"):
+                            T.reads()
+                            T.writes()
+                            acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                            ws = T.sblock_alloc_buffer((2 * per,), "float32", scope="local")
+                            hd: T.let[T.int32] = hd0 + tx // 32
+                            kh: T.let[T.int32] = hd - heads
+                            base: T.let[T.int32] = tx // 32 * per * 32
+                            for e in T.unroll(per):  # the norm weights of a value and its partner
+                                dim: T.let[T.int32] = T.min(e * 32 + tx % 32, d - 1)
+                                ws[e] = T.if_then_else(kh >= 0, kw[dim], qw[dim])
+                                ws[per + e] = T.if_then_else(
+                                    kh >= 0, kw[partner(dim)], qw[partner(dim)]
+                                )
+                            acc[0] = T.float32(0)
+                            for p in T.unroll(32):
+                                acc[0] = acc[0] + part[tx // 32 * 32 + p]
+                            inv: T.let[T.float32] = T.rsqrt(acc[0] / T.float32(d) + T.float32(eps))
+                            for e in T.unroll(per):
+                                dim: T.let[T.int32] = e * 32 + tx % 32
+                                if hd < heads_a_tok and dim < d:
+                                    # rounded to the model dtype, as the norm kernel's output was
+                                    own: T.let[T.float32] = rounded(
+                                        vals[base + dim] * inv * ws[e], dtype
+                                    )
+                                    other: T.let[T.float32] = rounded(
+                                        vals[base + partner(dim)] * inv * ws[per + e], dtype
+                                    )
+                                    rot: T.let[T.float32] = T.if_then_else(
+                                        dim < rotary_dim, rotated(dim, own, other, pos, freq), own
+                                    )
+                                    if kh >= 0:
+                                        kp[lay, page, kh, pos % tj, dim] = T.Cast(dtype, rot)
+                                    else:
+                                        q[tok, hd, dim] = T.Cast(dtype, rot)
+
+        return launch
+
+    few, many = blocks(1), blocks(HEADS_A_BLOCK)
 
     @T.prim_func(s_tir=True)
     def attn_input_fn(
@@ -124,83 +223,10 @@ def attention_input(
         kp = T.match_buffer(kp_h, (n_layers, n_pages, kv_heads, tj, d), dtype)
         vp = T.match_buffer(vp_h, (n_layers, n_pages, kv_heads, tj, d), dtype)
         q = T.match_buffer(q_h, (n_tok, heads, d), dtype)
-        for blk in grid(n_tok * groups):
-            with T.sblock("heads"):
-                T.reads()
-                T.writes()
-                vals = T.sblock_alloc_buffer((hpb * per * 32,), "float32", scope=shared)
-                part = T.sblock_alloc_buffer((nt,), "float32", scope=shared)
-                lo = T.sblock_alloc_buffer((1,), "int32", scope="local")
-                hi = T.sblock_alloc_buffer((1,), "int32", scope="local")
-                T.evaluate(wait_for_producers(gpu))  # first: schedules/pdl.py
-                T.evaluate(release_dependents(gpu))
-                tok: T.let[T.int32] = blk // groups
-                hd0: T.let[T.int32] = blk % groups * hpb
-                seq_of_token(indptr, n_ptr - 1, tok, lo, hi)
-                pos: T.let[T.int32] = positions[tok]
-                page: T.let[T.int64] = T.Cast("int64", table[slots[lo[0]], pos // tj])
-                lay: T.let[T.int64] = T.Cast("int64", layer)
-                for tx in lanes():
-                    with T.sblock("load"):
-                        T.reads()
-                        T.writes()
-                        acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                        xs = T.sblock_alloc_buffer((per,), "float32", scope="local")
-                        vs = T.sblock_alloc_buffer((per,), stage, scope="local")
-                        hd: T.let[T.int32] = hd0 + tx // 32
-                        kh: T.let[T.int32] = hd - heads
-                        c0: T.let[T.int32] = T.if_then_else(kh >= 0, k_off + kh * d, hd * 2 * d)
-                        for e in T.unroll(per):  # every load in flight before any use
-                            dim: T.let[T.int32] = e * 32 + tx % 32
-                            xs[e] = T.float32(0)
-                            if hd < heads_a_tok and dim < d:
-                                xs[e] = T.Cast("float32", x[tok, c0 + dim])
-                                if kh >= 0:
-                                    vs[e] = T.Cast(stage, x[tok, v_off + kh * d + dim])
-                        acc[0] = T.float32(0)
-                        for e in T.unroll(per):
-                            dim: T.let[T.int32] = e * 32 + tx % 32
-                            vals[tx // 32 * per * 32 + dim] = xs[e]
-                            acc[0] = acc[0] + xs[e] * xs[e]
-                            if hd < heads_a_tok and dim < d and kh >= 0:
-                                vp[lay, page, kh, pos % tj, dim] = T.Cast(dtype, vs[e])
-                        part[tx] = acc[0]
-                for tx in lanes():
-                    with T.sblock("norm_rope"):
-                        T.reads()
-                        T.writes()
-                        acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                        ws = T.sblock_alloc_buffer((2 * per,), "float32", scope="local")
-                        hd: T.let[T.int32] = hd0 + tx // 32
-                        kh: T.let[T.int32] = hd - heads
-                        base: T.let[T.int32] = tx // 32 * per * 32
-                        for e in T.unroll(per):  # the norm weights of a value and its partner
-                            dim: T.let[T.int32] = T.min(e * 32 + tx % 32, d - 1)
-                            ws[e] = T.if_then_else(kh >= 0, kw[dim], qw[dim])
-                            ws[per + e] = T.if_then_else(
-                                kh >= 0, kw[partner(dim)], qw[partner(dim)]
-                            )
-                        acc[0] = T.float32(0)
-                        for p in T.unroll(32):
-                            acc[0] = acc[0] + part[tx // 32 * 32 + p]
-                        inv: T.let[T.float32] = T.rsqrt(acc[0] / T.float32(d) + T.float32(eps))
-                        for e in T.unroll(per):
-                            dim: T.let[T.int32] = e * 32 + tx % 32
-                            if hd < heads_a_tok and dim < d:
-                                # rounded to the model dtype, as the norm kernel's output was
-                                own: T.let[T.float32] = rounded(
-                                    vals[base + dim] * inv * ws[e], dtype
-                                )
-                                other: T.let[T.float32] = rounded(
-                                    vals[base + partner(dim)] * inv * ws[per + e], dtype
-                                )
-                                rot: T.let[T.float32] = T.if_then_else(
-                                    dim < rotary_dim, rotated(dim, own, other, pos, freq), own
-                                )
-                                if kh >= 0:
-                                    kp[lay, page, kh, pos % tj, dim] = T.Cast(dtype, rot)
-                                else:
-                                    q[tok, hd, dim] = T.Cast(dtype, rot)
+        if n_tok <= few_tokens:
+            few(x, qw, kw, freq, indptr, slots, positions, table, kp, vp, layer, q, n_tok, n_ptr)
+        else:
+            many(x, qw, kw, freq, indptr, slots, positions, table, kp, vp, layer, q, n_tok, n_ptr)
 
     return attn_input_fn.with_attr("global_symbol", INPUT_NAME)
 

@@ -4,17 +4,28 @@ nests run serially), in float32 and bfloat16, and compiled for CUDA.
 attention_input: ragged batches (an empty sequence, one token, tokens spanning pages), positions
 near 30,000 (the fp32 angle, as the model computes it), head dims 16-64 and 256 with idle lanes,
 rotary_dim < head_dim and == head_dim, GQA; the K/V pools must equal the reference everywhere,
-so a stray write anywhere is caught."""
+so a stray write anywhere is caught. Both of its kernels (a warp a block for a few tokens, up to
+HEADS_A_BLOCK warps a block otherwise) run every case, and the host's choice between them is
+read from the lowered host code."""
 
 from __future__ import annotations
+
+import re
 
 import ml_dtypes
 import numpy as np
 import pytest
 import tvm
+from tir_host import host_code
 from tvm.target import Target
 
-from qwen35_tvm.schedules.attention_prep import INPUT_NAME, attention_input, inv_freq
+from qwen35_tvm.schedules.attention_prep import (
+    FEW_TOKENS,
+    HEADS_A_BLOCK,
+    INPUT_NAME,
+    attention_input,
+    inv_freq,
+)
 from qwen35_tvm.schedules.kv_cache import PAGE_SIZE
 
 LLVM = Target("llvm")
@@ -97,10 +108,10 @@ def input_reference(inp: dict, dims, dtype: str, eps=EPS):
     return norm_rope(q, inp["qw"]), kp, vp
 
 
-def run_input(inp: dict, dims, dtype: str, eps=EPS):
+def run_input(inp: dict, dims, dtype: str, eps=EPS, few_tokens: int = FEW_TOKENS):
     heads, kv, d, rot = dims
-    func = attention_input(heads, kv, d, rot, eps, dtype, LLVM)
-    lib = _compile(("input", dims, eps, dtype), func)
+    func = attention_input(heads, kv, d, rot, eps, dtype, LLVM, few_tokens)
+    lib = _compile(("input", dims, eps, dtype, few_tokens), func)
     names = ("x", "qw", "kw", "freq", "indptr", "slots", "positions", "table", "kp", "vp")
     args = [tvm.runtime.tensor(inp[name].copy()) for name in names]
     q = tvm.runtime.tensor(np.full((inp["x"].shape[0], heads, d), np.nan, _np(dtype)))
@@ -108,9 +119,9 @@ def run_input(inp: dict, dims, dtype: str, eps=EPS):
     return q.numpy(), args[8].numpy(), args[9].numpy()
 
 
-def check_input(lengths, starts, dims, dtype, seed=0) -> None:
+def check_input(lengths, starts, dims, dtype, seed=0, few_tokens: int = FEW_TOKENS) -> None:
     inp = make_input(lengths, starts, dims, dtype, seed)
-    q, kp, vp = run_input(inp, dims, dtype)
+    q, kp, vp = run_input(inp, dims, dtype, few_tokens=few_tokens)
     q_ref, kp_ref, vp_ref = input_reference(inp, dims, dtype)
     # bf16: the reference's float64 norm may round to the neighbouring bf16 value
     tol = 1.6e-2 if dtype == "bfloat16" else 2e-6
@@ -132,18 +143,39 @@ DIMS = [
 ]  # fmt: skip
 # an empty sequence, one token, sequences across page boundaries
 RAGGED = ([3, 0, 1, 2 * PAGE_SIZE + 5, 7], [0, 4, 9, 30, 13])
+# each kernel, whatever the step's size: the many-heads one (0) and the warp-a-block one
+KERNELS = pytest.mark.parametrize("few_tokens", [0, 1 << 30], ids=["many_heads", "warp_a_block"])
 
 
+@KERNELS
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("dims", DIMS)
-def test_input_ragged_prefill(dims, dtype: str) -> None:
-    check_input(*RAGGED, dims, dtype)
+def test_input_ragged_prefill(dims, dtype: str, few_tokens: int) -> None:
+    check_input(*RAGGED, dims, dtype, few_tokens=few_tokens)
+
+
+@KERNELS
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("lengths, starts", [([1], [0]), ([1, 1, 1], [5, 16, 31])])
+def test_input_decode(lengths, starts, dtype: str, few_tokens: int) -> None:
+    check_input(lengths, starts, (6, 2, 40, 10), dtype, seed=1, few_tokens=few_tokens)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("lengths, starts", [([1], [0]), ([1, 1, 1], [5, 16, 31])])
-def test_input_decode(lengths, starts, dtype: str) -> None:
-    check_input(lengths, starts, (6, 2, 40, 10), dtype, seed=1)
+def test_input_either_side_of_few_tokens(dtype: str) -> None:
+    # the default choice, one step of FEW_TOKENS tokens and one of FEW_TOKENS + 1
+    for extra in (0, 1):
+        check_input([FEW_TOKENS - 4 + extra, 1, 3], [0, 7, 40], (4, 2, 32, 8), dtype, seed=3)
+
+
+def test_host_picks_warp_a_block_for_few_tokens() -> None:
+    """At most FEW_TOKENS tokens launch a block a head (32 lanes, 20 blocks a token for the 4B's
+    16 + 4 heads); more launch blocks of up to HEADS_A_BLOCK heads (2 of 10 warps a token)."""
+    cuda = Target({"kind": "cuda", "arch": "sm_90"}, host="llvm")
+    host = host_code(attention_input(16, 4, 256, 64, EPS, "bfloat16", cuda), cuda)
+    launches = re.findall(r"n_tok \* (\d+), (\d+), launch_params", host)
+    assert f"if n_tok <= {FEW_TOKENS}:" in host
+    assert launches == [("20", "32"), ("2", "320")] and HEADS_A_BLOCK >= 10
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
