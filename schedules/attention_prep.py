@@ -34,9 +34,10 @@ from .pdl import release_dependents, wait_for_producers
 INPUT_NAME = "attn_append_kv_qk_norm_rope"
 # a token's heads a block at most (a warp each)
 HEADS_A_BLOCK = 16
-# steps of at most this many tokens (decode, decode_wide) run a warp a block: their few blocks
-# of 10 warps put a 16-row step's 320 heads on 32 SMs (36.0 us a step against 24.8 for the
-# 256-lane block a head before, profile_step_s22.json)
+# steps of at most this many tokens (decode, decode_wide) spread a head over head_dim lanes, a
+# block a head: a decode step is latency-bound, and a warp a head (8 values a lane) took 36.0
+# us a 16-row step against 24.8 for a block a head (profile_step_s22.json), and a warp a block
+# 40.0 (profile_step_s23.json)
 FEW_TOKENS = 64
 
 
@@ -71,8 +72,10 @@ def attention_input(
     issues all of a lane's global loads before it uses one: a decode step's few blocks wait on
     them, where a 1,024-token prefill's many blocks hide each other's.
 
-    A step of at most `few_tokens` tokens launches a second kernel of the same body, a warp a
-    block, chosen on the host by n_tok: a decode step's heads then spread over the SMs.
+    A step of at most `few_tokens` tokens launches a second kernel of the same body, chosen on
+    the host by n_tok: a block a head, its values over head_dim / 32 warps (a value a lane), the
+    lanes' squares added by warp in the order above, so both kernels give the same bits. A
+    decode step's few heads are latency-bound: its lanes then each carry one value's chain.
     """
     d, half = head_dim, rotary_dim // 2
     if rotary_dim % 2 or not 0 < rotary_dim <= d:
@@ -97,11 +100,16 @@ def attention_input(
         ang = T.Cast("float32", pos) * freq[dim % half]
         return own * T.cos(ang) + T.if_then_else(dim < half, -other, other) * T.sin(ang)
 
-    def blocks(most: int):
-        """The macro of one kernel: up to `most` of a token's heads a block."""
+    def blocks(most: int, spread: bool):
+        """The macro of one kernel: up to `most` of a token's heads a block, a head's values
+        over one warp (every 32nd value a lane), or with `spread` over `per` warps (a value a
+        lane, whose 32-lane partial sums one warp then adds up in the same order)."""
         groups = -(-heads_a_tok // most)  # blocks a token, as even as they come
         hpb = -(-heads_a_tok // groups)
-        nt = 32 * hpb
+        hl = 32 * (per if spread else 1)  # lanes a head
+        lpv = 1 if spread else per  # values a lane: dims lane, lane + hl, ...
+        nt = hl * hpb
+        n_sums = hpb * 32 if spread else 1
         grid, lanes = block_loop(gpu), thread_loop(nt, gpu)
 
         @T.macro
@@ -111,8 +119,10 @@ def attention_input(
                 with T.sblock("heads"):
                     T.reads()
                     T.writes()
-                    vals = T.sblock_alloc_buffer((hpb * per * 32,), "float32", scope=shared)
+                    vals = T.sblock_alloc_buffer((hpb * lpv * hl,), "float32", scope=shared)
                     part = T.sblock_alloc_buffer((nt,), "float32", scope=shared)
+                    # a head's 32 partial sums of squares (spread: over its warps)
+                    sums = T.sblock_alloc_buffer((n_sums,), "float32", scope=shared)
                     lo = T.sblock_alloc_buffer((1,), "int32", scope="local")
                     hi = T.sblock_alloc_buffer((1,), "int32", scope="local")
                     T.evaluate(wait_for_producers(gpu))  # first: schedules/pdl.py
@@ -128,58 +138,72 @@ def attention_input(
                             T.reads()
                             T.writes()
                             acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                            xs = T.sblock_alloc_buffer((per,), "float32", scope="local")
-                            vs = T.sblock_alloc_buffer((per,), stage, scope="local")
-                            hd: T.let[T.int32] = hd0 + tx // 32
+                            xs = T.sblock_alloc_buffer((lpv,), "float32", scope="local")
+                            vs = T.sblock_alloc_buffer((lpv,), stage, scope="local")
+                            hd: T.let[T.int32] = hd0 + tx // hl
                             kh: T.let[T.int32] = hd - heads
                             c0: T.let[T.int32] = T.if_then_else(
                                 kh >= 0, k_off + kh * d, hd * 2 * d
                             )
-                            for e in T.unroll(per):  # every load in flight before any use
-                                dim: T.let[T.int32] = e * 32 + tx % 32
+                            for e in T.unroll(lpv):  # every load in flight before any use
+                                dim: T.let[T.int32] = e * hl + tx % hl
                                 xs[e] = T.float32(0)
                                 if hd < heads_a_tok and dim < d:
                                     xs[e] = T.Cast("float32", x[tok, c0 + dim])
                                     if kh >= 0:
                                         vs[e] = T.Cast(stage, x[tok, v_off + kh * d + dim])
                             acc[0] = T.float32(0)
-                            for e in T.unroll(per):
-                                dim: T.let[T.int32] = e * 32 + tx % 32
-                                vals[tx // 32 * per * 32 + dim] = xs[e]
+                            for e in T.unroll(lpv):
+                                dim: T.let[T.int32] = e * hl + tx % hl
+                                vals[tx // hl * lpv * hl + dim] = xs[e]
                                 acc[0] = acc[0] + xs[e] * xs[e]
                                 if hd < heads_a_tok and dim < d and kh >= 0:
                                     vp[lay, page, kh, pos % tj, dim] = T.Cast(dtype, vs[e])
                             part[tx] = acc[0]
                     if gpu:  # explicit: the planner places none under the host's kernel choice
                         T.tvm_storage_sync("shared")
+                    if spread:  # lane l of a head's first warp: its dims l, l + 32, ... in turn
+                        for tx in lanes():
+                            with T.sblock("partials"):
+                                T.reads()
+                                T.writes()
+                                acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                                if tx % hl < 32:
+                                    acc[0] = T.float32(0)
+                                    for w in T.unroll(hl // 32):
+                                        acc[0] = acc[0] + part[tx // hl * hl + w * 32 + tx % hl]
+                                    sums[tx // hl * 32 + tx % hl] = acc[0]
+                        if gpu:
+                            T.tvm_storage_sync("shared")
+                    summed = T.meta_var(sums if spread else part)
                     for tx in lanes():
                         with T.sblock("norm_rope"):
                             T.reads()
                             T.writes()
                             acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                            ws = T.sblock_alloc_buffer((2 * per,), "float32", scope="local")
-                            hd: T.let[T.int32] = hd0 + tx // 32
+                            ws = T.sblock_alloc_buffer((2 * lpv,), "float32", scope="local")
+                            hd: T.let[T.int32] = hd0 + tx // hl
                             kh: T.let[T.int32] = hd - heads
-                            base: T.let[T.int32] = tx // 32 * per * 32
-                            for e in T.unroll(per):  # the norm weights of a value and its partner
-                                dim: T.let[T.int32] = T.min(e * 32 + tx % 32, d - 1)
+                            base: T.let[T.int32] = tx // hl * lpv * hl
+                            for e in T.unroll(lpv):  # the norm weights of a value and its partner
+                                dim: T.let[T.int32] = T.min(e * hl + tx % hl, d - 1)
                                 ws[e] = T.if_then_else(kh >= 0, kw[dim], qw[dim])
-                                ws[per + e] = T.if_then_else(
+                                ws[lpv + e] = T.if_then_else(
                                     kh >= 0, kw[partner(dim)], qw[partner(dim)]
                                 )
                             acc[0] = T.float32(0)
                             for p in T.unroll(32):
-                                acc[0] = acc[0] + part[tx // 32 * 32 + p]
+                                acc[0] = acc[0] + summed[tx // hl * 32 + p]
                             inv: T.let[T.float32] = T.rsqrt(acc[0] / T.float32(d) + T.float32(eps))
-                            for e in T.unroll(per):
-                                dim: T.let[T.int32] = e * 32 + tx % 32
+                            for e in T.unroll(lpv):
+                                dim: T.let[T.int32] = e * hl + tx % hl
                                 if hd < heads_a_tok and dim < d:
                                     # rounded to the model dtype, as the norm kernel's output was
                                     own: T.let[T.float32] = rounded(
                                         vals[base + dim] * inv * ws[e], dtype
                                     )
                                     other: T.let[T.float32] = rounded(
-                                        vals[base + partner(dim)] * inv * ws[per + e], dtype
+                                        vals[base + partner(dim)] * inv * ws[lpv + e], dtype
                                     )
                                     rot: T.let[T.float32] = T.if_then_else(
                                         dim < rotary_dim, rotated(dim, own, other, pos, freq), own
@@ -191,7 +215,7 @@ def attention_input(
 
         return launch
 
-    few, many = blocks(1), blocks(HEADS_A_BLOCK)
+    few, many = blocks(1, spread=True), blocks(HEADS_A_BLOCK, spread=False)
 
     @T.prim_func(s_tir=True)
     def attn_input_fn(

@@ -4,9 +4,9 @@ nests run serially), in float32 and bfloat16, and compiled for CUDA.
 attention_input: ragged batches (an empty sequence, one token, tokens spanning pages), positions
 near 30,000 (the fp32 angle, as the model computes it), head dims 16-64 and 256 with idle lanes,
 rotary_dim < head_dim and == head_dim, GQA; the K/V pools must equal the reference everywhere,
-so a stray write anywhere is caught. Both of its kernels (a warp a block for a few tokens, up to
-HEADS_A_BLOCK warps a block otherwise) run every case, and the host's choice between them is
-read from the lowered host code."""
+so a stray write anywhere is caught. Both of its kernels (a block a head, a value a lane, for a
+few tokens; up to HEADS_A_BLOCK heads a block, a warp each, otherwise) run every case and must
+agree bit for bit, and the host's choice between them is read from the lowered host code."""
 
 from __future__ import annotations
 
@@ -143,8 +143,8 @@ DIMS = [
 ]  # fmt: skip
 # an empty sequence, one token, sequences across page boundaries
 RAGGED = ([3, 0, 1, 2 * PAGE_SIZE + 5, 7], [0, 4, 9, 30, 13])
-# each kernel, whatever the step's size: the many-heads one (0) and the warp-a-block one
-KERNELS = pytest.mark.parametrize("few_tokens", [0, 1 << 30], ids=["many_heads", "warp_a_block"])
+# each kernel, whatever the step's size: the many-heads one (0) and the block-a-head one
+KERNELS = pytest.mark.parametrize("few_tokens", [0, 1 << 30], ids=["many_heads", "block_a_head"])
 
 
 @KERNELS
@@ -168,14 +168,25 @@ def test_input_either_side_of_few_tokens(dtype: str) -> None:
         check_input([FEW_TOKENS - 4 + extra, 1, 3], [0, 7, 40], (4, 2, 32, 8), dtype, seed=3)
 
 
-def test_host_picks_warp_a_block_for_few_tokens() -> None:
-    """At most FEW_TOKENS tokens launch a block a head (32 lanes, 20 blocks a token for the 4B's
-    16 + 4 heads); more launch blocks of up to HEADS_A_BLOCK heads (2 of 10 warps a token)."""
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dims", DIMS)
+def test_kernels_agree_bit_for_bit(dims, dtype: str) -> None:
+    # a token's q and k do not depend on how many tokens share its step
+    inp = make_input(*RAGGED, dims, dtype, seed=4)
+    many = run_input(inp, dims, dtype, few_tokens=0)
+    few = run_input(inp, dims, dtype, few_tokens=1 << 30)
+    for a, b in zip(many, few, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_host_picks_a_block_a_head_for_few_tokens() -> None:
+    """At most FEW_TOKENS tokens launch a block a head (256 lanes, 20 blocks a token for the
+    4B's 16 + 4 heads); more launch blocks of up to HEADS_A_BLOCK heads (2 of 10 warps)."""
     cuda = Target({"kind": "cuda", "arch": "sm_90"}, host="llvm")
     host = host_code(attention_input(16, 4, 256, 64, EPS, "bfloat16", cuda), cuda)
     launches = re.findall(r"n_tok \* (\d+), (\d+), launch_params", host)
     assert f"if n_tok <= {FEW_TOKENS}:" in host
-    assert launches == [("20", "32"), ("2", "320")] and HEADS_A_BLOCK >= 10
+    assert launches == [("20", "256"), ("2", "320")] and HEADS_A_BLOCK >= 10
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
