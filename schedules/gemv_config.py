@@ -18,6 +18,14 @@ SHARED_PER_SM = 228 * 1024  # H100/H200; each resident block also takes 1 KB of 
 # blocks of an SM meet the same X
 WIDE_SHARED_PER_SM = 160 * 1024
 MAX_REGISTERS = 232  # per thread: 255, less a margin for est_registers' error
+# A decode GEMV of more row tiles than SMs, but at most this many, starts after its producer
+# ends instead of beside it (schedules/pdl.py): some SMs then take two blocks, and launched
+# early, which ones is left to where the producer's blocks free room first. 4B's n = 2,560
+# projections (160 tiles: down, o_proj, out_proj): c1 TPOT 2.814 / 2.828 -> 2.789 ms, and 2.787
+# with their dependents still released early (engine_gemv2560_experiment.json,
+# engine_gemv2560_a2_experiment.json; c16 unchanged). 9B's (256+ tiles) keep the overlap: not
+# measured there.
+START_AFTER_PRODUCER_TILES = SMS * 3 // 2
 
 
 def cdiv(a: int, b: int) -> int:
@@ -39,6 +47,9 @@ class GemvConfig:
     w_smem: bool = False
     # k steps a warp prefetches into L2 before it waits for its producer (schedules/pdl.py)
     prefetch_steps: int = 4
+    # launched beside its producer, waiting inside (schedules/pdl.py; decode's one n-tile
+    # only); False: launched once the producer has ended
+    dependent: bool = True
 
     @property
     def rows(self) -> int:
@@ -127,14 +138,16 @@ def one_wave(n: int, k: int, cfg: GemvConfig, shared: int = SHARED_PER_SM) -> bo
 def default_config(n: int, k: int) -> GemvConfig:
     """Two m-tiles a block for wide weights (half the X loads per weight byte), one for narrow
     ones (more blocks); then the most k-splitting warps (8, 4, 2, 1), and the deepest ring (3
-    or 2 steps), that keep every row tile in one wave, with at least one k step a warp."""
+    or 2 steps), that keep every row tile in one wave, with at least one k step a warp. Grids
+    of SMS to START_AFTER_PRODUCER_TILES row tiles are not dependent launches."""
     m_tiles = 2 if n >= 8192 else 1
+    dependent = not SMS < cdiv(n, 16 * m_tiles) <= START_AFTER_PRODUCER_TILES
     for warps_k in (8, 4, 2, 1):
         for stages in (3, 2):
-            cfg = GemvConfig(m_tiles=m_tiles, warps_k=warps_k, stages=stages)
+            cfg = GemvConfig(m_tiles=m_tiles, warps_k=warps_k, stages=stages, dependent=dependent)
             if one_wave(n, k, cfg):
                 return cfg
-    return GemvConfig(m_tiles=m_tiles, warps_k=1)
+    return GemvConfig(m_tiles=m_tiles, warps_k=1, dependent=dependent)
 
 
 def wide_config(

@@ -271,6 +271,20 @@ def test_default_configs_fill_one_wave() -> None:
         assert tiles * cfg.warps_k >= 1024, (n, k, cfg)
 
 
+def test_grids_a_little_past_the_sms_start_after_their_producer() -> None:
+    """Decode GEMVs of SMS < row tiles <= START_AFTER_PRODUCER_TILES (4B's n = 2,560: 160) are
+    plain launches, with no wait, release or L2 prefetch in their CUDA; the other 4B and 9B
+    shapes, and a grid of fewer tiles than SMs, wait for their producer."""
+    plain = {(n, k) for n, k in SHAPES if not gemv_config.default_config(n, k).dependent}
+    assert plain == {(2560, 4096), (2560, 9216)}
+    for n, k, waits in ((2560, 4096, False), (4096, 4096, True), (1024, 4096, True)):
+        lib = tvm.compile(tvm.IRModule({"main": gemv_kernel(n, k, CUDA)}), target=CUDA)
+        (cuda,) = [m for m in lib.mod.imports if m.kind == "cuda"]
+        src = cuda.inspect_source()
+        for call in ("griddepcontrol_wait()", "griddepcontrol_launch_dependents()", "prefetch"):
+            assert (call in src) == waits, (n, k, call)
+
+
 def test_wide_buckets_read_the_weight_once_up_to_64_rows() -> None:
     """Every 4B and 9B shape: 8 rows as decode, then buckets up to 64 rows each one pass, in one
     wave within the registers and the shared memory left to L1; every SM has a row tile."""
