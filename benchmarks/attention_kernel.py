@@ -42,6 +42,15 @@ DECODE_VARIANTS = {
     "tp3": (3, 128, True),
     "tp2_b256": (2, 256, True),
 }
+# tensor-core split kernel (schedules/attention_decode_mma.py): name -> (pages of keys a tile,
+# cp.async stages, split budget)
+TC_DECODE_VARIANTS = {
+    "tc2s2b96": (2, 2, 96),
+    "tc1s4b96": (1, 4, 96),
+    "tc1s3b96": (1, 3, 96),
+    "tc1s2b128": (1, 2, 128),
+    "tc2s3b64": (2, 3, 64),
+}
 # tensor-core prefill: name -> (pages of keys a tile, query tokens a block); "mma2q16" ships
 MMA_VARIANTS = {"mma2q16": (2, 16), "mma4q16": (4, 16)}
 
@@ -53,6 +62,7 @@ def build(out: Path, arch: str) -> None:
     from qwen35_tvm.compile.pipeline import tir_pipeline
     from qwen35_tvm.compile.targets import make_target
     from qwen35_tvm.schedules import attention, kv_cache
+    from qwen35_tvm.schedules.attention_decode_mma import paged_decode_mma
     from qwen35_tvm.schedules.attention_prefill import paged_prefill_mma
 
     target, arches = make_target("cuda", arch)
@@ -63,6 +73,11 @@ def build(out: Path, arch: str) -> None:
         funcs[f"attend_{name}"] = (
             attention.paged_attention(HEADS, KV_HEADS, HEAD_DIM, "bfloat16", target, tp, budget),
             pdl,
+        )
+    for name, (tp, stages, budget) in TC_DECODE_VARIANTS.items():
+        funcs[f"attend_{name}"] = (
+            paged_decode_mma(HEADS, KV_HEADS, HEAD_DIM, target, tp, stages, budget),
+            True,
         )
     for name, (tp, qt) in MMA_VARIANTS.items():
         funcs[f"attend_{name}"] = (

@@ -21,6 +21,7 @@ from tvm.target import Target
 from ..schedules import (
     activation,
     attention,
+    attention_decode_mma,
     attention_prefill,
     attention_prep,
     gdn_chunked,
@@ -166,9 +167,11 @@ class GatedAttention(nn.Module):
             out=[kv.k_pool, kv.v_pool, Tensor.placeholder((n_tok, nh, d), self.dtype)],
         )
         cuda_bf16 = target.kind.name == "cuda" and self.dtype == "bfloat16"
-        tensor_cores = prefill and cuda_bf16 and d % 64 == 0
-        if tensor_cores:
+        tensor_cores = cuda_bf16 and d % 64 == 0
+        if tensor_cores and prefill:
             kernel, name = attention_prefill.paged_prefill_mma(nh, nkv, d, target), "attn_prefill"
+        elif tensor_cores and nh // nkv <= attention_decode_mma.ROWS:
+            kernel, name = attention_decode_mma.paged_decode_mma(nh, nkv, d, target), "attn_decode"
         else:
             kernel, name = attention.paged_attention(nh, nkv, d, self.dtype, target), "attn_paged"
         o, _, _ = op.tensor_ir_op(

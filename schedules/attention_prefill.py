@@ -5,23 +5,14 @@ serve many queries.
 
 A block owns `q_tokens` consecutive query tokens of one sequence and one kv head: q_tokens x
 group rows (every query head of the GQA group), one warp per 16 rows. Per tile of keys
-(`tile_pages` pages):
-
-1. the next tile's K and V are already in flight (cp.async into the other of two stages),
-   copied as stored ([key, dim]): K is mma's (n, k) operand as is, V is read transposed by
-   `ldmatrix.trans`;
-2. S = Q Kᵀ on tensor cores into registers (Q sits in shared memory for the whole block);
-3. the online softmax runs on those registers: a row's 16-key slices live in the 4 lanes of
-   a quad, so its max is two shuffles away, and the row sums stay per lane until the end;
-4. P, rounded to bf16 in place, is already laid out as mma's A fragment, so
-   O = alpha O + P V follows on tensor cores without touching shared memory.
+(`tile_pages` pages) the next tile's K and V are already in flight (cp.async into the other of
+two stages) while the warps run attention_mma's tile step on this one.
 
 At the end o, rounded, is staged in Q's shared rows, so that the output gate's loads (from
 qkv_proj's row) and o's stores are whole 16-byte chunks; an mma accumulator's lanes hold 4
 bytes of each of 8 rows.
 
-One barrier a tile. Shared rows XOR their 16-byte chunk with row % 8 (ldmatrix reads 8 rows
-at one chunk: 8 different banks). The query tiles of a ragged batch are numbered
+One barrier a tile. The query tiles of a ragged batch are numbered
 sequence after sequence, at most one unused number a sequence (those blocks exit at once); the
 last tiles (the longest under the causal mask) run first.
 """
@@ -32,27 +23,13 @@ from tvm.script import tirx as T
 from tvm.target import Target
 from tvm.tirx import PrimFunc
 
-from .attention import LOG2E
+from .attention_mma import DTYPE, fragment_sizes, lane_xor, swizzled, tile_ops
 from .attention_prep import gate_column, gate_product
 from .kv_cache import PAGE_SIZE, first_tile
-from .matmul import acc_coords, ldmatrix_a_coords, ldmatrix_b_coords
+from .matmul import acc_coords
 from .pdl import release_dependents, wait_for_producers
-from .ptx import ldmatrix_x4, mma_bf16
 
-DTYPE = "bfloat16"
 STAGES = 2  # K/V tiles in shared memory: the one computed on and the one arriving
-FULL_MASK = 0xFFFFFFFF
-
-
-def _at(row, chunk, chunks: int):
-    """Element offset of 16-byte chunk `chunk` of `row` in a tile of rows of `chunks` chunks
-    (a multiple of 8), the chunk XORed with row % 8."""
-    return row * (chunks * 8) + (chunk ^ (row % 8)) * 8
-
-
-def _lane_xor(x, lane_mask: int):
-    """x of the lane whose index differs by `lane_mask` (a quad's 4 lanes hold one row)."""
-    return T.tvm_warp_shuffle_xor(FULL_MASK, x, lane_mask, 32, 32)
 
 
 def paged_prefill_mma(
@@ -73,35 +50,11 @@ def paged_prefill_mma(
     nt = rows // 16 * 32
     dch = d // 8  # 16-byte chunks of a head row
     d_tiles = d // 8  # n8 tiles of O a warp
-    s_tiles = keys // 8  # n8 tiles of S a warp
-    kv_copies = -(-keys * dch // nt)  # 16-byte copies a thread, for each of K and V
     q_copies = -(-rows * dch // nt)
     out_chunks = rows * dch // nt  # 16-byte chunks of o a thread stores (exact: dch % 8 == 0)
-    scale = float(d) ** -0.5 * LOG2E  # the softmax runs on exp2
     sh = "shared.dyn"
-
-    pv_steps = keys // 16 * (d // 16)  # (k16 step, pair of n8 tiles) of O += P V
-
-    @T.macro
-    def s_fragments(q_sh, k_sh, a_frag, b_frag, kk, buf, k_base, warp, lane):
-        # Q's A fragment and K's B fragments of k16 step kk, into fragment set `buf`
-        ar, ac = T.meta_var(ldmatrix_a_coords(lane, kk))
-        T.evaluate(ldmatrix_x4(a_frag, buf * 8, q_sh, _at(warp * 16 + ar, ac, dch)))
-        for np in T.unroll(s_tiles // 2):
-            br, bc = T.meta_var(ldmatrix_b_coords(lane, kk))
-            T.evaluate(ldmatrix_x4(
-                b_frag, (buf * (s_tiles // 2) + np) * 8, k_sh, k_base + _at(np * 16 + br, bc, dch)
-            ))  # fmt: skip
-
-    @T.macro
-    def v_fragment(v_sh, b_frag, j, buf, k_base, lane):
-        # V's B fragments (two n8 tiles) of step j, read transposed: lanes give key rows
-        kk: T.let[T.int32] = j // (d // 16)
-        np: T.let[T.int32] = j % (d // 16)
-        T.evaluate(ldmatrix_x4(
-            b_frag, buf * 8, v_sh,
-            k_base + _at(kk * 16 + lane % 16, np * 2 + lane // 16, dch), trans=True,
-        ))  # fmt: skip
+    frag = fragment_sizes(d, tile_pages)
+    load_kv, attend_tile = tile_ops(kv_heads, d, tile_pages, nt)
 
     @T.macro
     def tile_of(indptr, n_seq, g, info, cnt_sh, tx, warp, lane):
@@ -113,27 +66,13 @@ def paged_prefill_mma(
                 if first_tile(indptr, i * nt + tx, q_tokens) <= g:
                     info[0] = info[0] + 1
         for sh_ in T.unroll(5):
-            info[0] = info[0] + _lane_xor(info[0], 1 << sh_)
+            info[0] = info[0] + lane_xor(info[0], 1 << sh_)
         if lane == 0:
             cnt_sh[warp] = info[0]
         T.tvm_storage_sync("shared.dyn")
         info[0] = -1
         for w in T.unroll(nt // 32):
             info[0] = info[0] + cnt_sh[w]
-
-    @T.macro
-    def load_kv(kp, vp, k_sh, v_sh, stage, kt, tx, slot, table, seq_pages, kvh, layer64):
-        for it in T.unroll(kv_copies):
-            x: T.let[T.int32] = T.min(it * nt + tx, keys * dch - 1)
-            key: T.let[T.int32] = x // dch
-            pg: T.let[T.int32] = T.min(kt * tile_pages + key // PAGE_SIZE, seq_pages - 1)
-            page: T.let[T.int64] = T.Cast("int64", table[slot, pg])
-            src: T.let[T.int64] = (
-                ((layer64 * kp.shape[1] + page) * kv_heads + kvh) * PAGE_SIZE + key % PAGE_SIZE
-            ) * d + x % dch * 8
-            dst: T.let[T.int32] = stage * keys * d + _at(key, x % dch, dch)
-            T.evaluate(T.s_tir.cp_async_raw.legacy(k_sh.data, dst, kp.data, src, 16, dtype=DTYPE))
-            T.evaluate(T.s_tir.cp_async_raw.legacy(v_sh.data, dst, vp.data, src, 16, dtype=DTYPE))
 
     @T.prim_func(s_tir=True)
     def attn_prefill_mma(
@@ -177,12 +116,11 @@ def paged_prefill_mma(
                     q_sh = T.sblock_alloc_buffer((rows * d,), DTYPE, scope=sh)
                     k_sh = T.sblock_alloc_buffer((STAGES * keys * d,), DTYPE, scope=sh)
                     v_sh = T.sblock_alloc_buffer((STAGES * keys * d,), DTYPE, scope=sh)
-                    o_acc = T.sblock_alloc_buffer((d_tiles * 4,), "float32", scope="local")
-                    s_acc = T.sblock_alloc_buffer((s_tiles * 4,), "float32", scope="local")
-                    p_frag = T.sblock_alloc_buffer((s_tiles * 4,), DTYPE, scope="local")
-                    a_frag = T.sblock_alloc_buffer((2 * 8,), DTYPE, scope="local")
-                    b_frag = T.sblock_alloc_buffer((2 * max(1, s_tiles // 2) * 8,), DTYPE,
-                                                   scope="local")  # fmt: skip
+                    o_acc = T.sblock_alloc_buffer((frag["o"],), "float32", scope="local")
+                    s_acc = T.sblock_alloc_buffer((frag["s"],), "float32", scope="local")
+                    p_frag = T.sblock_alloc_buffer((frag["s"],), DTYPE, scope="local")
+                    a_frag = T.sblock_alloc_buffer((frag["a"],), DTYPE, scope="local")
+                    b_frag = T.sblock_alloc_buffer((frag["b"],), DTYPE, scope="local")
                     row_pos = T.sblock_alloc_buffer((2,), "int32", scope="local")
                     info = T.sblock_alloc_buffer((5,), "int32", scope="local")
                     m_run = T.sblock_alloc_buffer((2,), "float32", scope="local")
@@ -223,7 +161,7 @@ def paged_prefill_mma(
                         T.evaluate(
                             T.s_tir.cp_async_raw.legacy(
                                 q_sh.data,
-                                _at(r, x % dch, dch),
+                                swizzled(r, x % dch, dch),
                                 q.data,
                                 (tok * heads + kvh * group + r % group) * d + x % dch * 8,
                                 16,
@@ -231,7 +169,8 @@ def paged_prefill_mma(
                             )
                         )
                     if n_tiles > 0:
-                        load_kv(kp, vp, k_sh, v_sh, 0, 0, tx, slot, table, seq_pages, kvh, layer64)
+                        load_kv(kp, vp, k_sh, v_sh, 0, 0, seq_pages - 1, tx, slot, table, kvh,
+                                layer64)  # fmt: skip
                     T.evaluate(T.ptx["cp.async.commit_group"]())
                     for hr in T.unroll(2):
                         row_pos[hr] = positions[
@@ -246,68 +185,16 @@ def paged_prefill_mma(
                         T.evaluate(T.ptx["cp.async.wait_group"](0))
                         T.tvm_storage_sync("shared.dyn")
                         if kt + 1 < n_tiles:
-                            load_kv(kp, vp, k_sh, v_sh, (kt + 1) % STAGES, kt + 1, tx, slot,
-                                    table, seq_pages, kvh, layer64)  # fmt: skip
+                            load_kv(kp, vp, k_sh, v_sh, (kt + 1) % STAGES, (kt + 1) * tile_pages,
+                                    seq_pages - 1, tx, slot, table, kvh, layer64)  # fmt: skip
                         T.evaluate(T.ptx["cp.async.commit_group"]())
-                        k_base: T.let[T.int32] = kt % STAGES * keys * d
-                        # 2. S = Q Kᵀ for this warp's 16 rows
-                        for i in T.unroll(s_tiles * 4):
-                            s_acc[i] = T.float32(0)
-                        # the next k16 step's fragments load while this one's mma run
-                        s_fragments(q_sh, k_sh, a_frag, b_frag, 0, 0, k_base, warp, lane)
-                        for kk in T.unroll(d // 16):
-                            if kk + 1 < d // 16:
-                                s_fragments(q_sh, k_sh, a_frag, b_frag, kk + 1, (kk + 1) % 2,
-                                            k_base, warp, lane)  # fmt: skip
-                            for np in T.unroll(s_tiles // 2):
-                                for h2 in T.unroll(2):
-                                    T.evaluate(mma_bf16(
-                                        a_frag.data, kk % 2 * 8,
-                                        b_frag.data, (kk % 2 * (s_tiles // 2) + np) * 8 + h2 * 4,
-                                        s_acc.data, (np * 2 + h2) * 4,
-                                    ))  # fmt: skip
-                        # 3. the online softmax on the accumulators: lane holds rows
-                        # lane // 4 (+ 8), columns lane % 4 * 2 (+ 1) of each n8 tile
-                        for i in T.unroll(s_tiles * 4):
-                            er, ec = T.meta_var(acc_coords(lane, i % 4))
-                            s_acc[i] = T.Select(
-                                kt * keys + i // 4 * 8 + ec <= row_pos[i % 4 // 2],
-                                s_acc[i] * T.float32(scale),
-                                T.float32("-inf"),
-                            )
-                        for hr in T.unroll(2):
-                            m_new[hr] = m_run[hr]
-                        for i in T.unroll(s_tiles * 4):
-                            m_new[i % 4 // 2] = T.max(m_new[i % 4 // 2], s_acc[i])
-                        for hr in T.unroll(2):
-                            for sh_ in T.unroll(2):
-                                m_new[hr] = T.max(m_new[hr], _lane_xor(m_new[hr], 1 << sh_))
-                            # key 0 is visible to every row, so m_new is finite from tile 0 on
-                            m_run[hr] = T.exp2(m_run[hr] - m_new[hr])  # now alpha
-                            l_run[hr] = l_run[hr] * m_run[hr]
-                        for i in T.unroll(d_tiles * 4):
-                            o_acc[i] = o_acc[i] * m_run[i % 4 // 2]
-                        for i in T.unroll(s_tiles * 4):
-                            s_acc[i] = T.exp2(s_acc[i] - m_new[i % 4 // 2])
-                            l_run[i % 4 // 2] = l_run[i % 4 // 2] + s_acc[i]
-                            p_frag[i] = T.Cast(DTYPE, s_acc[i])
-                        for hr in T.unroll(2):
-                            m_run[hr] = m_new[hr]
-                        # 4. O += P V: P's accumulator order is mma's A fragment order
-                        v_fragment(v_sh, b_frag, 0, 0, k_base, lane)
-                        for j in T.unroll(pv_steps):
-                            if j + 1 < pv_steps:
-                                v_fragment(v_sh, b_frag, j + 1, (j + 1) % 2, k_base, lane)
-                            for h2 in T.unroll(2):
-                                T.evaluate(mma_bf16(
-                                    p_frag.data, j // (d // 16) * 8,
-                                    b_frag.data, j % 2 * 8 + h2 * 4,
-                                    o_acc.data, (j % (d // 16) * 2 + h2) * 4,
-                                ))  # fmt: skip
+                        attend_tile(q_sh, k_sh, v_sh, kt % STAGES, kt * keys, row_pos, s_acc,
+                                    p_frag, a_frag, b_frag, o_acc, m_run, l_run, m_new, warp,
+                                    lane)  # fmt: skip
                     for hr in T.unroll(2):
                         for sh_ in T.unroll(2):
-                            l_run[hr] = l_run[hr] + _lane_xor(l_run[hr], 1 << sh_)
-                    # 5. o, rounded, goes through this warp's rows of q_sh (Q's copies have
+                            l_run[hr] = l_run[hr] + lane_xor(l_run[hr], 1 << sh_)
+                    # o, rounded, goes through this warp's rows of q_sh (Q's copies have
                     # all landed: with no tile, they are waited for here) so that the gate's
                     # loads and o's stores move whole 16-byte chunks
                     T.evaluate(T.ptx["cp.async.wait_group"](0))
@@ -315,7 +202,7 @@ def paged_prefill_mma(
                     for nt8 in T.unroll(d_tiles):
                         for e in T.unroll(4):
                             er, ec = T.meta_var(acc_coords(lane, e))
-                            q_sh[_at(warp * 16 + er, nt8, dch) + ec] = T.Cast(
+                            q_sh[swizzled(warp * 16 + er, nt8, dch) + ec] = T.Cast(
                                 DTYPE, o_acc[nt8 * 4 + e] / l_run[e // 2]
                             )
                     T.tvm_storage_sync("shared.dyn")
@@ -336,7 +223,7 @@ def paged_prefill_mma(
                         hd: T.let[T.int32] = kvh * group + r % group
                         if found and r // group < n_q:
                             for v in T.vectorized(8):
-                                o_vec[v] = q_sh[_at(r, x % dch, dch) + v]
+                                o_vec[v] = q_sh[swizzled(r, x % dch, dch) + v]
                             for v in T.unroll(8):
                                 o_vec[v] = gate_product(
                                     T.Cast("float32", o_vec[v]),
