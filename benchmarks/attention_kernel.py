@@ -27,6 +27,9 @@ from common import copy_bandwidth, cuda_time
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 16, 4, 256, 16
 DECODE = {"B1xL32768": (1, 32768), "B16xL4096": (16, 4096), "B64xL1024": (64, 1024)}
+# a check: one token, page edges, pieces that end mid-tile (4,097 tokens: 13 pieces of 20
+# pages, the last of 17), one page a piece
+DECODE_ODD = {"odd_lengths": [1, 16, 17, 31, 33, 700, 4097]}
 PREFILL = {
     "1x1024": [1024],
     "1x8192": [8192],
@@ -269,6 +272,7 @@ def run(out_dir: Path, results: Path | None) -> None:
     print(f"device: {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s")
     rows, warmups = [], {}
     cases = [("decode", name, [L] * B, [1] * B) for name, (B, L) in DECODE.items()]
+    cases += [("decode", name, lens, [1] * len(lens)) for name, lens in DECODE_ODD.items()]
     cases += [("prefill", name, lens, lens) for name, lens in PREFILL.items()]
     print(
         "| kind | case | kernel | ours (µs) | in a graph (µs) | kernels only (µs) | SDPA (µs) |"

@@ -142,9 +142,7 @@ def paged_decode_mma(
                     info[3] = T.min(info[2] + info[1], key_pages(positions[t]))
                     # this step appends keys at its tokens' positions, the first of them its
                     # sequence's first token's: a tile wholly before it is no producer's
-                    info[4] = T.Select(
-                        (info[2] + tp) * PAGE_SIZE <= positions[indptr[lo[0]]], 1, 0
-                    )
+                    info[4] = T.Select((info[2] + tp) * PAGE_SIZE <= positions[indptr[lo[0]]], 1, 0)
                     slot = T.meta_var(info[0])
                     p0 = T.meta_var(info[2])
                     p1 = T.meta_var(info[3])

@@ -187,10 +187,11 @@ def _prefill_kernels(dtype: str, target_kind: str) -> tuple[set, set]:
 def test_bf16_cuda_prefill_runs_on_tensor_cores_and_the_rest_on_the_split_kernel():
     prefill, decode = _prefill_kernels("bfloat16", "cuda")
     assert "attn_prefill_mma" in prefill and "attn_paged" not in prefill
-    assert "attn_paged" in decode and "attn_prefill_mma" not in decode
+    assert "attn_decode_mma" in decode and "attn_paged" not in decode
     for dtype, kind in (("float32", "cuda"), ("float32", "llvm")):
-        prefill, _ = _prefill_kernels(dtype, kind)
+        prefill, decode = _prefill_kernels(dtype, kind)
         assert "attn_paged" in prefill and "attn_prefill_mma" not in prefill, (dtype, kind)
+        assert "attn_paged" in decode and "attn_decode_mma" not in decode, (dtype, kind)
 
 
 def test_tensor_core_prefill_compiles_to_sass_for_each_arch(tmp_path):
@@ -207,3 +208,25 @@ def test_tensor_core_prefill_compiles_to_sass_for_each_arch(tmp_path):
     assert fatbin_arches(tmp_path / "prefill.so")["sass"] == ["sm_80", "sm_90"]
     with pytest.raises(ValueError, match="head_dim a multiple of 64"):
         paged_prefill_mma(4, 2, 32, target)
+
+
+def test_tensor_core_decode_compiles_to_sass_for_each_arch(tmp_path):
+    """Like the prefill kernel, it cannot run here; benchmarks/attention_kernel.py checks it
+    against SDPA on the GPU (odd lengths, one token, pieces ending mid-tile) and
+    benchmarks/gpu_parity.py through the model."""
+    from qwen35_tvm.compile.cuda_toolchain import fatbin_arches, prepare_cuda_codegen
+    from qwen35_tvm.compile.targets import make_target
+    from qwen35_tvm.schedules.attention_decode_mma import blocks_per_sm, paged_decode_mma
+
+    target, arches = make_target("cuda", "sm_80,sm_90")
+    prepare_cuda_codegen(arches)
+    lib = tvm.compile(tvm.IRModule({"main": paged_decode_mma(16, 4, 256, target)}), target)
+    lib.export_library(str(tmp_path / "decode.so"))
+    assert fatbin_arches(tmp_path / "decode.so")["sass"] == ["sm_80", "sm_90"]
+    # Q's 16 rows (8 KB) and two stages of 2-page K and V tiles (64 KB): 3 blocks an SM
+    assert blocks_per_sm(256, 2, 2) == 3 and blocks_per_sm(256, 1, 2) == 5
+    for bad in (dict(heads=4, kv_heads=2, head_dim=32), dict(heads=32, kv_heads=1, head_dim=64)):
+        with pytest.raises(ValueError, match="tensor-core decode"):
+            paged_decode_mma(target=target, **bad)
+    with pytest.raises(ValueError, match="stages 2-8"):
+        paged_decode_mma(16, 4, 256, target, stages=1)

@@ -22,7 +22,17 @@ EARLY_READS = {
     # the step's inputs, to find a split's pages (and prefetch them: not a touch)
     r"attn_paged_kernel": {"indptr_ptr", "slots_ptr", "positions_ptr", "table_ptr"},
     # its merge: the pieces' count from positions, qkv_proj's output gates
-    r"attn_paged_kernel_1": {"positions_ptr", "gate_ptr"},
+    r"attn_(paged|decode_mma)_kernel_1": {"positions_ptr", "gate_ptr"},
+    # the tensor-core split kernel: its pages, and its first tile's K/V where no key of this
+    # step is in it (cp.async into shared memory)
+    r"attn_decode_mma_kernel": {
+        "indptr_ptr",
+        "slots_ptr",
+        "positions_ptr",
+        "table_ptr",
+        "kp_ptr",
+        "vp_ptr",
+    },
 }
 KERNEL = re.compile(
     r'extern "C" __global__ void (?:__launch_bounds__\([^)]*\) )?(\w+)\(([^)]*)\) \{'
@@ -117,6 +127,36 @@ def test_prefill_kernels_wait_before_touching_anything() -> None:
         for name, (params, body) in found.items():
             assert body.count(WAIT) == 1, name
             assert touched_before_wait(params, body) == [], name
+
+
+def test_tensor_core_decode_reads_only_old_keys_before_its_wait() -> None:
+    """The 4B-shaped kernel (the tiny model's head_dim takes the SIMT one): its early K/V copy
+    sits under the test that the tile ends before this step's first position."""
+    import tvm
+    from tvm.target import Target
+
+    from qwen35_tvm.compile.cuda_toolchain import prepare_cuda_codegen
+    from qwen35_tvm.schedules.attention_decode_mma import paged_decode_mma
+
+    prepare_cuda_codegen(["sm_90"])
+    target = Target({"kind": "cuda", "arch": "sm_90"}, host="llvm")
+    lib = tvm.compile(tvm.IRModule({"main": paged_decode_mma(16, 4, 256, target)}), target)
+    source = next(m for m in lib.mod.imports if m.kind == "cuda").inspect_source()
+    found = kernels(guard_sm90_asm(source))
+    assert set(found) == {"attn_decode_mma_kernel", "attn_decode_mma_kernel_1"}
+    for name, (params, body) in found.items():
+        assert body.count(WAIT) == 1, name
+        early = next(e for k, e in EARLY_READS.items() if re.fullmatch(k, name))
+        assert set(touched_before_wait(params, body)) == early, name
+        head = body[: body.index(WAIT)]
+        assert not [p for p in params if re.search(rf"\b{p}\[[^;=]*\] = ", head)], name
+    # the first K/V copy before the wait sits in a branch on the flag made from this step's
+    # first position of the sequence
+    head = found["attn_decode_mma_kernel"][1].split(WAIT)[0]
+    flag = re.search(r"(info_ptr\[\d\]) = .*positions_ptr\[indptr_ptr\[", head)
+    assert flag, "no flag from the sequence's first position"
+    condition = head[: head.index("kp_ptr")].rsplit("if (", 1)[1].split("{")[0]
+    assert f"0 < {flag.group(1)}" in condition, condition
 
 
 def test_the_checker_catches_a_read_or_write_before_the_wait() -> None:
