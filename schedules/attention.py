@@ -49,6 +49,19 @@ def num_splits(n_tok, budget: int = SPLIT_BUDGET):
     return T.max(1, budget // n_tok)
 
 
+def output_gate(head_dim: int, dtype: str) -> tuple:
+    """(gate_value(gate, t, h, c): the fp32 gate of output (t, h, c) from qkv_proj's row,
+    finish(value, gate): the stored output) of the kernels that gate o where they store it."""
+
+    def gate_value(gate, t, h, c):
+        return T.Cast("float32", gate[t, gate_column(h, head_dim) + c])
+
+    def finish(val, g):
+        return gate_product(rounded(val, dtype), g, dtype)
+
+    return gate_value, finish
+
+
 def _vector(head_dim: int) -> int:
     return next(v for v in (8, 4, 2, 1) if head_dim % v == 0)
 
@@ -105,11 +118,7 @@ def paged_attention(
     v_dtype = dtype if gpu else "float32"
     reg_rows = 1 if gpu else nt
 
-    def gate_value(gate, t, h, c):
-        return T.Cast("float32", gate[t, gate_column(h, d) + c])
-
-    def finish(val, g):
-        return gate_product(rounded(val, dtype), g, dtype)
+    gate_value, finish = output_gate(d, dtype)
 
     # tile 0's K and V lines (128 bytes), prefetched into L2 before the wait
     line_elems = 128 // (2 if dtype == "bfloat16" else 4)

@@ -20,11 +20,9 @@ from tvm.script import tirx as T
 from tvm.target import Target
 from tvm.tirx import PrimFunc
 
-from .attention import SPLIT_BUDGET, num_splits
+from .attention import SPLIT_BUDGET, num_splits, output_gate
 from .attention_merge import key_pages, merge_phase, split_pages
 from .attention_mma import DTYPE, fragment_sizes, lane_xor, swizzled, tile_ops
-from .attention_prep import gate_column, gate_product
-from .gdn_prep import rounded
 from .kv_cache import PAGE_SIZE, seq_of_token
 from .matmul import acc_coords
 from .pdl import release_dependents, wait_for_producers
@@ -71,11 +69,7 @@ def paged_decode_mma(
     sh = "shared.dyn"
     ws_rows = SPLIT_BUDGET
 
-    def gate_value(gate, t, h, c):
-        return T.Cast("float32", gate[t, gate_column(h, d) + c])
-
-    def finish(val, g):
-        return gate_product(rounded(val, DTYPE), g, DTYPE)
+    gate_value, finish = output_gate(d, DTYPE)
 
     merge = merge_phase(heads, d, MERGE_THREADS, tp, ws_rows, True, gate_value, finish)
 
