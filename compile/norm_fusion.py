@@ -49,9 +49,9 @@ def same_shape(a: relax.Expr, b: relax.Expr) -> bool:
     )
 
 
-def decode_gemm(func: tvm.tirx.PrimFunc):
-    """gemm_match's GemmMatch of a fused GEMM marked for decode's GEMV, else None."""
-    if func.attrs is None or func.attrs.get(ROWS_ATTR) != FUSED_ROWS:
+def decode_gemm(func: tvm.tirx.PrimFunc, rows: str = FUSED_ROWS):
+    """gemm_match's GemmMatch of a fused GEMM marked for `rows`' GEMV, else None."""
+    if func.attrs is None or func.attrs.get(ROWS_ATTR) != rows:
         return None
     return match_gemm(func)
 
@@ -64,6 +64,8 @@ class GemvFolder(relax.PyExprMutator):
         super().__init__(mod)
         self.mod_ = mod
         self.target = target
+        # (GEMM name, eps, SwiGLU): a GEMM's name already says its rows (the pipeline splits
+        # GEMMs by rows)
         self.kernels: dict[tuple[str, float | None, bool], tvm.ir.GlobalVar] = {}
 
     def producer(self, arg: relax.Expr) -> tuple[relax.Var, relax.Call, tvm.tirx.PrimFunc]:
@@ -90,16 +92,19 @@ class GemvFolder(relax.PyExprMutator):
         tensors = list(call.args[1].fields)
         return tensors[0], tensors[1], float(func.attrs[EPS_ATTR])
 
-    def gemv_call(self, call: relax.Call, swiglu_ty=None) -> relax.Call | None:
-        """`call`, a decode GEMM's call_tir, as a call of our GEMV with the RMSNorm folded in
-        where the GEMM's A is a norm's output, and with `swiglu_ty` (the SwiGLU's out type)
-        the SwiGLU after it. None where there is nothing to fold or the kernel cannot."""
+    def gemv_call(
+        self, call: relax.Call, swiglu_ty=None, rows: str = FUSED_ROWS, fold_norm: bool = True
+    ) -> relax.Call | None:
+        """`call`, a `rows` GEMM's call_tir, as a call of our GEMV with the RMSNorm folded in
+        where the GEMM's A is a norm's output (unless not `fold_norm`), and with `swiglu_ty`
+        (the SwiGLU's out type) the SwiGLU after it. None where there is nothing to fold or
+        the kernel cannot."""
         name, func = callee(self.mod_, call)
-        match = decode_gemm(func)
+        match = decode_gemm(func, rows)
         if match is None:
             return None
         args = list(call.args[1].fields)
-        norm = self._norm_input(args[match.a_param])
+        norm = self._norm_input(args[match.a_param]) if fold_norm else None
         if norm is not None and not same_shape(norm[0], args[match.a_param]):
             norm = None
         swiglu = swiglu_ty is not None
@@ -108,7 +113,7 @@ class GemvFolder(relax.PyExprMutator):
         eps = None if norm is None else norm[2]
         key = (name, eps, swiglu)
         if key not in self.kernels:
-            kernel = gemv_for(func, self.target, rows=FUSED_ROWS, rms_eps=eps, swiglu=swiglu)
+            kernel = gemv_for(func, self.target, rows=rows, rms_eps=eps, swiglu=swiglu)
             if kernel is None:
                 return None
             symbol = name + ("_rms_norm" if norm else "") + ("_swiglu" if swiglu else "")

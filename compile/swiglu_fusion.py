@@ -16,10 +16,10 @@ else stays as it is.
 Prefill's gate_up GEMM ("large") can take its SwiGLU too, as the tensor-core GEMM's epilogue
 (`PREFILL_GEMM_SWIGLU`). ptxas -v (sm_90,
 the 4B and 9B gate_up): decode's kernel takes 152 registers with the SwiGLU (150 without), 168
-with the norm too (168 with the norm alone), no spills. decode_wide keeps its SwiGLU kernel:
+with the norm too (168 with the norm alone), no spills. decode_wide does not fold both:
 there the fold would carry the norm along, and with both one bucket spills 16 bytes (4 with
-the norm alone, at 4B: why decode_wide's norms are not folded); the SwiGLU alone does not
-spill there, but is untried on the GPU.
+the norm alone, at 4B: why decode_wide's norms are not folded). decode_wide's gate_up takes
+its SwiGLU alone (`WIDE_SWIGLU`), its norm staying a kernel of its own.
 """
 
 from __future__ import annotations
@@ -37,6 +37,9 @@ from .norm_fusion import CALL_TIR, GemvFolder, callee, gemv_fold_pass
 # (docs/results/gemm_kernel_swiglu_sweep.json) the fused 4B gate_up runs at 0.87x/0.86x cuBLAS's
 # plain GEMM at M = 1,024/4,096 (unfused 0.88x/0.86x) and the SwiGLU kernel goes.
 PREFILL_GEMM_SWIGLU = True
+# decode_wide's SwiGLU into its gate_up GEMV (8-64 rows), without the norm: c16 removes 32
+# SwiGLU kernels (48.5 µs of a 16-row step, profile_step_s24.json)
+WIDE_SWIGLU = True
 
 
 def _readers(func: relax.Function) -> dict[relax.Var, int]:
@@ -71,7 +74,7 @@ class SwigluFolder(GemvFolder):
         if call is None or func.attrs is None:
             return None
         rows = str(func.attrs.get(ROWS_ATTR, ""))
-        match = match_gemm(func) if rows in ("small", "large") else None
+        match = match_gemm(func) if rows in ("small", "wide", "large") else None
         if match is None or match.n != 2 * inter or match.out_dtype != str(call.ty.dtype):
             return None
         while True:  # every variable from the GEMM's output to `arg`: this one reader
@@ -104,6 +107,12 @@ class SwigluFolder(GemvFolder):
         gate_up, rows = found
         if rows == "small":
             folded = self.gemv_call(gate_up, swiglu_ty=call.ty_args[0])
+        elif rows == "wide":
+            folded = (
+                self.gemv_call(gate_up, call.ty_args[0], rows, fold_norm=False)
+                if WIDE_SWIGLU
+                else None
+            )
         elif PREFILL_GEMM_SWIGLU:
             folded = self._gemm_call(gate_up, call.ty_args[0])
         else:

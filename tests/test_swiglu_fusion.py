@@ -9,10 +9,11 @@ in compile/swiglu_fusion.py that uses it).
 - Mutations: up read from gate's row (row j, not I + j), and gate and up swapped in the
   epilogue, fail those checks.
 - The pass on a small CUDA module: decode's SwiGLU goes and its gate_up GEMV becomes the fused
-  kernel (the norm folded in too where there is one); a gate_up with a second reader stays;
-  decode_wide and prefill keep their SwiGLU. Run for the CPU (the pass's mutators, as the
-  pass itself folds for sm_80+ only), the folded decode computes what the unfolded one does:
-  the fused kernel gets its arguments where it reads them.
+  kernel (the norm folded in too where there is one); decode_wide's goes into its gate_up GEMV
+  without the norm (`WIDE_SWIGLU`; off, it stays); a gate_up with a second reader stays.
+  Run for the CPU (the pass's mutators, as the pass itself folds for sm_80+ only), the folded
+  decode and decode_wide compute what the unfolded ones do: the fused kernel gets its
+  arguments where it reads them.
 """
 
 from __future__ import annotations
@@ -199,13 +200,25 @@ def test_decode_swiglu_folds_into_gate_up(norm) -> None:
     assert not any(c.startswith("rms_norm") for c in decode), decode
     line = next(ln for ln in mod["decode"].script().splitlines() if fused[0] + "," in ln)
     assert ("norm_weight" in line) == norm, line
+    # decode_wide: the SwiGLU alone, its norm a kernel of its own
+    wide = _calls(mod, "decode_wide")
+    assert not _swiglus(mod, "decode_wide"), wide
+    fused_wide = [c for c in wide if c.endswith("_swiglu")]
+    assert len(fused_wide) == 1 and "_rms_norm" not in fused_wide[0], wide
+    assert mod[fused_wide[0]].attrs[KERNEL_ATTR] == "gemv"
+    assert any(c.startswith("rms_norm") for c in wide) == norm, wide
+
+
+def test_wide_swiglu_stays_with_the_flag_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(swiglu_fusion, "WIDE_SWIGLU", False)
+    mod = _lowered(norm=True, shared=False)
     assert len(_swiglus(mod, "decode_wide")) == 1, _calls(mod, "decode_wide")
+    assert not _swiglus(mod, "decode")
 
 
 def test_prefill_swiglu_folds_into_the_gemm(monkeypatch: pytest.MonkeyPatch) -> None:
     """With PREFILL_GEMM_SWIGLU (the default), prefill's gate_up GEMM becomes our tensor-core
-    GEMM storing [tokens, INTER], its SwiGLU gone; decode_wide keeps its own. Off, prefill
-    keeps it."""
+    GEMM storing [tokens, INTER], its SwiGLU gone. Off, prefill keeps it."""
     assert swiglu_fusion.PREFILL_GEMM_SWIGLU
     mod = _lowered(norm=True, shared=False)
     prefill = _calls(mod, "prefill")
@@ -217,7 +230,6 @@ def test_prefill_swiglu_folds_into_the_gemm(monkeypatch: pytest.MonkeyPatch) -> 
     out, weight = kernel.params[-1], kernel.params[1]
     assert [int(d) for d in out.shape[1:]] == [INTER] and out.dtype == "bfloat16"
     assert [int(d) for d in weight.shape] == [2 * INTER, K]  # the weight as stored
-    assert len(_swiglus(mod, "decode_wide")) == 1
     with_second_reader = _lowered(norm=True, shared=True)
     assert len(_swiglus(with_second_reader, "prefill")) == 1
     monkeypatch.setattr(swiglu_fusion, "PREFILL_GEMM_SWIGLU", False)
@@ -233,16 +245,19 @@ def test_gate_up_with_another_reader_stays() -> None:
     assert any(c.endswith("_rms_norm") for c in decode), decode
 
 
-def _cpu_decode(norm: bool, fold: bool, x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    """decode of the block built for the CPU, with or without the two folds, on x and weights
-    of multiples of 1/8 (the norm's weight: multiples of 1/4 around 1)."""
+def _cpu_decode(
+    norm: bool, fold: bool, x: np.ndarray, rng: np.random.Generator, fn: str = "decode"
+) -> np.ndarray:
+    """`fn` (decode or decode_wide) of the block built for the CPU, with or without the two
+    folds, on x and weights of multiples of 1/8 (the norm's weight: multiples of 1/4 around
+    1)."""
     with LLVM:
-        mod, params = _exported(norm, False, ("decode",))
+        mod, params = _exported(norm, False, (fn,))
         mod = tvm.transform.Sequential(fusion_passes(LLVM))(mod)  # the folds: no-ops here
         if fold:
             mod = NormFolder(SwigluFolder(mod, LLVM).fold_module(), LLVM).fold_module()
         vm = relax.VirtualMachine(tvm.compile(mod, target=LLVM), tvm.cpu())
-    assert any(c.endswith("_swiglu") for c in _calls(mod, "decode")) == fold
+    assert any(c.endswith("_swiglu") for c in _calls(mod, fn)) == fold
     args = [x]
     for _, p in params:
         shape = [int(d) for d in p.shape]
@@ -250,7 +265,7 @@ def _cpu_decode(norm: bool, fold: bool, x: np.ndarray, rng: np.random.Generator)
             args.append((rng.integers(-8, 9, shape) / 8).astype(BF16))
         else:
             args.append((1 + rng.integers(-2, 3, shape) / 4).astype(np.float32))
-    return vm["decode"](*(tvm.runtime.tensor(a) for a in args)).numpy().astype(np.float64)
+    return vm[fn](*(tvm.runtime.tensor(a) for a in args)).numpy().astype(np.float64)
 
 
 @pytest.mark.parametrize("norm", [False, True])
@@ -261,3 +276,15 @@ def test_folded_decode_computes_the_same_on_the_cpu(norm) -> None:
         assert _off(folded.astype(BF16), plain) < 2**-6
     else:  # exact sums: the same bits
         assert _bits_equal(folded.astype(BF16), plain.astype(BF16))
+
+
+@pytest.mark.parametrize("norm", [False, True])
+def test_folded_decode_wide_computes_the_same_on_the_cpu(norm) -> None:
+    """decode_wide's fold takes the SwiGLU only, so the norm stays the same kernel: the same
+    bits with or without it, at 9 rows (its 16-row bucket) and 33 (two passes of 32)."""
+    for rows in (9, 33):
+        x = (np.random.default_rng(rows).integers(-8, 9, (rows, K)) / 8).astype(BF16)
+        plain, folded = (
+            _cpu_decode(norm, fold, x, np.random.default_rng(2), "decode_wide") for fold in (0, 1)
+        )
+        assert _bits_equal(folded.astype(BF16), plain.astype(BF16)), rows
