@@ -94,8 +94,8 @@ def _kernels(small, rows: str, target, gate_up: bool = False) -> tuple[dict, dic
             if "ours_rms" in makers:  # the same config with the norm folded in
                 configs[f"{name}_rms"] = cfg
                 makers[f"{name}_rms"] = lambda c=cfg: gemv_for(func, target, c, rms_eps=RMS_EPS)
-    if gate_up and rows == "small":  # the default config, the SwiGLU folded in; and alone
-        glu = gemv_swiglu.makers(func, target, RMS_EPS)
+    if gate_up:  # the default config, the SwiGLU folded in; and alone
+        glu = gemv_swiglu.makers(func, target, RMS_EPS, rows)
         makers.update(glu)
         configs.update({name: configs["ours"] for name in glu if name != gemv_swiglu.ALONE})
     kernels, errors = {}, {}

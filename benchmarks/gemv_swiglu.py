@@ -23,13 +23,19 @@ def is_gate_up(names: list[str]) -> bool:
     return any(name.endswith(".gate_up_proj") for name in names)
 
 
-def makers(func, target, rms_eps: float) -> dict[str, Callable]:
-    """{kernel name: () -> PrimFunc} for the decode gate_up GEMM `func` (its fused PrimFunc)."""
+def makers(func, target, rms_eps: float, rows: str = "small") -> dict[str, Callable]:
+    """{kernel name: () -> PrimFunc} for the decode gate_up GEMM `func` (its fused PrimFunc);
+    decode_wide's ("wide") fold takes the SwiGLU without the norm."""
     from qwen35_tvm.schedules.activation import swiglu
     from qwen35_tvm.schedules.gemm_match import match_gemm
     from qwen35_tvm.schedules.gemv_rule import gemv_for
 
     match = match_gemm(func)
+    if rows == "wide":
+        return {
+            f"ours{GLU}": lambda: gemv_for(func, target, rows="wide", swiglu=True),
+            ALONE: lambda: swiglu(match.n // 2, match.out_dtype, target),
+        }
     return {
         f"ours{GLU}": lambda: gemv_for(func, target, rows="small", swiglu=True),
         f"ours_rms{GLU}": lambda: gemv_for(

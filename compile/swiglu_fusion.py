@@ -37,8 +37,10 @@ from .norm_fusion import CALL_TIR, GemvFolder, callee, gemv_fold_pass
 # (docs/results/gemm_kernel_swiglu_sweep.json) the fused 4B gate_up runs at 0.87x/0.86x cuBLAS's
 # plain GEMM at M = 1,024/4,096 (unfused 0.88x/0.86x) and the SwiGLU kernel goes.
 PREFILL_GEMM_SWIGLU = True
-# decode_wide's SwiGLU into its gate_up GEMV (8-64 rows), without the norm: c16 removes 32
-# SwiGLU kernels (48.5 µs of a 16-row step, profile_step_s24.json)
+# decode_wide's SwiGLU into its gate_up GEMV (8-64 rows), without the norm: 32 kernels fewer a
+# 16-row step; c16 TPOT 4.231 -> 4.186 ms, greedy tokens identical (engine_s24_wide_swiglu.json);
+# 4B gate_up + SwiGLU 28.8 -> 27.4 µs at 16 rows, 48.6 -> 47.3 at 64
+# (gemv_kernel_wide_swiglu_s24.json)
 WIDE_SWIGLU = True
 
 
