@@ -30,6 +30,7 @@ from .request_limits import RequestLimits
 from .sampler import Sampler, SamplingParams
 from .scheduler import Scheduler, StepPlan
 from .sequence import Completion, Output, Request, Sequence, Status
+from .step_calibration import calibrate
 from .step_costs import MIN_TOKENS, StepCosts
 from .step_sampling import Picked, Ready, StepSampler
 
@@ -65,7 +66,9 @@ class Engine:
         `mixed_step_share`, a step beside running decodes prefills what takes about that many
         times a decode step (runtime/step_costs.py: smoother inter-token latency for serving,
         slower prompts under load), never fewer than `mixed_step_min_tokens` prompt tokens (so
-        long prompts keep moving); None: always `prefill_chunk` tokens (offline throughput).
+        long prompts keep moving), its costs seeded at start on a GPU by timed throw-away
+        steps (runtime/step_calibration.py); None: always `prefill_chunk` tokens (offline
+        throughput).
         With `overlap` (default: on a GPU, where the artifact can), steady greedy decode steps
         run one ahead of the host: step N + 1 is launched before step N's tokens are read, so
         the host's work between steps hides under the GPU's (`_step_ahead`). With
@@ -104,10 +107,12 @@ class Engine:
             max_total_tokens=self.pool.total_pages * page_size,
             num_slots=self.pool.num_slots,
         )
+        # a decode batch never outnumbers the slots: no graph beyond them
+        largest = min(max_batch_size, self.pool.num_slots)
         if artifact.meta.get("cuda_graph") and artifact.device_name == "cuda":
-            # a decode batch never outnumbers the slots: no graph beyond them
-            largest = min(max_batch_size, self.pool.num_slots)
             self.runner.capture_decode_graphs(list(range(1, largest + 1)))
+        if self.costs is not None and artifact.device_name == "cuda":
+            calibrate(self.runner, self.costs, largest, prefill_chunk)
         can = self.runner.launches_ahead
         if overlap and not can:
             raise ValueError("overlap needs an artifact with feed_picks: recompile it")
