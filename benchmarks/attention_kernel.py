@@ -1,11 +1,14 @@
-"""Benchmark of our paged attention kernel (schedules/attention.py) against torch SDPA.
+"""Benchmark of our paged attention kernels against torch SDPA: decode's split kernels, SIMT
+(schedules/attention.py) and tensor-core (schedules/attention_decode_mma.py), and the tensor-core
+prefill (schedules/attention_prefill.py).
 
 Two steps, because the GPU server has no compiler:
   here (nvcc, no GPU):  python benchmarks/attention_kernel.py build DIR [--arch sm_90]
   on the GPU server:    python benchmarks/attention_kernel.py run DIR [--out docs/results]
 
 4B heads (16 query heads, 4 kv heads, head_dim 256), bf16. Decode: one query token a sequence at
-the end of B sequences of L tokens whose pages are scattered over the pool; reported as K/V bytes
+the end of B sequences of L tokens whose pages are scattered over the pool (and a check case of
+odd lengths); reported as K/V bytes
 read per second over the copy bandwidth of the same run, from the call's time, from a CUDA graph
 of calls (how the decode step runs it: no host launch gaps) and from its kernels' CUPTI times.
 Prefill: a fresh causal prompt (or 16 ragged ones) attending to itself through the pages. torch
@@ -36,8 +39,9 @@ PREFILL = {
     "16x1024": [1024] * 16,
     "ragged_odd": [1000, 17, 333, 1],  # odd tile counts, partial tiles, one token: a check
 }
-# split kernel variants: name -> (pages of keys a tile, split budget, dependent launch as the
-# model's build gives it); "tp2" is the shipped one
+# SIMT split kernel variants (schedules/attention.py): name -> (pages of keys a tile, split
+# budget, dependent launch as the model's build gives it); "tp2" is what fp32 builds and groups
+# of more than 16 heads run
 DECODE_VARIANTS = {
     "tp2": (2, 128, True),
     "tp2_nopdl": (2, 128, False),
@@ -46,7 +50,7 @@ DECODE_VARIANTS = {
     "tp2_b256": (2, 256, True),
 }
 # tensor-core split kernel (schedules/attention_decode_mma.py): name -> (pages of keys a tile,
-# cp.async stages, split budget)
+# cp.async stages, split budget); "tc2s2b96" is what bf16 decode runs
 TC_DECODE_VARIANTS = {
     "tc2s2b96": (2, 2, 96),
     "tc1s4b96": (1, 4, 96),
