@@ -238,7 +238,7 @@ def check_constrain_kernels(runner) -> dict:
     columns holding the largest values (they must be neither picked nor written)."""
     import tvm
 
-    from qwen35_tvm.runtime.model_runner import StepLogits
+    from qwen35_tvm.runtime.host_picks import StepLogits
 
     rng = np.random.default_rng(1)
     w = runner.artifact.widths

@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
-    from .model_runner import ModelRunner, StepLogits
+    from .host_picks import StepLogits
+    from .model_runner import ModelRunner
 
 # id(step) -> (the step's logits, [(row, its bitmask, whether it takes the greedy pick)])
 Groups = dict[int, tuple["StepLogits", list[tuple[int, np.ndarray, bool]]]]

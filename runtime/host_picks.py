@@ -1,4 +1,5 @@
-"""Host memory the GPU reads and writes while it runs ahead of the host: greedy picks read back
+"""What a step gives the host and how: its logits rows and greedy picks (`StepLogits`), host
+memory the GPU reads and writes while it runs ahead of the host: greedy picks read back
 (`PickBuffer`), and steps' inputs sent (`UploadStaging`).
 
 A step launched by `ModelRunner.launch_decode` or `launch_prefill` returns at once. Its picks (a
@@ -120,3 +121,35 @@ class UploadStaging:
         """The stream was synchronised: every queued copy is done."""
         self._used = [0, 0]
         self._retired = [[], []]
+
+
+class StepLogits:
+    """Logits rows of one forward. They stay on the device until `rows()` is called and come
+    with each row's greedy pick (token id, logprob over the decodable columns), where the
+    artifact makes one (prefill in artifacts built before its pick does not)."""
+
+    def __init__(
+        self,
+        rows: tvm.runtime.Tensor | np.ndarray,
+        best: np.ndarray | None = None,
+        best_logprob: np.ndarray | None = None,
+    ):
+        self._rows = rows
+        self.best = best
+        self.best_logprob = best_logprob
+
+    def rows(self) -> np.ndarray:
+        if not isinstance(self._rows, np.ndarray):
+            self._rows = self._rows.numpy()
+        return self._rows
+
+    def device_rows(self) -> tvm.runtime.Tensor:
+        """The rows where the model wrote them; refused once copied (a later in-place change
+        would not reach the copy)."""
+        if isinstance(self._rows, np.ndarray):
+            raise RuntimeError("these logits were already copied to the host")
+        return self._rows
+
+    @property
+    def on_device(self) -> bool:
+        return not isinstance(self._rows, np.ndarray)

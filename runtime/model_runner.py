@@ -31,7 +31,7 @@ import numpy as np
 import tvm
 
 from .artifact import Artifact
-from .host_picks import PendingPicks, PickBuffer, UploadStaging
+from .host_picks import PendingPicks, PickBuffer, StepLogits, UploadStaging
 
 # Decode batches from this size run `decode_wide`: on an H200 the GEMV schedules match cuBLAS
 # up to 4 rows and fall to a third of it by 16, where the tensor-core tiles reach 0.9x.
@@ -385,35 +385,3 @@ class ModelRunner:
             *self.gdn_state,
             self.artifact.params,
         )
-
-
-class StepLogits:
-    """Logits rows of one forward. They stay on the device until `rows()` is called and come
-    with each row's greedy pick (token id, logprob over the decodable columns), where the
-    artifact makes one (prefill in artifacts built before its pick does not)."""
-
-    def __init__(
-        self,
-        rows: tvm.runtime.Tensor | np.ndarray,
-        best: np.ndarray | None = None,
-        best_logprob: np.ndarray | None = None,
-    ):
-        self._rows = rows
-        self.best = best
-        self.best_logprob = best_logprob
-
-    def rows(self) -> np.ndarray:
-        if not isinstance(self._rows, np.ndarray):
-            self._rows = self._rows.numpy()
-        return self._rows
-
-    def device_rows(self) -> tvm.runtime.Tensor:
-        """The rows where the model wrote them; refused once copied (a later in-place change
-        would not reach the copy)."""
-        if isinstance(self._rows, np.ndarray):
-            raise RuntimeError("these logits were already copied to the host")
-        return self._rows
-
-    @property
-    def on_device(self) -> bool:
-        return not isinstance(self._rows, np.ndarray)

@@ -12,7 +12,8 @@ import numpy as np
 
 from .constrained_rows import apply_bitmasks
 from .grammar import apply_bitmask  # numpy only: xgrammar loads with the first grammar
-from .model_runner import ModelRunner, StepLogits
+from .host_picks import StepLogits
+from .model_runner import ModelRunner
 from .sampler import Sampler, is_effectively_greedy
 from .sequence import Sequence
 
