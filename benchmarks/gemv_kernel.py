@@ -22,6 +22,9 @@ small, wide or both), as
           m?         ... with that many m-tiles a warp
           half       ... with half the shared weight ring
           mma_wide   MatmulMMA(WIDE_DECODE_CONFIG), the tiled GEMM decode_wide used before
+          wgmma      prefill's GEMM (wgmma + TMA on sm_90a, split-K for few tiles) on these
+                     rows: a candidate for the 32-64 row buckets, where the GEMV streams at
+                     42-60% of copy bandwidth and cuBLAS at 77-91% (not yet measured)
 `run` measures, in one child process per shape and class, at batch 1, 4, 7 (small) or 16, 64
 (wide; batch 8, 9 and 33 checked for correctness only):
   - correctness against a fp32 torch reference (max |out - ref| / max |ref|, cuBLAS's beside);
@@ -64,7 +67,7 @@ def _kernels(small, rows: str, target, gate_up: bool = False) -> tuple[dict, dic
     from qwen35_tvm.schedules.gemv_config import default_config
     from qwen35_tvm.schedules.gemv_rule import DecodeGemv, gemv_for, plan
     from qwen35_tvm.schedules.matmul_config import ROWS_ATTR, WIDE_DECODE_CONFIG
-    from qwen35_tvm.schedules.matmul_rule import MatmulMMA
+    from qwen35_tvm.schedules.matmul_rule import MatmulMMA, gemm_for
 
     match = match_gemm(small)
     n, k = match.n, match.k
@@ -87,7 +90,11 @@ def _kernels(small, rows: str, target, gate_up: bool = False) -> tuple[dict, dic
     else:
         configs = {"ours": plan(n, k, "wide"), **wide_variants(n, k)}
         makers = {"ours": lambda: rule(DecodeGemv(rows="wide"))}
-        baseline = {"mma_wide": lambda: rule(MatmulMMA(WIDE_DECODE_CONFIG, rows="wide"))}
+        baseline = {
+            "mma_wide": lambda: rule(MatmulMMA(WIDE_DECODE_CONFIG, rows="wide")),
+            # prefill's GEMM (wgmma and TMA on sm_90a, split-K where its tiles leave SMs idle)
+            "wgmma": lambda: gemm_for(func, None, "default"),
+        }
     for name, cfg in list(configs.items()):
         if name != "ours":
             makers[name] = lambda cfg=cfg: gemv_for(func, target, cfg)
