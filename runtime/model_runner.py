@@ -25,7 +25,9 @@ rows the host samples) on a decode step's or a prefill's logits, still on the de
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 
 import numpy as np
 import tvm
@@ -120,19 +122,27 @@ class ModelRunner:
 
     def capture_decode_graphs(self, batch_sizes: list[int]) -> None:
         """Run `decode` once at each batch size on throw-away sequences, so a CUDA-graph build
-        captures its graphs now rather than during the first requests of that size. Uses the
-        highest slots, one page each; every slot is zeroed again when a sequence takes it."""
+        captures its graphs now rather than during the first requests of that size."""
         for batch in batch_sizes:
             if batch > self.num_slots:
                 raise ValueError(f"a decode batch of {batch} exceeds the {self.num_slots} slots")
-            slots = [self.num_slots - 1 - i for i in range(batch)]
-            for slot in slots:
-                self.add_sequence(slot, [self.total_pages - 1])
-            try:
+            with self.throwaway(batch) as slots:
                 self.decode(slots, [0] * batch)  # rows stay on the device
-            finally:
-                for slot in slots:
-                    self.remove_sequence(slot)
+
+    @contextlib.contextmanager
+    def throwaway(self, batch: int, pages: int = 1) -> Iterator[list[int]]:
+        """`batch` empty sequences in the highest slots, each over the highest `pages` pages
+        (shared), removed on leaving: for steps whose outputs are dropped (graph capture, step
+        timing). Every slot is zeroed again when a sequence takes it."""
+        held: list[int] = []
+        try:
+            for slot in range(self.num_slots - 1, self.num_slots - 1 - batch, -1):
+                self.add_sequence(slot, list(range(self.total_pages - pages, self.total_pages)))
+                held.append(slot)
+            yield held
+        finally:
+            for slot in held:
+                self.remove_sequence(slot)
 
     def _upload(self, **arrays) -> list[tvm.runtime.Tensor]:
         """int32 arrays on the device, each in a buffer of its own kept from call to call

@@ -11,7 +11,10 @@ sizes a warm server would pick; real steps replace these samples as they come.
 from __future__ import annotations
 
 import time
+from contextlib import AbstractContextManager
 from typing import Protocol
+
+import numpy as np
 
 from .step_costs import StepCosts
 
@@ -20,12 +23,10 @@ PREFILL_SIZES = (128, 1024)  # two sizes: the fit's fixed part and its cost a to
 
 class Runner(Protocol):  # what this needs of runtime/model_runner.ModelRunner
     num_slots: int
-    total_pages: int
     page_size: int
     pages_per_seq: int
 
-    def add_sequence(self, slot: int, pages: list[int]) -> None: ...
-    def remove_sequence(self, slot: int) -> None: ...
+    def throwaway(self, batch: int, pages: int = 1) -> AbstractContextManager[list[int]]: ...
     def decode(self, slots: list[int], tokens: list[int]) -> object: ...
     def prefill(self, slots: list[int], tokens: list[list[int]], rows: object) -> object: ...
 
@@ -47,29 +48,17 @@ def _timed(step, *args) -> float:
 
 def calibrate(runner: Runner, costs: StepCosts, largest_batch: int, prefill_chunk: int) -> None:
     """Time a decode at each of `batch_sizes(largest_batch)` and prefills of PREFILL_SIZES
-    tokens (at most `prefill_chunk`, within one sequence's pages) on throw-away sequences in
-    the highest slots and pages, and record them in `costs`. Each step runs once untimed
-    first (kernel loading, graph capture)."""
-    import numpy as np
-
+    tokens (at most `prefill_chunk`, within one sequence's pages) on the runner's throw-away
+    sequences, and record them in `costs`. Each step runs once untimed first (kernel loading,
+    graph capture)."""
     for batch in batch_sizes(min(largest_batch, runner.num_slots)):
-        slots = [runner.num_slots - 1 - i for i in range(batch)]
-        for slot in slots:
-            runner.add_sequence(slot, [runner.total_pages - 1])
-        try:
+        with runner.throwaway(batch) as slots:
             runner.decode(slots, [0] * batch)
             costs.record_decode(batch, _timed(runner.decode, slots, [0] * batch))
-        finally:
-            for slot in slots:
-                runner.remove_sequence(slot)
     most = min(prefill_chunk, runner.pages_per_seq * runner.page_size // 2)
     for n in sorted({min(size, most) for size in PREFILL_SIZES}):
         pages = -(-2 * n // runner.page_size)  # room for the untimed run and the timed one
-        slot = runner.num_slots - 1
-        runner.add_sequence(slot, list(range(runner.total_pages - pages, runner.total_pages)))
-        try:
+        with runner.throwaway(1, pages) as slots:
             tokens, rows = [[0] * n], np.array([n - 1])
-            runner.prefill([slot], tokens, rows)
-            costs.record_prefill(n, _timed(runner.prefill, [slot], tokens, rows))
-        finally:
-            runner.remove_sequence(slot)
+            runner.prefill(slots, tokens, rows)
+            costs.record_prefill(n, _timed(runner.prefill, slots, tokens, rows))

@@ -5,6 +5,8 @@ whole chunk."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 from qwen35_tvm.runtime import step_calibration
@@ -39,6 +41,18 @@ class FakeRunner:
 
     def remove_sequence(self, slot: int) -> None:
         del self.live[slot]
+
+    @contextlib.contextmanager
+    def throwaway(self, batch: int, pages: int = 1):
+        """ModelRunner.throwaway's contract, over this runner's bookkeeping."""
+        slots = list(range(self.num_slots - 1, self.num_slots - 1 - batch, -1))
+        for slot in slots:
+            self.add_sequence(slot, list(range(self.total_pages - pages, self.total_pages)))
+        try:
+            yield slots
+        finally:
+            for slot in slots:
+                self.remove_sequence(slot)
 
     def decode(self, slots: list[int], tokens: list[int]) -> None:
         assert set(slots) <= set(self.live) and len(tokens) == len(slots)
