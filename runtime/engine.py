@@ -372,31 +372,13 @@ class Engine:
 
     def _emit(self, picked: list[Picked]) -> list[Output]:
         """Append each sequence's new token (with its logprob and, for alternatives, its logits
-        row), report it, and release the sequences it finishes."""
+        row) and release the sequences it finishes; their reports."""
         outputs = []
         for seq, token, logprob, row in picked:
-            seq.output.append(token)
-            if seq.grammar is not None:
-                seq.grammar.accept(token)  # also starts the next mask, overlapping the next step
-            reason = None
-            if token in seq.stop_ids:
-                reason = "stop"
-            elif len(seq.output) >= seq.max_tokens:
-                reason = "length"
-            first = len(seq.output) == 1 and seq.return_prompt_logprobs
             k = seq.top_logprobs
-            outputs.append(
-                Output(
-                    seq.request_id,
-                    [token],
-                    [logprob],
-                    reason,
-                    list(seq.prompt_logprobs) if first else None,
-                    [self.sampler.top_logprobs(row, k)] if k else None,
-                    list(seq.prompt_top_logprobs) if first and k else None,
-                )
-            )
-            if reason is not None:
+            out = seq.take(token, logprob, self.sampler.top_logprobs(row, k) if k else None)
+            outputs.append(out)
+            if out.finish_reason is not None:
                 self._release(seq)
         return outputs
 

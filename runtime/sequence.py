@@ -62,6 +62,28 @@ class Sequence:
             return self.prompt[self.num_computed : self.num_computed + n]
         return [self.output[-1]]
 
+    def take(self, token: int, logprob: float, top: TopLogprobs | None) -> Output:
+        """Append a sampled token (`top`: its alternatives, where the request asked for them);
+        the step's report of it, with the finish reason where it ends the request."""
+        self.output.append(token)
+        if self.grammar is not None:
+            self.grammar.accept(token)  # also starts the next mask, overlapping the next step
+        reason = None
+        if token in self.stop_ids:
+            reason = "stop"
+        elif len(self.output) >= self.max_tokens:
+            reason = "length"
+        first = len(self.output) == 1 and self.return_prompt_logprobs
+        return Output(
+            self.request_id,
+            [token],
+            [logprob],
+            reason,
+            list(self.prompt_logprobs) if first else None,
+            None if top is None else [top],
+            list(self.prompt_top_logprobs) if first and top is not None else None,
+        )
+
 
 @dataclass(frozen=True)
 class Output:
