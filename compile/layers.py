@@ -256,9 +256,6 @@ class GatedDeltaNet(nn.Module):
             # once, then the serial walk over chunks; with `skip_single`, a mixed step's decode
             # rows (one-token sequences) by decode's recurrent kernel instead, whose cost is
             # their state's (gdn_chunked.MIXED_ROWS_RECURRENT)
-            o = Tensor.placeholder((n_tok, hv, dv), F32)
-            if two.skip_single:
-                rec_pool, o = self._wide_rule(proj, indptr, slots, conv_pool, rec_pool, layer)
             work = op.tensor_ir_op(
                 two.prep,
                 two.prep.attrs["global_symbol"],
@@ -268,10 +265,12 @@ class GatedDeltaNet(nn.Module):
             rec_pool, o = op.tensor_ir_inplace_op(
                 two.scan,
                 two.scan.attrs["global_symbol"],
-                [*work, indptr, slots, rec_pool, layer, *([o] if two.skip_single else [])],
-                inplace_indices=[8, 10 if two.skip_single else -1],
-                out=[rec_pool, o],
+                [*work, indptr, slots, rec_pool, layer],
+                inplace_indices=[8, -1],
+                out=[rec_pool, Tensor.placeholder((n_tok, hv, dv), F32)],
             )
+            if two.skip_single:  # after the scan, which it runs beside (gdn_decode: ragged)
+                rec_pool, o = self._wide_rule(proj, indptr, slots, conv_pool, rec_pool, layer, o)
         elif not wide:  # one token a sequence: its conv, norms, gates and gated norm in one kernel
             rule = gdn_decode.decode_delta_rule(
                 hk, hv, dk, dv, kernel, cfg.rms_norm_eps, self.dtype, target
@@ -305,10 +304,10 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(o), GDNState(conv_pool, rec_pool, tickets)
 
 
-    def _wide_rule(self, proj, indptr, slots, conv_pool, rec_pool, layer) -> tuple:
+    def _wide_rule(self, proj, indptr, slots, conv_pool, rec_pool, layer, o=None) -> tuple:
         """(recurrent pool, o [n_tok, hv, dv]) from decode_wide's recurrent kernel, without the
         gated norm: one token a sequence, or with `indptr` a prefill's one-token sequences
-        only (the ragged form; o's other rows are the two passes' to write)."""
+        only (the ragged form: their rows of the two passes' `o`, in place)."""
         cfg = self.cfg
         hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
@@ -317,13 +316,15 @@ class GatedDeltaNet(nn.Module):
             Target.current(), **gdn_decode.WIDE_LAYOUT, gated=False, ragged=indptr is not None,
         )  # fmt: skip
         seqs = [slots] if indptr is None else [indptr, slots]
-        conv_at = 4 + len(seqs)
+        args = [proj, self.conv_weight, self.A_log, self.dt_bias, *seqs, conv_pool, rec_pool, layer]
+        fresh = o is None  # else the ragged form writes its rows of the two passes' o
+        o = Tensor.placeholder((proj.shape[0], hv, dv), F32) if fresh else o
         return op.tensor_ir_inplace_op(
             rule,
             rule.attrs["global_symbol"],
-            [proj, self.conv_weight, self.A_log, self.dt_bias, *seqs, conv_pool, rec_pool, layer],
-            inplace_indices=[conv_at + 1, -1],
-            out=[rec_pool, Tensor.placeholder((proj.shape[0], hv, dv), F32)],
+            args if fresh else [*args, o],
+            inplace_indices=[5 + len(seqs), -1 if fresh else len(args)],
+            out=[rec_pool, o],
         )
 
 

@@ -97,7 +97,15 @@ def decode_delta_rule(
     the two passes skip the single tokens in turn (gdn_chunked.MIXED_ROWS_RECURRENT). The
     passes' chunk machinery costs a whole chunk a sequence: 16 decode rows beside a prompt
     chunk cost 2.0 ms of a step there (profile_step_mixed16_s16.json), against ~0.6 ms for
-    decode_wide's 16 rows here."""
+    decode_wide's 16 rows here.
+
+    The ragged kernel runs beside the scan (compile/layers.py launches it after the two passes):
+    it does not wait for its producer before it starts, since everything it reads was written
+    two or more kernels back (in_proj's rows, its sequences' conv history and state; the scan
+    released it only after its own wait), and what it writes nobody before it touches (its
+    sequences' state and rows of o, which the passes skip). Only thread 0 of block 0 waits, at
+    its end, so the grid ends after the scan and its dependents see both; the other blocks
+    leave at once, freeing their SMs (schedules/pdl.py's contract, relaxed for this kernel)."""
     if ragged and gated:
         raise ValueError("the ragged kernel leaves the gated norm to gated_norm")
     hist = kernel - 1
@@ -229,8 +237,8 @@ def decode_delta_rule(
                                     wts[e, j] = T.Cast("float32", w[c, j])
                                 for j in T.unroll(hist):
                                     wins[e, j] = T.Cast("float32", conv[slot, layer, c, j])
-                        T.evaluate(wait_for_producers(gpu))
-                        T.evaluate(release_dependents(gpu))
+                        T.evaluate(wait_for_producers(gpu and not ragged))
+                        T.evaluate(release_dependents(gpu and not ragged))
                         for e in T.unroll(windows):
                             i: T.let[T.int32] = e * nt + tx
                             if i < made:
@@ -312,6 +320,17 @@ def decode_delta_rule(
                                     tickets[slot, kh] = 0
                                 if last_of_head:
                                     tickets[slot, k_heads + h] = 0
+                if ragged and gpu:
+                    # beside the scan (see the docstring): one thread waits for it, so this
+                    # grid ends after the scan's and its dependents see both
+                    for tx in lanes():
+                        with T.sblock("join"):
+                            T.reads()
+                            T.writes()
+                            if blk == 0:
+                                if tx == 0:
+                                    T.evaluate(wait_for_producers(True))
+                            T.evaluate(release_dependents(True))
         if gated and not gpu:  # the blocks' ends, after all of them (a nest is a barrier)
             for bh in grid(batch * v_heads):
                 with T.sblock("gated_norm"):

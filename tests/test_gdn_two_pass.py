@@ -150,6 +150,11 @@ def _config_128():
 
 def _prefill_kernels(dtype: str, mixed: bool = True) -> set[str]:
     """The kernels of one GDN layer's prefill, with 128-wide heads (which tile)."""
+    mod = _prefill_module(dtype, mixed)
+    return {gv.name_hint for gv, f in mod.functions.items() if isinstance(f, tvm.tirx.PrimFunc)}
+
+
+def _prefill_module(dtype: str, mixed: bool = True) -> tvm.IRModule:
     from tvm.relax.frontend import nn
 
     from qwen35_tvm.compile.layers import GatedDeltaNet, GDNState
@@ -176,7 +181,7 @@ def _prefill_kernels(dtype: str, mixed: bool = True) -> set[str]:
     }}  # fmt: skip
     with _cuda("sm_90"):
         mod, _ = Prefill().export_tvm(spec=spec)
-    return {gv.name_hint for gv, f in mod.functions.items() if isinstance(f, tvm.tirx.PrimFunc)}
+    return mod
 
 
 def test_bf16_prefill_starts_the_chunked_gdn_from_in_proj() -> None:
@@ -198,6 +203,30 @@ def test_mixed_rows_take_the_recurrent_kernel(monkeypatch) -> None:
     assert {"gdn_delta_rule_decode_r32p4_ragged", "gdn_chunk_prep", "gdn_chunk_scan"} <= bf16
     monkeypatch.setattr(gdn_chunked, "MIXED_ROWS_RECURRENT", False)
     assert not any(name.endswith("_ragged") for name in _prefill_kernels("bfloat16"))
+
+
+def test_mixed_rows_run_after_the_scan_into_its_output() -> None:
+    """The ragged kernel comes after the two passes (it runs beside the scan: gdn_decode) and
+    writes its rows of the scan's o and its sequences' state in place, so the gated norm reads
+    one o with every row and the state chain runs prep -> scan -> ragged."""
+    from tvm import relax
+
+    calls = []  # (kernel, argument names, in-place indices) in the order the forward runs them
+    outputs = {}  # a TupleGetItem's name -> (its call's kernel, index)
+    for block in _prefill_module("bfloat16")["forward"].body.blocks:
+        for b in block.bindings:
+            v = b.value
+            if isinstance(v, relax.Call) and v.op.name.startswith("relax.call_tir"):
+                inplace = list(v.attrs.inplace_indices) if "inplace" in v.op.name else []
+                calls.append((v.args[0].name_hint, [str(a) for a in v.args[1].fields], inplace))
+            elif isinstance(v, relax.TupleGetItem):
+                outputs[str(b.var)] = (calls[-1][0], v.index)
+    names = [name for name, _, _ in calls]
+    ragged = "gdn_delta_rule_decode_r32p4_ragged"
+    assert names == ["gdn_chunk_prep", "gdn_chunk_scan", ragged, "gdn_gated_norm"], names
+    args, inplace = calls[2][1:]
+    assert [outputs.get(args[i]) for i in inplace] == [("gdn_chunk_scan", 0), ("gdn_chunk_scan", 1)]
+    assert outputs[calls[3][1][0]] == (ragged, 1)  # the gated norm's o
 
 
 def test_a_prompts_only_prefill_launches_no_decode_kernel() -> None:
