@@ -16,7 +16,9 @@ from .vocab import VocabWidths
 
 def prompts_prefill_differs(cfg: ModelConfig, dtype: str, target: Target) -> bool:
     """Whether Qwen35LM.prefill_prompts is another function than prefill: where the chunked
-    GDN's two passes leave a mixed step's one-token rows to decode's kernel (bf16 on CUDA)."""
+    GDN's two passes leave a mixed step's one-token rows to decode's kernel (bf16 on CUDA).
+    The attention's such rows (attention_decode_mma.MIXED_ROWS_SPLIT) follow the same split:
+    where only they would differ, prefill serves prompts too, its ragged kernel idle."""
     return gdn_chunked.MIXED_ROWS_RECURRENT and gdn_chunked.two_pass_applies(
         cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
         cfg.linear_value_head_dim, target, dtype,

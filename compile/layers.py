@@ -134,9 +134,13 @@ class GatedAttention(nn.Module):
         positions: Tensor,
         kv: KVCache,
         prefill: bool,
+        mixed: bool = True,
     ) -> tuple[Tensor, KVCache]:
         """`prefill` picks the tensor-core kernel where there is one (bf16 on CUDA): many query
-        tokens share each K/V tile there, while decode's single tokens want split-KV."""
+        tokens share each K/V tile there, while decode's single tokens want split-KV. So a
+        `mixed` prefill (decode rows among its sequences) leaves its one-token sequences to
+        decode's tensor-core kernel in its ragged form, which runs beside it
+        (attention_decode_mma.MIXED_ROWS_SPLIT)."""
         cfg = self.cfg
         n_tok = x.shape[0]
         nh, nkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -168,23 +172,34 @@ class GatedAttention(nn.Module):
         )
         cuda_bf16 = target.kind.name == "cuda" and self.dtype == "bfloat16"
         tensor_cores = cuda_bf16 and d % 64 == 0
+        split_tc = tensor_cores and nh // nkv <= attention_decode_mma.ROWS
+        rows_split = prefill and mixed and split_tc and attention_decode_mma.MIXED_ROWS_SPLIT
         if tensor_cores and prefill:
-            kernel, name = attention_prefill.paged_prefill_mma(nh, nkv, d, target), "attn_prefill"
-        elif tensor_cores and nh // nkv <= attention_decode_mma.ROWS:
+            kernel = attention_prefill.paged_prefill_mma(nh, nkv, d, target, skip_single=rows_split)
+            name = "attn_prefill_mixed" if rows_split else "attn_prefill"
+        elif split_tc:
             kernel, name = attention_decode_mma.paged_decode_mma(nh, nkv, d, target), "attn_decode"
         else:
             kernel, name = attention.paged_attention(nh, nkv, d, self.dtype, target), "attn_paged"
-        o, _, _ = op.tensor_ir_op(
+        # every kernel reads the output gate from proj and applies it where it stores o
+        args = [q, indptr, slots, positions, kv.page_table, k_pool, v_pool, layer, proj]
+        out = op.tensor_ir_op(
             kernel,
             name,
-            # both kernels read the output gate from proj and apply it where they store o
-            [q, indptr, slots, positions, kv.page_table, k_pool, v_pool, layer, proj],
+            args,
             out=[
                 Tensor.placeholder((n_tok, nh, d), self.dtype),
                 Tensor.placeholder((attention.SPLIT_BUDGET, nh, d), F32),
                 Tensor.placeholder((attention.SPLIT_BUDGET, nh, 2), F32),
             ],
         )
+        if rows_split:  # the one-token sequences' rows of o, through the workspaces, in place
+            ragged = attention_decode_mma.paged_decode_mma(nh, nkv, d, target, ragged=True)
+            out = op.tensor_ir_inplace_op(
+                ragged, "attn_decode_ragged", [*args, *out], inplace_indices=[9, 10, 11],
+                out=list(out),
+            )  # fmt: skip
+        o = out[0]
         return self.o_proj(op.reshape(o, (n_tok, nh * d))), KVCache(k_pool, v_pool, kv.page_table)
 
 

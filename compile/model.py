@@ -296,11 +296,12 @@ class Qwen35LM(nn.Module):
         mixed: bool = True,
     ) -> tuple[Tensor, KVCache, GDNState]:
         """The decoder layers over embeddings x: hidden states [tokens, hidden] before the norm;
-        `wide` (decode_wide's step) and `mixed` as in GatedDeltaNet.forward."""
+        `wide` (decode_wide's step) and `mixed` as in GatedDeltaNet.forward (and
+        GatedAttention.forward)."""
         for layer in self.layers:
             h = layer.input_layernorm(x)
             if layer.kind == FULL:
-                h, kv = layer.self_attn(h, indptr, slots, positions, kv, prefill=chunked)
+                h, kv = layer.self_attn(h, indptr, slots, positions, kv, chunked, mixed)
             else:
                 h, gdn_state = layer.linear_attn(
                     h, indptr, slots, gdn_state, chunked, wide, mixed

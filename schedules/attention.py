@@ -387,6 +387,6 @@ def paged_attention(
                                         ws_ml[t * splits + s, kvh * group + g, 1] = ml_sh[
                                             g * 2 + 1
                                         ]
-        merge(o, ws_acc, ws_ml, positions, gate, splits, n_tok)
+        merge(o, ws_acc, ws_ml, positions, gate, splits, n_tok, None)
 
     return attn_paged

@@ -33,6 +33,11 @@ ROWS = 16  # mma's m16: one warp's query rows
 # (attention_kernel_s24a.json; 1-page tiles, 2 stages, 128 pieces: 37.6, 67.9, 75.4)
 TILE_PAGES, STAGES, DECODE_SPLIT_BUDGET = 2, 2, 96
 MERGE_THREADS = 128
+# A mixed step's decode rows (one-token sequences of its prefill) through this kernel's ragged
+# form, beside the prefill kernel, instead of a prefill block each walking its whole context
+# (compile/layers.py). Not yet measured on the GPU: benchmarks/mixed_step.py times it and checks
+# the rows against decode calls.
+MIXED_ROWS_SPLIT = True
 SHARED_PER_SM = 227 * 1024  # sm_90; sm_80 has 163 KB (fewer blocks an SM, same code)
 
 
@@ -51,11 +56,21 @@ def paged_decode_mma(
     tile_pages: int = TILE_PAGES,
     stages: int = STAGES,
     split_budget: int = DECODE_SPLIT_BUDGET,
+    ragged: bool = False,
 ) -> PrimFunc:
     """paged_attention's function with the split kernel on tensor cores: (q, indptr, slots,
     positions, page_table, k_pool, v_pool, layer, qkv_proj's output) -> (o, the pieces'
     workspaces of SPLIT_BUDGET rows). Each token's keys are cut into num_splits(n_tok,
-    split_budget) pieces (at most SPLIT_BUDGET)."""
+    split_budget) pieces (at most SPLIT_BUDGET).
+
+    `ragged`: the same over a prefill's one-token sequences only (a mixed step's decode rows),
+    whose other rows paged_prefill_mma(skip_single=True) writes: a block's unit is a sequence
+    (its keys cut into num_splits(sequences) pieces), and the blocks and merge columns of longer
+    sequences do nothing. o and the workspaces are the prefill kernel's outputs, updated in
+    place (compile/layers.py). It runs beside that kernel: everything it reads was written two
+    or more kernels back (the attention input kernel's q, K and V; qkv_proj's gates) and what
+    it writes the prefill kernel leaves alone, so its split kernel does not wait before it
+    starts; thread 0 of block 0 waits at its end, so the merge, and what follows, see both."""
     group, d = heads // kv_heads, head_dim
     if heads % kv_heads or d % 64 or target.kind.name != "cuda" or group > ROWS:
         raise ValueError("tensor-core decode: CUDA, head_dim a multiple of 64, <= 16 heads a group")
@@ -72,6 +87,12 @@ def paged_decode_mma(
     gate_value, finish = output_gate(d, DTYPE)
 
     merge = merge_phase(heads, d, MERGE_THREADS, tp, ws_rows, True, gate_value, finish)
+
+    def units(n_tok, n_seq):
+        return n_seq if ragged else n_tok  # a workspace row's owners
+
+    def token_of(indptr, u):
+        return indptr[u] if ragged else u
 
     @T.prim_func(s_tir=True)
     def attn_decode_mma(
@@ -103,8 +124,9 @@ def paged_decode_mma(
         o = T.match_buffer(o_h, (n_tok, heads, d), DTYPE)
         ws_acc = T.match_buffer(ws_acc_h, (ws_rows, heads, d), "float32")
         ws_ml = T.match_buffer(ws_ml_h, (ws_rows, heads, 2), "float32")
-        splits: T.let[T.int32] = num_splits(n_tok, split_budget)
-        for blk in T.thread_binding(n_tok * kv_heads * splits, thread="blockIdx.x"):
+        n_units = T.meta_var(units(n_tok, n_seq))
+        splits: T.let[T.int32] = num_splits(n_units, split_budget)
+        for blk in T.thread_binding(n_units * kv_heads * splits, thread="blockIdx.x"):
             for lane in T.thread_binding(nt, thread="threadIdx.x"):
                 with T.sblock("decode"):
                     T.reads()
@@ -124,16 +146,23 @@ def paged_decode_mma(
                     lo = T.sblock_alloc_buffer((1,), "int32", scope="local")
                     hi = T.sblock_alloc_buffer((1,), "int32", scope="local")
                     info = T.sblock_alloc_buffer((5,), "int32", scope="local")
-                    t: T.let[T.int32] = blk // (kv_heads * splits)
+                    u: T.let[T.int32] = blk // (kv_heads * splits)
                     kvh: T.let[T.int32] = blk // splits % kv_heads
                     s: T.let[T.int32] = blk % splits
-                    seq_of_token(indptr, n_ptr - 1, t, lo, hi)
+                    if ragged:
+                        lo[0] = u
+                    else:
+                        seq_of_token(indptr, n_ptr - 1, u, lo, hi)
+                    t: T.let[T.int32] = token_of(indptr, u)
                     # what depends on the search is stored, never let-bound: TVM's planner of
                     # dynamic shared memory refuses a local buffer read by a let at the top
                     info[0] = slots[lo[0]]
                     info[1] = split_pages(key_pages(positions[t]), splits, tp)[0]
                     info[2] = T.min(s * info[1], key_pages(positions[t]))
                     info[3] = T.min(info[2] + info[1], key_pages(positions[t]))
+                    if ragged:  # a longer sequence's rows are the prefill kernel's: no tiles
+                        if indptr[u + 1] - indptr[u] != 1:
+                            info[3] = info[2]
                     # this step appends keys at its tokens' positions, the first of them its
                     # sequence's first token's: a tile wholly before it is no producer's
                     info[4] = T.Select((info[2] + tp) * PAGE_SIZE <= positions[indptr[lo[0]]], 1, 0)
@@ -143,14 +172,19 @@ def paged_decode_mma(
                     n_tiles = T.meta_var((info[3] - info[2] + tp - 1) // tp)
                     early = T.meta_var(info[4] > 0)
                     layer64: T.let[T.int64] = T.Cast("int64", layer)
-                    if n_tiles > 0 and early:
-                        load_kv(kp, vp, k_sh, v_sh, 0, p0, p1 - 1, lane, slot, table, kvh,
-                                layer64)  # fmt: skip
-                    T.evaluate(wait_for_producers(True))
-                    T.evaluate(release_dependents(True))
-                    if n_tiles > 0 and not early:
-                        load_kv(kp, vp, k_sh, v_sh, 0, p0, p1 - 1, lane, slot, table, kvh,
-                                layer64)  # fmt: skip
+                    if ragged:  # no wait here: see the docstring
+                        if n_tiles > 0:
+                            load_kv(kp, vp, k_sh, v_sh, 0, p0, p1 - 1, lane, slot, table, kvh,
+                                    layer64)  # fmt: skip
+                    else:
+                        if n_tiles > 0 and early:
+                            load_kv(kp, vp, k_sh, v_sh, 0, p0, p1 - 1, lane, slot, table, kvh,
+                                    layer64)  # fmt: skip
+                        T.evaluate(wait_for_producers(True))
+                        T.evaluate(release_dependents(True))
+                        if n_tiles > 0 and not early:
+                            load_kv(kp, vp, k_sh, v_sh, 0, p0, p1 - 1, lane, slot, table, kvh,
+                                    layer64)  # fmt: skip
                     for it in T.unroll(q_copies):
                         x: T.let[T.int32] = it * nt + lane
                         r: T.let[T.int32] = x // dch
@@ -206,13 +240,19 @@ def paged_decode_mma(
                                         gate_value(gate, t, hd, col),
                                     )
                                 else:
-                                    ws_acc[t * splits + s, hd, col] = o_acc[nt8 * 4 + e]
+                                    ws_acc[u * splits + s, hd, col] = o_acc[nt8 * 4 + e]
                     for hr in T.unroll(2):
                         if lane % 4 == 0 and lane // 4 + hr * 8 < group and n_tiles > 0:
                             if splits > 1:
                                 hd: T.let[T.int32] = kvh * group + lane // 4 + hr * 8
-                                ws_ml[t * splits + s, hd, 0] = m_run[hr]
-                                ws_ml[t * splits + s, hd, 1] = l_run[hr]
-        merge(o, ws_acc, ws_ml, positions, gate, splits, n_tok)
+                                ws_ml[u * splits + s, hd, 0] = m_run[hr]
+                                ws_ml[u * splits + s, hd, 1] = l_run[hr]
+                    if ragged:  # beside the prefill kernel: see the docstring
+                        if blk == 0 and lane == 0:
+                            T.evaluate(wait_for_producers(True))
+                        T.evaluate(release_dependents(True))
+        merge(o, ws_acc, ws_ml, positions, gate, splits, n_units, indptr if ragged else None)
 
+    if ragged:
+        return attn_decode_mma.with_attr("global_symbol", "attn_decode_ragged")
     return attn_decode_mma

@@ -66,9 +66,11 @@ def merge_phase(
     gate_value,
     finish,
 ):
-    """The merge kernel as a macro (o, ws_acc, ws_ml, positions, gate, splits, n_tok) for blocks
-    of `nt` threads; `gate_value(gate, t, h, c)` is an output's gate (fp32), `finish(value,
-    gate)` the stored output. The pieces' maxima are in log2 units."""
+    """The merge kernel as a macro (o, ws_acc, ws_ml, positions, gate, splits, n_units, indptr)
+    for blocks of `nt` threads; `gate_value(gate, t, h, c)` is an output's gate (fp32),
+    `finish(value, gate)` the stored output. The pieces' maxima are in log2 units. A unit (a
+    workspace row's owner) is a token, or with `indptr` a sequence, whose token is its first,
+    and which only a one-token sequence has (attention_decode_mma's ragged form)."""
     dm, tp = MERGE_COLS, tile_pages
     if nt % dm:
         raise ValueError(f"{nt} threads a block do not split into groups of {dm} columns")
@@ -79,23 +81,32 @@ def merge_phase(
     def own(tx):
         return 0 if gpu else tx
 
+    def token(indptr, u):
+        return u if indptr is None else indptr[u]
+
+    def single(indptr, u):
+        return True if indptr is None else indptr[u + 1] - indptr[u] == 1
+
     @T.macro
-    def merge_inputs(positions, gate, splits, mb, cols, n_cols, live, g_val):
+    def merge_inputs(positions, gate, splits, mb, cols, n_cols, live, g_val, indptr):
         # a thread's pieces holding keys (its group's column) and its stored column's gate
         for tx in lanes():
             with T.sblock("merge_inputs"):
                 T.reads()
                 T.writes()
                 x: T.let[T.int32] = mb * cols + tx % cols
+                live[own(tx)] = 0
                 if x < n_cols and splits > 1:
-                    pages: T.let[T.int32] = key_pages(positions[x // (heads * d)])
-                    live[own(tx)] = split_pages(pages, splits, tp)[1]
+                    if single(indptr, x // (heads * d)):
+                        t: T.let[T.int32] = token(indptr, x // (heads * d))
+                        live[own(tx)] = split_pages(key_pages(positions[t]), splits, tp)[1]
                 y: T.let[T.int32] = mb * cols + tx
                 if tx < cols and y < n_cols and splits > 1:
-                    g_val[own(tx)] = gate_value(gate, y // (heads * d), y // d % heads, y % d)
+                    ty: T.let[T.int32] = token(indptr, y // (heads * d))
+                    g_val[own(tx)] = gate_value(gate, ty, y // d % heads, y % d)
 
     @T.macro
-    def merge(o, ws_acc, ws_ml, positions, gate, splits, n_tok):
+    def merge(o, ws_acc, ws_ml, positions, gate, splits, n_units, indptr):
         # Merge the split pieces, a block per `cols` output columns (of the flattened [token,
         # head, dim] output) split over `groups` thread groups that take the pieces
         # round-robin, then combined in shared memory. Many pieces (few tokens): 16 columns,
@@ -103,7 +114,7 @@ def merge_phase(
         # one split (tested inside each phase: a barrier may not fall inside a condition).
         cols: T.let[T.int32] = T.Select(splits > MERGE_UNROLL, dm, nt)
         groups: T.let[T.int32] = nt // cols
-        n_cols: T.let[T.int32] = T.min(n_tok, ws_rows) * heads * d
+        n_cols: T.let[T.int32] = T.min(n_units, ws_rows) * heads * d
         for mb in grid((n_cols + cols - 1) // cols):
             with T.sblock("merge"):
                 T.reads()
@@ -115,7 +126,7 @@ def merge_phase(
                 g_val = T.sblock_alloc_buffer((reg_rows,), "float32", scope=reg)
                 # the pieces' count (from positions, a step input) and the gate (qkv_proj's,
                 # two kernels back) are not the split kernel's: read before the wait
-                merge_inputs(positions, gate, splits, mb, cols, n_cols, live, g_val)
+                merge_inputs(positions, gate, splits, mb, cols, n_cols, live, g_val, indptr)
                 T.evaluate(wait_for_producers(gpu))  # schedules/pdl.py
                 T.evaluate(release_dependents(gpu))
                 for tx in lanes():
@@ -146,17 +157,18 @@ def merge_phase(
                         tot = T.sblock_alloc_buffer((3,), "float32", scope="local")
                         x: T.let[T.int32] = mb * cols + tx
                         if tx < cols and x < n_cols and splits > 1:
-                            tot[0] = T.float32("-inf")
-                            for g in T.serial(groups):
-                                tot[0] = T.max(tot[0], m_sh[g * cols + tx])
-                            tot[1] = T.float32(0)
-                            tot[2] = T.float32(0)
-                            for g in T.serial(groups):
-                                w: T.let[T.float32] = T.exp2(m_sh[g * cols + tx] - tot[0])
-                                tot[1] += w * n_sh[g * cols + tx]
-                                tot[2] += w * d_sh[g * cols + tx]
-                            o[x // (heads * d), x // d % heads, x % d] = finish(
-                                tot[1] / tot[2], g_val[own(tx)]
-                            )
+                            if single(indptr, x // (heads * d)):  # else no unit's: ragged
+                                tot[0] = T.float32("-inf")
+                                for g in T.serial(groups):
+                                    tot[0] = T.max(tot[0], m_sh[g * cols + tx])
+                                tot[1] = T.float32(0)
+                                tot[2] = T.float32(0)
+                                for g in T.serial(groups):
+                                    w: T.let[T.float32] = T.exp2(m_sh[g * cols + tx] - tot[0])
+                                    tot[1] += w * n_sh[g * cols + tx]
+                                    tot[2] += w * d_sh[g * cols + tx]
+                                o[token(indptr, x // (heads * d)), x // d % heads, x % d] = finish(
+                                    tot[1] / tot[2], g_val[own(tx)]
+                                )
 
     return merge

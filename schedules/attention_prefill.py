@@ -39,7 +39,11 @@ def paged_prefill_mma(
     target: Target,
     tile_pages: int = 2,
     q_tokens: int = 16,
+    skip_single: bool = False,
 ) -> PrimFunc:
+    """`skip_single`: one-token sequences (a mixed step's decode rows) are left to
+    attention_decode_mma's ragged kernel: their blocks store nothing (named apart, as a module
+    holds both forms)."""
     group, d = heads // kv_heads, head_dim
     keys = tile_pages * PAGE_SIZE  # keys a tile
     if heads % kv_heads or d % 64 or target.kind.name != "cuda":
@@ -142,6 +146,9 @@ def paged_prefill_mma(
                     seq = T.meta_var(info[0])
                     info[1] = indptr[seq] + (g - first_tile(indptr, seq, q_tokens)) * q_tokens
                     info[2] = T.Select(info[1] < indptr[seq + 1], 1, 0)
+                    if skip_single:
+                        if indptr[seq + 1] - indptr[seq] == 1:
+                            info[2] = 0
                     info[1] = T.Select(info[2] > 0, info[1], indptr[seq])
                     info[3] = T.min(q_tokens, indptr[seq + 1] - info[1])
                     info[4] = positions[info[1] + info[3] - 1]  # the last query's position
@@ -233,4 +240,6 @@ def paged_prefill_mma(
                             for v in T.vectorized(8):
                                 o[t0 + r // group, hd, c + v] = o_vec[v]
 
+    if skip_single:
+        return attn_prefill_mma.with_attr("global_symbol", "attn_prefill_mma_mixed")
     return attn_prefill_mma

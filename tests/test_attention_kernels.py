@@ -9,6 +9,8 @@ notices a swapped page-table entry, an off-by-one position and another head's ga
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import tvm
@@ -164,8 +166,11 @@ def test_merge_notices_a_missing_piece(monkeypatch):
         assert attend(4, 2, 16, before, [1]) > 1e-2
 
 
-def _prefill_kernels(dtype: str, target_kind: str) -> tuple[set, set]:
-    """The attention kernels that prefill and decode call, for a head_dim-64 config."""
+def _prefill_kernels(dtype: str, target_kind: str) -> tuple[set, set, list]:
+    """The attention kernels that prefill and decode call, for a head_dim-64 config, and
+    prefill's attention calls in order: (kernel, argument names, in-place indices)."""
+    from tvm import relax
+
     from qwen35_tvm.compile.build import build_module
     from qwen35_tvm.compile.config import ModelConfig
     from qwen35_tvm.compile.random_model import SHAPES
@@ -181,15 +186,36 @@ def _prefill_kernels(dtype: str, target_kind: str) -> tuple[set, set]:
              and gv.name_hint in mod[fn].script()}
         for fn in ("prefill", "decode")
     }  # fmt: skip
-    return names["prefill"], names["decode"]
+    calls = [
+        (v.args[0].name_hint, [str(a) for a in v.args[1].fields],
+         list(v.attrs.inplace_indices) if "inplace" in v.op.name else [])
+        for block in mod["prefill"].body.blocks for v in (b.value for b in block.bindings)
+        if isinstance(v, relax.Call) and v.op.name.startswith("relax.call_tir")
+        and v.args[0].name_hint.startswith("attn_")
+    ]  # fmt: skip
+    return names["prefill"], names["decode"], calls
 
 
-def test_bf16_cuda_prefill_runs_on_tensor_cores_and_the_rest_on_the_split_kernel():
-    prefill, decode = _prefill_kernels("bfloat16", "cuda")
-    assert "attn_prefill_mma" in prefill and "attn_paged" not in prefill
-    assert "attn_decode_mma" in decode and "attn_paged" not in decode
+def test_bf16_cuda_prefill_runs_on_tensor_cores_and_the_rest_on_the_split_kernel(monkeypatch):
+    """bf16 CUDA: prefill's tensor-core kernel leaves its one-token sequences (a mixed step's
+    decode rows) to the split kernel's ragged form (MIXED_ROWS_SPLIT; off: it takes them)."""
+    from qwen35_tvm.schedules import attention_decode_mma
+
+    inputs = {"attn_append_kv_qk_norm_rope"}  # q/k norms, RoPE and the K/V append: every path
+    prefill, decode, calls = _prefill_kernels("bfloat16", "cuda")
+    assert prefill - inputs == {"attn_prefill_mma_mixed", "attn_decode_ragged"}, prefill
+    assert decode - inputs == {"attn_decode_mma"}, decode
+    # each layer: the prefill kernel, then the ragged one on its o and workspaces, in place
+    pairs = [(a, b) for a, b in itertools.pairwise(calls) if b[0] == "attn_decode_ragged"]
+    assert pairs and len(pairs) == sum(c[0] == "attn_prefill_mma_mixed" for c in calls)
+    for (first, _, _), (_, args, inplace) in pairs:
+        assert first == "attn_prefill_mma_mixed" and inplace == [9, 10, 11], (first, inplace)
+        assert args[9:] == [f"attn_prefill_mixed_{i}" for i in range(3)], args
+    monkeypatch.setattr(attention_decode_mma, "MIXED_ROWS_SPLIT", False)
+    prefill, _, _ = _prefill_kernels("bfloat16", "cuda")
+    assert prefill - inputs == {"attn_prefill_mma"}, prefill
     for dtype, kind in (("float32", "cuda"), ("float32", "llvm")):
-        prefill, decode = _prefill_kernels(dtype, kind)
+        prefill, decode, _ = _prefill_kernels(dtype, kind)
         assert "attn_paged" in prefill and "attn_prefill_mma" not in prefill, (dtype, kind)
         assert "attn_paged" in decode and "attn_decode_mma" not in decode, (dtype, kind)
 
@@ -203,9 +229,10 @@ def test_tensor_core_prefill_compiles_to_sass_for_each_arch(tmp_path):
 
     target, arches = make_target("cuda", "sm_80,sm_90")
     prepare_cuda_codegen(arches)
-    lib = tvm.compile(tvm.IRModule({"main": paged_prefill_mma(16, 4, 256, target)}), target)
-    lib.export_library(str(tmp_path / "prefill.so"))
-    assert fatbin_arches(tmp_path / "prefill.so")["sass"] == ["sm_80", "sm_90"]
+    for skip in (False, True):  # and its form beside the ragged split kernel (mixed steps)
+        func = paged_prefill_mma(16, 4, 256, target, skip_single=skip)
+        tvm.compile(tvm.IRModule({"main": func}), target).export_library(str(tmp_path / "p.so"))
+        assert fatbin_arches(tmp_path / "p.so")["sass"] == ["sm_80", "sm_90"]
     with pytest.raises(ValueError, match="head_dim a multiple of 64"):
         paged_prefill_mma(4, 2, 32, target)
 
@@ -220,9 +247,10 @@ def test_tensor_core_decode_compiles_to_sass_for_each_arch(tmp_path):
 
     target, arches = make_target("cuda", "sm_80,sm_90")
     prepare_cuda_codegen(arches)
-    lib = tvm.compile(tvm.IRModule({"main": paged_decode_mma(16, 4, 256, target)}), target)
-    lib.export_library(str(tmp_path / "decode.so"))
-    assert fatbin_arches(tmp_path / "decode.so")["sass"] == ["sm_80", "sm_90"]
+    for ragged in (False, True):  # and its form for a mixed step's decode rows
+        func = paged_decode_mma(16, 4, 256, target, ragged=ragged)
+        tvm.compile(tvm.IRModule({"main": func}), target).export_library(str(tmp_path / "d.so"))
+        assert fatbin_arches(tmp_path / "d.so")["sass"] == ["sm_80", "sm_90"]
     # Q's 16 rows (8 KB) and two stages of 2-page K and V tiles (64 KB): 3 blocks an SM
     assert blocks_per_sm(256, 2, 2) == 3 and blocks_per_sm(256, 1, 2) == 5
     for bad in (dict(heads=4, kv_heads=2, head_dim=32), dict(heads=32, kv_heads=1, head_dim=64)):

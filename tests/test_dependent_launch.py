@@ -194,6 +194,53 @@ def test_ragged_gdn_kernel_waits_once_at_its_end() -> None:
     assert touched_before_wait(params, body) == ["conv_ptr", "pool_ptr", "slots_ptr", "w_ptr"]
 
 
+def test_mixed_rows_attention_runs_beside_the_prefill_kernel() -> None:
+    """A mixed step's decode rows (4B heads): the prefill kernel leaves one-token sequences
+    alone, and decode's tensor-core kernel in its ragged form takes them. Its split kernel
+    touches everything before its one wait, made after its last store by thread 0 of block 0
+    only; its merge still waits first, as does the prefill kernel."""
+    import tvm
+    from tvm.target import Target
+
+    from qwen35_tvm.compile.cuda_toolchain import prepare_cuda_codegen
+    from qwen35_tvm.schedules.attention_decode_mma import paged_decode_mma
+    from qwen35_tvm.schedules.attention_prefill import paged_prefill_mma
+
+    prepare_cuda_codegen(["sm_90"])
+    target = Target({"kind": "cuda", "arch": "sm_90"}, host="llvm")
+
+    def compiled(func) -> dict:
+        lib = tvm.compile(tvm.IRModule({"main": func}), target)
+        return kernels(guard_sm90_asm(next(m for m in lib.mod.imports if m.kind == "cuda")
+                                      .inspect_source()))  # fmt: skip
+
+    found = compiled(paged_decode_mma(16, 4, 256, target, ragged=True))
+    assert set(found) == {"attn_decode_ragged_kernel", "attn_decode_ragged_kernel_1"}
+    params, body = found["attn_decode_ragged_kernel"]
+    assert body.count(WAIT) == 1
+    head, tail = body.split(WAIT)
+    assert {"q_ptr", "kp_ptr", "vp_ptr", "ws_acc_ptr", "ws_ml_ptr"} <= set(
+        touched_before_wait(params, body)
+    )
+    assert not [p for p in params if re.search(rf"\b{p}\b", tail)], tail
+    assert head.rsplit("if (", 1)[1].startswith(
+        "(((int)blockIdx.x) == 0) && (((int)threadIdx.x) == 0))"
+    ), head[-200:]
+    params, body = found["attn_decode_ragged_kernel_1"]
+    assert body.count(WAIT) == 1
+    assert set(touched_before_wait(params, body)) <= {"positions_ptr", "gate_ptr", "indptr_ptr"}
+    for skip in (True, False):
+        ((name, (params, body)),) = [
+            item for item in compiled(paged_prefill_mma(16, 4, 256, target, skip_single=skip))
+            .items() if not item[0].endswith("_1")
+        ]  # fmt: skip
+        assert name == ("attn_prefill_mma_mixed_kernel" if skip else "attn_prefill_mma_kernel")
+        assert body.count(WAIT) == 1 and touched_before_wait(params, body) == [], name
+        # its sequence's token count tested against 1 (the sequence is info[0])
+        count = r"indptr_ptr\[\(info_ptr\[0\] \+ 1\)\] - indptr_ptr\[info_ptr\[0\]\]\)"
+        assert bool(re.search(count + " == 1", body)) == skip, name
+
+
 def test_the_checker_catches_a_read_or_write_before_the_wait() -> None:
     params = ["x_ptr", "out_ptr", "w_ptr"]
     good = f"  {PREFETCH}(&(w_ptr[8])));\n  {WAIT}\n  out_ptr[0] = x_ptr[0];\n"
