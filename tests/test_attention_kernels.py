@@ -166,6 +166,69 @@ def test_merge_notices_a_missing_piece(monkeypatch):
         assert attend(4, 2, 16, before, [1]) > 1e-2
 
 
+def _ragged_merge(heads: int, d: int, ws_rows: int):
+    """The merge kernel's ragged form (attention_decode_mma's, for a mixed step's decode rows)
+    alone, on the CPU: (o, ws_acc, ws_ml, positions, gate, indptr, splits)."""
+    from tvm.script import tirx as T
+
+    gate_value, finish = attention.output_gate(d, "float32")
+    merge = attention_merge.merge_phase(heads, d, 32, 2, ws_rows, False, gate_value, finish)
+
+    @T.prim_func(s_tir=True)
+    def ragged_merge(
+        o_h: T.handle,
+        acc_h: T.handle,
+        ml_h: T.handle,
+        pos_h: T.handle,
+        gate_h: T.handle,
+        ptr_h: T.handle,
+        splits: T.int32,
+    ):
+        T.func_attr({"tirx.noalias": True})
+        n_tok, n_ptr, g_width = T.int32(), T.int32(), T.int32()
+        o = T.match_buffer(o_h, (n_tok, heads, d), "float32")
+        ws_acc = T.match_buffer(acc_h, (ws_rows, heads, d), "float32")
+        ws_ml = T.match_buffer(ml_h, (ws_rows, heads, 2), "float32")
+        positions = T.match_buffer(pos_h, (n_tok,), "int32")
+        gate = T.match_buffer(gate_h, (n_tok, g_width), "float32")
+        indptr = T.match_buffer(ptr_h, (n_ptr,), "int32")
+        merge(o, ws_acc, ws_ml, positions, gate, splits, n_ptr - 1, indptr)
+
+    return tvm.compile(ragged_merge, target=tvm.target.Target("llvm"))
+
+
+def test_ragged_merge_writes_the_one_token_sequences_rows_only() -> None:
+    """A mixed step's decode rows (one-token sequences among a prefill's): the merge's unit is a
+    sequence, and each one-token sequence's pieces holding keys (1, 2 and 4 of them here, one
+    empty) go, gated, to its token's row; a longer sequence's rows, and pieces past those
+    holding keys, are not touched. The split kernel feeding it needs mma.sync (GPU only)."""
+    heads, d, splits, ws_rows = 2, 16, 4, 24
+    lengths = [1, 5, 1, 1, 3]
+    indptr = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    n_tok = int(indptr[-1])
+    rng = np.random.default_rng(3)
+    positions = rng.integers(0, 300, n_tok).astype(np.int32)
+    positions[indptr[[0, 2, 3]]] = [0, 40, 200]  # 1, 3 and 13 pages: 1, 2 and 4 pieces
+    acc = rng.standard_normal((ws_rows, heads, d)).astype(np.float32)
+    ml = np.stack([rng.normal(0, 3, (ws_rows, heads)), rng.uniform(0.5, 4, (ws_rows, heads))], -1)
+    ml = ml.astype(np.float32)
+    ml[3 * splits + 2, 1, 0] = -np.inf  # an empty piece adds nothing
+    gate = rng.standard_normal((n_tok, 2 * heads * d + 2 * d)).astype(np.float32)
+    o = np.full((n_tok, heads, d), 7.0, np.float32)
+    want = o.copy()
+    for u, pieces in ((0, 1), (2, 2), (3, 4)):
+        t, rows = indptr[u], slice(u * splits, u * splits + pieces)
+        m, l_, x = ml[rows, :, 0], ml[rows, :, 1], acc[rows]
+        w = np.exp2(m - np.max(m, 0))[..., None]  # [pieces, heads, 1]
+        val = (w * x).sum(0) / (w[..., 0] * l_).sum(0)[:, None]
+        g = np.stack([gate[t, h * 2 * d + d : h * 2 * d + 2 * d] for h in range(heads)])
+        want[t] = val / (1 + np.exp(-g))
+    dev = tvm.cpu()
+    args = [tvm.runtime.tensor(a, dev) for a in (o, acc, ml, positions, gate, indptr)]
+    _ragged_merge(heads, d, ws_rows)(*args, splits)
+    np.testing.assert_allclose(args[0].numpy(), want, rtol=1e-5, atol=1e-6)
+
+
 def _prefill_kernels(dtype: str, target_kind: str) -> tuple[set, set, list]:
     """The attention kernels that prefill and decode call, for a head_dim-64 config, and
     prefill's attention calls in order: (kernel, argument names, in-place indices)."""
