@@ -271,6 +271,11 @@ class GatedDeltaNet(nn.Module):
             # once, then the serial walk over chunks; with `skip_single`, a mixed step's decode
             # rows (one-token sequences) by decode's recurrent kernel instead, whose cost is
             # their state's (gdn_chunked.MIXED_ROWS_RECURRENT)
+            beside = two.skip_single and gdn_chunked.MIXED_ROWS_BESIDE_SCAN
+            rows = []  # o from the decode rows' kernel, before the passes write its other rows
+            if two.skip_single and not beside:
+                rec_pool, o = self._wide_rule(proj, indptr, slots, conv_pool, rec_pool, layer)
+                rows = [o]
             work = op.tensor_ir_op(
                 two.prep,
                 two.prep.attrs["global_symbol"],
@@ -280,11 +285,11 @@ class GatedDeltaNet(nn.Module):
             rec_pool, o = op.tensor_ir_inplace_op(
                 two.scan,
                 two.scan.attrs["global_symbol"],
-                [*work, indptr, slots, rec_pool, layer],
-                inplace_indices=[8, -1],
-                out=[rec_pool, Tensor.placeholder((n_tok, hv, dv), F32)],
+                [*work, indptr, slots, rec_pool, layer, *rows],
+                inplace_indices=[8, 10 if rows else -1],
+                out=[rec_pool, *(rows or [Tensor.placeholder((n_tok, hv, dv), F32)])],
             )
-            if two.skip_single:  # after the scan, which it runs beside (gdn_decode: ragged)
+            if beside:  # after the scan, which it runs beside (gdn_decode's ragged form)
                 rec_pool, o = self._wide_rule(proj, indptr, slots, conv_pool, rec_pool, layer, o)
         elif not wide:  # one token a sequence: its conv, norms, gates and gated norm in one kernel
             rule = gdn_decode.decode_delta_rule(
@@ -322,13 +327,15 @@ class GatedDeltaNet(nn.Module):
     def _wide_rule(self, proj, indptr, slots, conv_pool, rec_pool, layer, o=None) -> tuple:
         """(recurrent pool, o [n_tok, hv, dv]) from decode_wide's recurrent kernel, without the
         gated norm: one token a sequence, or with `indptr` a prefill's one-token sequences
-        only (the ragged form: their rows of the two passes' `o`, in place)."""
+        only (the ragged form), either before the two passes (which then write o's other rows)
+        or, given their `o`, after them, beside the scan, writing its rows in place."""
         cfg = self.cfg
         hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         rule = gdn_decode.decode_delta_rule(
             hk, hv, dk, dv, cfg.linear_conv_kernel_dim, cfg.rms_norm_eps, self.dtype,
             Target.current(), **gdn_decode.WIDE_LAYOUT, gated=False, ragged=indptr is not None,
+            beside=o is not None,
         )  # fmt: skip
         seqs = [slots] if indptr is None else [indptr, slots]
         args = [proj, self.conv_weight, self.A_log, self.dt_bias, *seqs, conv_pool, rec_pool, layer]

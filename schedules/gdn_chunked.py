@@ -114,6 +114,11 @@ FEW_SEQUENCES_SCAN = (1, 32, 4)
 # (profile_step_mixed16_s16.json). Measured on the H200: a mixed step of 16 rows + 16/64/128
 # prompt tokens 7.09/7.42/8.96 -> 6.16/6.44/8.11 ms (mixed_step_s17.json), bf16 parity holds.
 MIXED_ROWS_RECURRENT = True
+# That kernel after the two passes, beside the scan (gdn_decode's `beside`: no wait before it
+# starts; its rows of the scan's o in place), instead of before them. Built and CPU-tested,
+# not yet measured on the GPU (docs/performance.md, session 25): off until mixed_step.py's
+# check and times say so.
+MIXED_ROWS_BESIDE_SCAN = False
 
 
 def _arch(target: Target) -> int:

@@ -78,6 +78,7 @@ def decode_delta_rule(
     parts: int = PARTS,
     gated: bool = True,
     ragged: bool = False,
+    beside: bool = False,
 ) -> PrimFunc:
     """With `gated`: (proj [batch, conv_dim + value_dim + 2 hv], conv weight, A_log, dt_bias,
     norm weight [dv], slots, conv pool, recurrent pool, tickets (the three updated in place),
@@ -99,8 +100,9 @@ def decode_delta_rule(
     chunk cost 2.0 ms of a step there (profile_step_mixed16_s16.json), against ~0.6 ms for
     decode_wide's 16 rows here.
 
-    The ragged kernel runs beside the scan (compile/layers.py launches it after the two passes):
-    it does not wait for its producer before it starts, since everything it reads was written
+    `beside` (ragged only): the kernel runs beside the scan (compile/layers.py launches it after
+    the two passes; gdn_chunked.MIXED_ROWS_BESIDE_SCAN): it does not wait for its producer
+    before it starts, since everything it reads was written
     two or more kernels back (in_proj's rows, its sequences' conv history and state; the scan
     released it only after its own wait), and what it writes nobody before it touches (its
     sequences' state and rows of o, which the passes skip). Only thread 0 of block 0 waits, at
@@ -108,6 +110,8 @@ def decode_delta_rule(
     leave at once, freeing their SMs (schedules/pdl.py's contract, relaxed for this kernel)."""
     if ragged and gated:
         raise ValueError("the ragged kernel leaves the gated norm to gated_norm")
+    if beside and not ragged:
+        raise ValueError("only the ragged kernel runs beside the scan")
     hist = kernel - 1
     key_dim, value_dim = k_heads * k_dim, v_heads * v_dim
     conv_dim = 2 * key_dim + value_dim
@@ -237,8 +241,8 @@ def decode_delta_rule(
                                     wts[e, j] = T.Cast("float32", w[c, j])
                                 for j in T.unroll(hist):
                                     wins[e, j] = T.Cast("float32", conv[slot, layer, c, j])
-                        T.evaluate(wait_for_producers(gpu and not ragged))
-                        T.evaluate(release_dependents(gpu and not ragged))
+                        T.evaluate(wait_for_producers(gpu and not beside))
+                        T.evaluate(release_dependents(gpu and not beside))
                         for e in T.unroll(windows):
                             i: T.let[T.int32] = e * nt + tx
                             if i < made:
@@ -320,7 +324,7 @@ def decode_delta_rule(
                                     tickets[slot, kh] = 0
                                 if last_of_head:
                                     tickets[slot, k_heads + h] = 0
-                if ragged and gpu:
+                if beside and gpu:
                     # beside the scan (see the docstring): one thread waits for it, so this
                     # grid ends after the scan's and its dependents see both
                     for tx in lanes():

@@ -14,11 +14,13 @@ The contract, one statement each, at the top of every block's threads:
   producer of several waves whose dependent is one wave of long blocks releases at its end
   instead (gdn_chunk_prep): released early, those blocks pile onto the first SMs to free up.
 
-Two kernels of a mixed step run beside their producer on purpose: the ragged forms of decode's
-GDN kernel (beside the chunked scan) and of decode's tensor-core attention (beside the prefill
-attention). Each reads only what was written two or more kernels back and writes only what its
-producer leaves alone (a mixed step's one-token rows), so it starts without waiting; one of its
-threads waits at the end, so its grid ends after its producer's and their dependents see both.
+Two kernels of a mixed step may run beside their producer on purpose (switched:
+gdn_chunked.MIXED_ROWS_BESIDE_SCAN, attention_decode_mma.MIXED_ROWS_SPLIT): the ragged forms
+of decode's GDN kernel (beside the chunked scan) and of decode's tensor-core attention (beside
+the prefill attention). Each reads only what was written two or more kernels back and writes
+only what its producer leaves alone (a mixed step's one-token rows), so it starts without
+waiting; one of its threads waits at the end, so its grid ends after its producer's and their
+dependents see both.
 
 compile/pipeline.py gives the launch attribute only to kernels that call `wait_for_producers`:
 a kernel without the wait (TVM's own) starts after its producer ends, as before. On the CPU

@@ -260,11 +260,13 @@ def _prefill_kernels(dtype: str, target_kind: str) -> tuple[set, set, list]:
 
 
 def test_bf16_cuda_prefill_runs_on_tensor_cores_and_the_rest_on_the_split_kernel(monkeypatch):
-    """bf16 CUDA: prefill's tensor-core kernel leaves its one-token sequences (a mixed step's
-    decode rows) to the split kernel's ragged form (MIXED_ROWS_SPLIT; off: it takes them)."""
+    """bf16 CUDA: prefill's tensor-core kernel takes every sequence; with MIXED_ROWS_SPLIT it
+    leaves its one-token sequences (a mixed step's decode rows) to the split kernel's ragged
+    form."""
     from qwen35_tvm.schedules import attention_decode_mma
 
     inputs = {"attn_append_kv_qk_norm_rope"}  # q/k norms, RoPE and the K/V append: every path
+    monkeypatch.setattr(attention_decode_mma, "MIXED_ROWS_SPLIT", True)
     prefill, decode, calls = _prefill_kernels("bfloat16", "cuda")
     assert prefill - inputs == {"attn_prefill_mma_mixed", "attn_decode_ragged"}, prefill
     assert decode - inputs == {"attn_decode_mma"}, decode
@@ -275,8 +277,9 @@ def test_bf16_cuda_prefill_runs_on_tensor_cores_and_the_rest_on_the_split_kernel
         assert first == "attn_prefill_mma_mixed" and inplace == [9, 10, 11], (first, inplace)
         assert args[9:] == [f"attn_prefill_mixed_{i}" for i in range(3)], args
     monkeypatch.setattr(attention_decode_mma, "MIXED_ROWS_SPLIT", False)
-    prefill, _, _ = _prefill_kernels("bfloat16", "cuda")
+    prefill, decode, _ = _prefill_kernels("bfloat16", "cuda")
     assert prefill - inputs == {"attn_prefill_mma"}, prefill
+    assert decode - inputs == {"attn_decode_mma"}, decode
     for dtype, kind in (("float32", "cuda"), ("float32", "llvm")):
         prefill, decode, _ = _prefill_kernels(dtype, kind)
         assert "attn_paged" in prefill and "attn_prefill_mma" not in prefill, (dtype, kind)

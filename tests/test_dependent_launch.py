@@ -159,11 +159,12 @@ def test_tensor_core_decode_reads_only_old_keys_before_its_wait() -> None:
     assert f"0 < {flag.group(1)}" in condition, condition
 
 
-def test_ragged_gdn_kernel_waits_once_at_its_end() -> None:
+def test_ragged_gdn_kernel_beside_the_scan_waits_once_at_its_end() -> None:
     """A mixed step's decode rows (4B-shaped; the tiny model's heads do not take the two
-    passes): the ragged kernel runs beside the scan before it, so it touches everything before
-    its one wait, which only thread 0 of block 0 makes after its last store, with nothing
-    after it but the release. decode_wide's form of the same kernel still waits first."""
+    passes): the ragged kernel's `beside` form runs beside the scan before it, so it touches
+    everything before its one wait, which only thread 0 of block 0 makes after its last store,
+    with nothing after it but the release. Its other form, and decode_wide's, still wait
+    first."""
     import tvm
     from tvm.target import Target
 
@@ -173,16 +174,17 @@ def test_ragged_gdn_kernel_waits_once_at_its_end() -> None:
     prepare_cuda_codegen(["sm_90"])
     target = Target({"kind": "cuda", "arch": "sm_90"}, host="llvm")
     bodies = {}
-    for ragged in (True, False):
+    for ragged, beside in ((True, True), (True, False), (False, False)):
         with target:
             func = decode_delta_rule(16, 32, 128, 128, 4, 1e-6, "bfloat16", target,
-                                     **WIDE_LAYOUT, gated=False, ragged=ragged)  # fmt: skip
+                                     **WIDE_LAYOUT, gated=False, ragged=ragged,
+                                     beside=beside)  # fmt: skip
         lib = tvm.compile(tvm.IRModule({"main": func}), target)
         source = next(m for m in lib.mod.imports if m.kind == "cuda").inspect_source()
         ((name, (params, body)),) = kernels(guard_sm90_asm(source)).items()
         assert body.count(WAIT) == 1, name
-        bodies[ragged] = params, body
-    params, body = bodies[True]
+        bodies[ragged, beside] = params, body
+    params, body = bodies[True, True]
     head, tail = body.split(WAIT)
     assert {"x_ptr", "pool_ptr", "o_ptr"} <= set(touched_before_wait(params, body))
     assert not [p for p in params if re.search(rf"\b{p}\b", tail)], tail
@@ -190,8 +192,9 @@ def test_ragged_gdn_kernel_waits_once_at_its_end() -> None:
     assert guard[0].startswith("((int)blockIdx.x) == 0)"), guard
     assert guard[1].startswith("((int)threadIdx.x) == 0)"), guard
     assert "launch_dependents" in tail
-    params, body = bodies[False]
-    assert touched_before_wait(params, body) == ["conv_ptr", "pool_ptr", "slots_ptr", "w_ptr"]
+    early = ["conv_ptr", "pool_ptr", "slots_ptr", "w_ptr"]
+    assert touched_before_wait(*bodies[False, False]) == early
+    assert touched_before_wait(*bodies[True, False]) == ["conv_ptr", "indptr_ptr", *early[1:]]
 
 
 def test_mixed_rows_attention_runs_beside_the_prefill_kernel() -> None:

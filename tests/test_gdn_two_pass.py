@@ -205,14 +205,12 @@ def test_mixed_rows_take_the_recurrent_kernel(monkeypatch) -> None:
     assert not any(name.endswith("_ragged") for name in _prefill_kernels("bfloat16"))
 
 
-def test_mixed_rows_run_after_the_scan_into_its_output() -> None:
-    """The ragged kernel comes after the two passes (it runs beside the scan: gdn_decode) and
-    writes its rows of the scan's o and its sequences' state in place, so the gated norm reads
-    one o with every row and the state chain runs prep -> scan -> ragged."""
+def _gdn_calls() -> tuple[list, dict]:
+    """The bf16 prefill's kernel calls in order, (kernel, argument names, in-place indices),
+    and each call output's name -> (its kernel, index)."""
     from tvm import relax
 
-    calls = []  # (kernel, argument names, in-place indices) in the order the forward runs them
-    outputs = {}  # a TupleGetItem's name -> (its call's kernel, index)
+    calls, outputs = [], {}
     for block in _prefill_module("bfloat16")["forward"].body.blocks:
         for b in block.bindings:
             v = b.value
@@ -221,12 +219,29 @@ def test_mixed_rows_run_after_the_scan_into_its_output() -> None:
                 calls.append((v.args[0].name_hint, [str(a) for a in v.args[1].fields], inplace))
             elif isinstance(v, relax.TupleGetItem):
                 outputs[str(b.var)] = (calls[-1][0], v.index)
-    names = [name for name, _, _ in calls]
+    return calls, outputs
+
+
+def test_mixed_rows_run_beside_the_scan_into_its_output(monkeypatch) -> None:
+    """gdn_chunked.MIXED_ROWS_BESIDE_SCAN: the ragged kernel comes after the two passes (it runs
+    beside the scan: gdn_decode's `beside`) and writes its rows of the scan's o and its
+    sequences' state in place, so the gated norm reads one o with every row and the state
+    chain runs prep -> scan -> ragged. Off (the default until measured): the ragged kernel
+    first, the scan writing the other rows of its o."""
+    from qwen35_tvm.schedules import gdn_chunked
+
     ragged = "gdn_delta_rule_decode_r32p4_ragged"
-    assert names == ["gdn_chunk_prep", "gdn_chunk_scan", ragged, "gdn_gated_norm"], names
-    args, inplace = calls[2][1:]
-    assert [outputs.get(args[i]) for i in inplace] == [("gdn_chunk_scan", 0), ("gdn_chunk_scan", 1)]
-    assert outputs[calls[3][1][0]] == (ragged, 1)  # the gated norm's o
+    for beside in (True, False):
+        monkeypatch.setattr(gdn_chunked, "MIXED_ROWS_BESIDE_SCAN", beside)
+        calls, outputs = _gdn_calls()
+        names = [name for name, _, _ in calls]
+        order = ["gdn_chunk_prep", "gdn_chunk_scan", ragged] if beside else [
+            ragged, "gdn_chunk_prep", "gdn_chunk_scan"]  # fmt: skip
+        assert names == [*order, "gdn_gated_norm"], names
+        first, second = (2, 1) if beside else (2, 0)  # the call taking the other's o in place
+        args, inplace = calls[first][1:]
+        assert outputs.get(args[inplace[-1]]) == (names[second], 1), (beside, args, inplace)
+        assert outputs[calls[3][1][0]] == (names[first], 1)  # the gated norm's o
 
 
 def test_a_prompts_only_prefill_launches_no_decode_kernel() -> None:
