@@ -36,9 +36,11 @@ def mask_words(decodable: int) -> int:
     return (decodable + 31) // 32
 
 
-def _loops(target: Target, threads: int = GPU_THREADS) -> tuple[bool, int, object, object]:
+def _loops(
+    target: Target, threads: int = GPU_THREADS, gpu_lanes: bool = False
+) -> tuple[bool, int, object, object]:
     gpu = target.kind.name == "cuda"
-    nt = threads if gpu else 1
+    nt = threads if gpu or gpu_lanes else 1
 
     rows, lanes = block_loop(gpu), thread_loop(nt, gpu)
 
@@ -56,7 +58,7 @@ def workspace_shapes(n) -> tuple[tuple, tuple]:
 
 
 def greedy_pick(
-    decodable: int, selection: int, target: Target, masked: bool = False
+    decodable: int, selection: int, target: Target, masked: bool = False, gpu_lanes: bool = False
 ) -> PrimFunc:
     """`greedy_pick(logits, best, logprob, ws_val, ws_idx)`, or with `masked`
     `masked_greedy_pick(logits, rows, bitmask, best, logprob, ws_val, ws_idx)`: row `rows[i]`
@@ -64,10 +66,12 @@ def greedy_pick(
 
     Two kernels: CHUNKS blocks a row each scan a chunk in one pass, keeping a running (max,
     first argmax, sum of exp(x - max)) a thread, and reduce the block's; then a block a row
-    combines its chunks' triples."""
-    gpu, nt, rows, lanes = _loops(target)
-    _, nt2, _, lanes2 = _loops(target, CHUNKS)
+    combines its chunks' triples. The CPU runs one lane a block, or with `gpu_lanes` the
+    GPU's lanes one after another (slower: for tests of the lanes' indexing)."""
+    gpu, nt, rows, lanes = _loops(target, GPU_THREADS, gpu_lanes)
+    _, nt2, _, lanes2 = _loops(target, CHUNKS, gpu_lanes)
     span = -(-decodable // CHUNKS)  # columns a chunk
+    per_lane = -(-span // nt)  # a lane's columns of its chunk (8 at Qwen3.5's vocabulary)
     shared = "shared" if gpu else "global"
 
     # Trace-time switches: the plain pick reads row b and every decodable column.
@@ -125,19 +129,29 @@ def greedy_pick(
                         T.writes()
                         run = T.sblock_alloc_buffer((3,), "float32", scope="local")
                         arg = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                        xs = T.sblock_alloc_buffer((per_lane,), "float32", scope="local")
+                        # every load first, then the running triple: a load per step behind
+                        # the previous step's compare left one L2 round trip in flight a lane
+                        for e in T.unroll(per_lane):
+                            c: T.let[T.int32] = c0 + e * nt + tx
+                            # a column outside the chunk or not live reads as -inf: it can
+                            # neither win nor add to the sum, as if skipped
+                            xs[e] = T.if_then_else(
+                                e * nt + tx < span and live(bitmask, b, c),
+                                logits[r, T.min(c, decodable - 1)],
+                                T.float32("-inf"),
+                            )
                         run[0] = T.float32("-inf")
                         run[1] = T.float32(0)
                         arg[0] = 0
-                        for e in T.serial((span + nt - 1) // nt):
-                            c: T.let[T.int32] = c0 + e * nt + tx
-                            if e * nt + tx < span and live(bitmask, b, c):
-                                x: T.let[T.float32] = logits[r, c]
-                                if x > run[0]:  # ascending c: the first max stays
-                                    run[1] = run[1] * _term(run[0], x) + T.float32(1)
-                                    run[0] = x
-                                    arg[0] = c
-                                else:
-                                    run[1] = run[1] + _term(x, run[0])
+                        for e in T.unroll(per_lane):
+                            x: T.let[T.float32] = xs[e]
+                            if x > run[0]:  # ascending c: the first max stays
+                                run[1] = run[1] * _term(run[0], x) + T.float32(1)
+                                run[0] = x
+                                arg[0] = c0 + e * nt + tx
+                            else:
+                                run[1] = run[1] + _term(x, run[0])
                         vals[0, tx] = run[0]
                         ids[0, tx] = arg[0]
                         sums[0, tx] = run[1]

@@ -13,9 +13,12 @@ from qwen35_tvm.schedules.greedy import greedy_pick, workspace_shapes
 DECODABLE, SELECTION = 1000, 1024
 
 
-def _run_cpu(logits: np.ndarray, decodable: int) -> tuple[np.ndarray, np.ndarray]:
+def _run_cpu(
+    logits: np.ndarray, decodable: int, gpu_lanes: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
     target = tvm.target.Target("llvm")
-    lib = tvm.compile(tvm.IRModule({"main": greedy_pick(decodable, logits.shape[1], target)}))
+    pick = greedy_pick(decodable, logits.shape[1], target, gpu_lanes=gpu_lanes)
+    lib = tvm.compile(tvm.IRModule({"main": pick}))
     dev = tvm.cpu()
     best = tvm.runtime.empty((logits.shape[0],), "int32", dev)
     logprob = tvm.runtime.empty((logits.shape[0],), "float32", dev)
@@ -64,3 +67,22 @@ def test_compiles_for_cuda(arch: str) -> None:
     source = lib.mod.imports[0].inspect_source("cu") if lib.mod.imports else ""
     assert lib.mod.imports and lib.mod.imports[0].is_runnable()
     del source
+
+
+@pytest.mark.parametrize("decodable", [248_077, 70_001])
+def test_pick_with_the_gpu_lanes_matches_numpy(decodable: int) -> None:
+    """The GPU's 256 lanes a block (run one after another here) over Qwen3.5's vocabulary: a
+    chunk of 1,939 columns is 8 columns a lane, the last one partial, and the last chunk runs
+    past the decodable width into the pad columns (one holding the largest value); also a
+    width whose chunks end mid-lane. Every lane loads its columns before it compares them."""
+    rng = np.random.default_rng(1)
+    selection = -(-decodable // 128) * 128
+    logits = (rng.standard_normal((3, selection)) * 3).astype(np.float32)
+    logits[:, decodable:] = 100.0
+    logits[0, decodable - 1] = 40.0  # the last decodable column, in the last chunk
+    logits[1, [1938, 1939]] = 30.0  # a tie across two chunks' edge: the lower id
+    logits[2, 255] = 35.0  # a lane's first column
+    best, logprob = _run_cpu(logits, decodable, gpu_lanes=True)
+    want = _log_softmax(logits[:, :decodable])
+    np.testing.assert_array_equal(best, [decodable - 1, 1938, 255])
+    np.testing.assert_allclose(logprob, want[np.arange(3), best], rtol=1e-5, atol=1e-5)
