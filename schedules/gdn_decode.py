@@ -100,14 +100,9 @@ def decode_delta_rule(
     chunk cost 2.0 ms of a step there (profile_step_mixed16_s16.json), against ~0.6 ms for
     decode_wide's 16 rows here.
 
-    `beside` (ragged only): the kernel runs beside the scan (compile/layers.py launches it after
-    the two passes; gdn_chunked.MIXED_ROWS_BESIDE_SCAN): it does not wait for its producer
-    before it starts, since everything it reads was written
-    two or more kernels back (in_proj's rows, its sequences' conv history and state; the scan
-    released it only after its own wait), and what it writes nobody before it touches (its
-    sequences' state and rows of o, which the passes skip). Only thread 0 of block 0 waits, at
-    its end, so the grid ends after the scan and its dependents see both; the other blocks
-    leave at once, freeing their SMs (schedules/pdl.py's contract, relaxed for this kernel)."""
+    `beside` (ragged only): launched after the two passes, it runs beside the scan (no wait
+    before it starts; thread 0 of block 0 waits after its last store: schedules/pdl.py), writing
+    its rows of the scan's o in place (gdn_chunked.MIXED_ROWS_BESIDE_SCAN)."""
     if ragged and gated:
         raise ValueError("the ragged kernel leaves the gated norm to gated_norm")
     if beside and not ragged:
