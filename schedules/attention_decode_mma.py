@@ -25,7 +25,7 @@ from .attention_merge import key_pages, merge_phase, split_pages
 from .attention_mma import DTYPE, fragment_sizes, lane_xor, swizzled, tile_ops
 from .kv_cache import PAGE_SIZE, seq_of_token
 from .matmul import acc_coords
-from .pdl import release_dependents, wait_for_producers
+from .pdl import release_dependents, wait_at_end, wait_for_producers
 
 ROWS = 16  # mma's m16: one warp's query rows
 # Tiles of 2 pages, 2 stages (3 blocks an SM), 96 pieces at most a step: in a graph B1 L32k
@@ -248,9 +248,7 @@ def paged_decode_mma(
                                 ws_ml[u * splits + s, hd, 0] = m_run[hr]
                                 ws_ml[u * splits + s, hd, 1] = l_run[hr]
                     if ragged:  # beside the prefill kernel: see the docstring
-                        if blk == 0 and lane == 0:
-                            T.evaluate(wait_for_producers(True))
-                        T.evaluate(release_dependents(True))
+                        wait_at_end(blk == 0 and lane == 0)
         merge(o, ws_acc, ws_ml, positions, gate, splits, n_units, indptr if ragged else None)
 
     if ragged:

@@ -38,7 +38,7 @@ from .gdn_prep import (
     rounded,
 )
 from .loops import block_loop, thread_loop
-from .pdl import release_dependents, wait_for_producers
+from .pdl import release_dependents, wait_at_end, wait_for_producers
 
 # decode_wide's block layout (8-64 sequences): 32 state rows a block, 4 threads a row. At 16
 # and 64 sequences it streams the state at 69% and 72% of copy bandwidth against 65% and 66%
@@ -326,10 +326,7 @@ def decode_delta_rule(
                         with T.sblock("join"):
                             T.reads()
                             T.writes()
-                            if blk == 0:
-                                if tx == 0:
-                                    T.evaluate(wait_for_producers(True))
-                            T.evaluate(release_dependents(True))
+                            wait_at_end(blk == 0 and tx == 0)
         if gated and not gpu:  # the blocks' ends, after all of them (a nest is a barrier)
             for bh in grid(batch * v_heads):
                 with T.sblock("gated_norm"):

@@ -47,6 +47,16 @@ def release_dependents(gpu: bool) -> Expr:
     return T.ptx.griddepcontrol.launch_dependents() if gpu else T.int32(0)
 
 
+@T.macro
+def wait_at_end(first_thread):
+    """The end of a kernel that ran beside its producer without waiting (above): one thread of
+    the grid (`first_thread`, thread 0 of block 0) waits, so the grid ends after the producer's,
+    then every thread releases its dependents. GPU only."""
+    if first_thread:
+        T.evaluate(T.ptx.griddepcontrol.wait())
+    T.evaluate(T.ptx.griddepcontrol.launch_dependents())
+
+
 def prefetch_l2(gpu: bool, address: Expr) -> Expr:
     """For T.evaluate: start moving the line at `address` (constant data) from HBM into L2."""
     return T.ptx.prefetch.global_.L2(address) if gpu else T.int32(0)

@@ -15,6 +15,8 @@ from qwen35_tvm.compile.pipeline import DYN_SHARED_TAG, PDL_TAG, tag_dependent_l
 WAIT = "tvm_builtin_ptx_griddepcontrol_wait();"
 GDN_DECODE = "gdn_delta_rule_decode"
 PREFETCH = "tvm_builtin_ptx_prefetch_global_L2("
+# pdl.wait_at_end's guard: thread 0 of block 0 only
+FIRST_THREAD = "(((int)blockIdx.x) == 0) && (((int)threadIdx.x) == 0))"
 # kernels that read before their wait, by name: what they may read there
 EARLY_READS = {
     # the recurrent state, the conv history, the slots
@@ -188,9 +190,7 @@ def test_ragged_gdn_kernel_beside_the_scan_waits_once_at_its_end() -> None:
     head, tail = body.split(WAIT)
     assert {"x_ptr", "pool_ptr", "o_ptr"} <= set(touched_before_wait(params, body))
     assert not [p for p in params if re.search(rf"\b{p}\b", tail)], tail
-    guard = head.rsplit("if (", 2)[-2:]
-    assert guard[0].startswith("((int)blockIdx.x) == 0)"), guard
-    assert guard[1].startswith("((int)threadIdx.x) == 0)"), guard
+    assert head.rsplit("if (", 1)[1].startswith(FIRST_THREAD), head[-200:]
     assert "launch_dependents" in tail
     early = ["conv_ptr", "pool_ptr", "slots_ptr", "w_ptr"]
     assert touched_before_wait(*bodies[False, False]) == early
@@ -226,9 +226,7 @@ def test_mixed_rows_attention_runs_beside_the_prefill_kernel() -> None:
         touched_before_wait(params, body)
     )
     assert not [p for p in params if re.search(rf"\b{p}\b", tail)], tail
-    assert head.rsplit("if (", 1)[1].startswith(
-        "(((int)blockIdx.x) == 0) && (((int)threadIdx.x) == 0))"
-    ), head[-200:]
+    assert head.rsplit("if (", 1)[1].startswith(FIRST_THREAD), head[-200:]
     params, body = found["attn_decode_ragged_kernel_1"]
     assert body.count(WAIT) == 1
     assert set(touched_before_wait(params, body)) <= {"positions_ptr", "gate_ptr", "indptr_ptr"}
