@@ -272,10 +272,10 @@ class GatedDeltaNet(nn.Module):
             # rows (one-token sequences) by decode's recurrent kernel instead, whose cost is
             # their state's (gdn_chunked.MIXED_ROWS_RECURRENT)
             beside = two.skip_single and gdn_chunked.MIXED_ROWS_BESIDE_SCAN
-            rows = []  # o from the decode rows' kernel, before the passes write its other rows
-            if two.skip_single and not beside:
+            first = two.skip_single and not beside  # the decode rows' kernel, then the passes
+            o = Tensor.placeholder((n_tok, hv, dv), F32)
+            if first:  # its o, whose other rows the scan writes in place
                 rec_pool, o = self._wide_rule(proj, indptr, slots, conv_pool, rec_pool, layer)
-                rows = [o]
             work = op.tensor_ir_op(
                 two.prep,
                 two.prep.attrs["global_symbol"],
@@ -285,9 +285,9 @@ class GatedDeltaNet(nn.Module):
             rec_pool, o = op.tensor_ir_inplace_op(
                 two.scan,
                 two.scan.attrs["global_symbol"],
-                [*work, indptr, slots, rec_pool, layer, *rows],
-                inplace_indices=[8, 10 if rows else -1],
-                out=[rec_pool, *(rows or [Tensor.placeholder((n_tok, hv, dv), F32)])],
+                [*work, indptr, slots, rec_pool, layer, *([o] if first else [])],
+                inplace_indices=[8, 10 if first else -1],
+                out=[rec_pool, o],
             )
             if beside:  # after the scan, which it runs beside (gdn_decode's ragged form)
                 rec_pool, o = self._wide_rule(proj, indptr, slots, conv_pool, rec_pool, layer, o)
