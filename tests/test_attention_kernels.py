@@ -232,7 +232,7 @@ def test_ragged_merge_writes_the_one_token_sequences_rows_only() -> None:
 def _prefill_kernels(dtype: str, target_kind: str) -> tuple[set, set, list]:
     """The attention kernels that prefill and decode call, for a head_dim-64 config, and
     prefill's attention calls in order: (kernel, argument names, in-place indices)."""
-    from tvm import relax
+    from tir_calls import tir_calls
 
     from qwen35_tvm.compile.build import build_module
     from qwen35_tvm.compile.config import ModelConfig
@@ -249,13 +249,7 @@ def _prefill_kernels(dtype: str, target_kind: str) -> tuple[set, set, list]:
              and gv.name_hint in mod[fn].script()}
         for fn in ("prefill", "decode")
     }  # fmt: skip
-    calls = [
-        (v.args[0].name_hint, [str(a) for a in v.args[1].fields],
-         list(v.attrs.inplace_indices) if "inplace" in v.op.name else [])
-        for block in mod["prefill"].body.blocks for v in (b.value for b in block.bindings)
-        if isinstance(v, relax.Call) and v.op.name.startswith("relax.call_tir")
-        and v.args[0].name_hint.startswith("attn_")
-    ]  # fmt: skip
+    calls = [c for c in tir_calls(mod["prefill"])[0] if c[0].startswith("attn_")]
     return names["prefill"], names["decode"], calls
 
 

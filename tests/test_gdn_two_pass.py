@@ -206,20 +206,10 @@ def test_mixed_rows_take_the_recurrent_kernel(monkeypatch) -> None:
 
 
 def _gdn_calls() -> tuple[list, dict]:
-    """The bf16 prefill's kernel calls in order, (kernel, argument names, in-place indices),
-    and each call output's name -> (its kernel, index)."""
-    from tvm import relax
+    """The bf16 prefill's kernel calls in order, and its call outputs (tir_calls)."""
+    from tir_calls import tir_calls
 
-    calls, outputs = [], {}
-    for block in _prefill_module("bfloat16")["forward"].body.blocks:
-        for b in block.bindings:
-            v = b.value
-            if isinstance(v, relax.Call) and v.op.name.startswith("relax.call_tir"):
-                inplace = list(v.attrs.inplace_indices) if "inplace" in v.op.name else []
-                calls.append((v.args[0].name_hint, [str(a) for a in v.args[1].fields], inplace))
-            elif isinstance(v, relax.TupleGetItem):
-                outputs[str(b.var)] = (calls[-1][0], v.index)
-    return calls, outputs
+    return tir_calls(_prefill_module("bfloat16")["forward"])
 
 
 def test_mixed_rows_run_beside_the_scan_into_its_output(monkeypatch) -> None:
