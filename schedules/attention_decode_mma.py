@@ -163,9 +163,12 @@ def paged_decode_mma(
                     if ragged:  # a longer sequence's rows are the prefill kernel's: no tiles
                         if indptr[u + 1] - indptr[u] != 1:
                             info[3] = info[2]
-                    # this step appends keys at its tokens' positions, the first of them its
-                    # sequence's first token's: a tile wholly before it is no producer's
-                    info[4] = T.Select((info[2] + tp) * PAGE_SIZE <= positions[indptr[lo[0]]], 1, 0)
+                    if not ragged:  # (which waits for nothing: see the docstring)
+                        # this step appends keys at its tokens' positions, the first of them
+                        # its sequence's first token's: a tile wholly before it is no producer's
+                        info[4] = T.Select(
+                            (info[2] + tp) * PAGE_SIZE <= positions[indptr[lo[0]]], 1, 0
+                        )
                     slot = T.meta_var(info[0])
                     p0 = T.meta_var(info[2])
                     p1 = T.meta_var(info[3])
