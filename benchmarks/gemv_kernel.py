@@ -15,7 +15,8 @@ small, wide or both), as
   ours         DecodeGemv, the rule the pipeline applies (default_config / wide_buckets)
   small:  m?w?u?s?   the kernel at other configs (m_tiles, warps_k, unroll, stages)
           dlight     dlight's GEMV / LowBatchGEMV(4), the rules decode used before
-          *_rms      the kernel with the RMSNorm before it folded in (no residual only)
+          *_rms      the kernel with the RMSNorm before it folded in (no residual only; a
+                     norm without weight, which conversion puts in W's columns)
           gate_up:   ours_swiglu, ours_rms_swiglu and swiglu, decode's SwiGLU folded into
                      the GEMV, and the SwiGLU kernel alone (benchmarks/gemv_swiglu.py)
   wide:   regs       the 16-64 row buckets with the weight ring in registers
@@ -90,6 +91,8 @@ def _kernels(small, rows: str, target, gate_up: bool = False) -> tuple[dict, dic
     else:
         configs = {"ours": plan(n, k, "wide"), **wide_variants(n, k)}
         makers = {"ours": lambda: rule(DecodeGemv(rows="wide"))}
+        if not match.extra_params:  # norm_fusion.FOLD_WIDE's kernels
+            makers["ours_rms"] = lambda: gemv_for(func, target, rows="wide", rms_eps=RMS_EPS)
         baseline = {
             "mma_wide": lambda: rule(MatmulMMA(WIDE_DECODE_CONFIG, rows="wide")),
             # prefill's GEMM (wgmma and TMA on sm_90a, split-K where its tiles leave SMs idle)
@@ -281,10 +284,9 @@ def _measure(out: Path, file: str) -> list[dict]:
         ref = x.float() @ ws[0].float().T
         if "res" in roles:
             ref += res.float()
-        # "ours_rms" reads x as an RMSNorm's input and the norm's weight too
-        nw = 1 + 0.3 * torch.randn(k, device="cuda", generator=gen)
-        normed = x.float() * torch.rsqrt(x.float().square().mean(1, keepdim=True) + RMS_EPS)
-        ref_rms = (normed * nw).bfloat16().float() @ ws[0].float().T
+        # "ours_rms" reads x as the input of an RMSNorm without weight
+        inv = torch.rsqrt(x.float().square().mean(1, keepdim=True) + RMS_EPS)
+        ref_rms = (x.float() @ ws[0].float().T) * inv
         gate_up = ref.bfloat16()  # the SwiGLU kernel's input (gemv_swiglu.py)
         scale = ref.abs().max().item()
         base = {
@@ -303,7 +305,7 @@ def _measure(out: Path, file: str) -> list[dict]:
         kernels = [kn for kn in entry["kernels"] if timed or kn not in PREVIOUS]
         for kernel in ["torch", *kernels] if timed else kernels:
             row = {**base, "kernel": kernel, "config": entry["kernels"].get(kernel)}
-            rms = is_rms(kernel)  # reads the norm's weight (fp32 [k]) too
+            rms = is_rms(kernel)
             row["bytes"] = bytes_moved(kernel, batch, n, k, out_dtype.itemsize, "res" in roles)
             try:
                 if kernel == "torch":
@@ -313,13 +315,10 @@ def _measure(out: Path, file: str) -> list[dict]:
                     fn = lib[kernel]
                     res_out = torch.empty(batch, out_cols(kernel, n), device="cuda",
                                           dtype=out_dtype)  # fmt: skip
-                    named = {"x": dl(x), "res": dl(res), "out": dl(res_out), "nw": dl(nw),
+                    named = {"x": dl(x), "res": dl(res), "out": dl(res_out),
                              "gate_up": dl(gate_up)}  # fmt: skip
-                    order = sorted(roles, key=roles.get) + (["nw"] if rms else [])
+                    order = sorted(roles, key=roles.get)
                     order = ["gate_up", "out"] if kernel == ALONE else order
-                    if rms:  # the norm's weight goes where the output was, the output last
-                        order.remove("out")
-                        order.append("out")
                     argss = [[dl(w) if r == "w" else named[r] for r in order] for w in ws]
                     fn(*argss[0])
                     torch.cuda.synchronize()

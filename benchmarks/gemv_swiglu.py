@@ -7,7 +7,7 @@
                    fold decode ran ours_rms (the GEMV to gate_up) and then this
 
 Each is checked against torch: silu(gate) · up of the fp32 GEMM rounded to bf16 (as gate_up
-is stored), in fp32. Bytes moved: the weight, x (and the norm's weight) and out [batch, I];
+is stored), in fp32. Bytes moved: the weight, x and out [batch, I];
 the SwiGLU alone reads gate_up [batch, 2 I] and writes out.
 """
 
@@ -24,29 +24,22 @@ def is_gate_up(names: list[str]) -> bool:
 
 
 def makers(func, target, rms_eps: float, rows: str = "small") -> dict[str, Callable]:
-    """{kernel name: () -> PrimFunc} for the decode gate_up GEMM `func` (its fused PrimFunc);
-    decode_wide's ("wide") fold takes the SwiGLU without the norm."""
+    """{kernel name: () -> PrimFunc} for the decode gate_up GEMM `func` (its fused PrimFunc),
+    decode's ("small") or decode_wide's ("wide"; the norm's fold there is norm_fusion.FOLD_WIDE)."""
     from qwen35_tvm.schedules.activation import swiglu
     from qwen35_tvm.schedules.gemm_match import match_gemm
     from qwen35_tvm.schedules.gemv_rule import gemv_for
 
     match = match_gemm(func)
-    if rows == "wide":
-        return {
-            f"ours{GLU}": lambda: gemv_for(func, target, rows="wide", swiglu=True),
-            ALONE: lambda: swiglu(match.n // 2, match.out_dtype, target),
-        }
     return {
-        f"ours{GLU}": lambda: gemv_for(func, target, rows="small", swiglu=True),
-        f"ours_rms{GLU}": lambda: gemv_for(
-            func, target, rows="small", rms_eps=rms_eps, swiglu=True
-        ),
+        f"ours{GLU}": lambda: gemv_for(func, target, rows=rows, swiglu=True),
+        f"ours_rms{GLU}": lambda: gemv_for(func, target, rows=rows, rms_eps=rms_eps, swiglu=True),
         ALONE: lambda: swiglu(match.n // 2, match.out_dtype, target),
     }
 
 
 def is_rms(kernel: str) -> bool:
-    """Whether `kernel` reads x as an RMSNorm's input and the norm's weight (fp32 [k]) too."""
+    """Whether `kernel` reads x as the input of an RMSNorm (without weight)."""
     return kernel.removesuffix(GLU).endswith("_rms")
 
 
@@ -59,8 +52,7 @@ def bytes_moved(kernel: str, batch: int, n: int, k: int, itemsize: int, residual
     out = batch * out_cols(kernel, n) * itemsize
     if kernel == ALONE:
         return batch * n * itemsize + out
-    moved = n * k * 2 + batch * k * 2 + out + (batch * n * 2 if residual else 0)
-    return moved + (k * 4 if is_rms(kernel) else 0)
+    return n * k * 2 + batch * k * 2 + out + (batch * n * 2 if residual else 0)
 
 
 def reference(torch, kernel: str, gemm: object) -> object:

@@ -1,7 +1,9 @@
 """Converting a checkpoint's tensors into the artifact's parameters.
 
 Fusions done here, once, instead of at every forward: gate/up, q/k/v and the four GDN
-input projections are concatenated; HF's zero-centred RMSNorm weights become (1 + w).
+input projections are concatenated; HF's zero-centred RMSNorm weights become (1 + w); a
+decoder layer's two norms, each read only by the projection after it, are folded into that
+projection's columns, W · diag(1 + w), leaving the model a norm without weight (`FOLDED_NORMS`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,29 @@ _DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 
 # Norms and GDN decay constants stay float32 whatever the compiled dtype.
 _F32_SUFFIXES = ("norm.weight", "layernorm.weight", "A_log", "dt_bias", "norm_weight")
+
+
+# projection -> the norm before it whose (1 + w) its columns take, where the artifact has no
+# parameter of that norm's own (a library built before the fold has one, and keeps it)
+FOLDED_NORMS = {
+    "linear_attn.in_proj.weight": "input_layernorm.weight",
+    "self_attn.qkv_proj.weight": "input_layernorm.weight",
+    "mlp.gate_up_proj.weight": "post_attention_layernorm.weight",
+}
+
+
+def _folded_recipe(name: str, params: set[str]) -> tuple[list[str], Callable[..., np.ndarray]]:
+    """`_recipe`, with the norm of FOLDED_NORMS folded in where `params` lacks it."""
+    sources, combine = _recipe(name)
+    for proj, norm in FOLDED_NORMS.items():
+        norm_name = name.removesuffix(proj) + norm
+        if name.endswith(proj) and norm_name not in params:
+
+            def folded(*xs: np.ndarray, combine=combine) -> np.ndarray:
+                return combine(*xs[:-1]) * (1.0 + xs[-1])  # [n, k] * [k]: column j by w_j
+
+            return [*sources, norm_name], folded
+    return sources, combine
 
 
 def _recipe(name: str) -> tuple[list[str], Callable[..., np.ndarray]]:
@@ -64,8 +89,9 @@ def converted_params(
     folder: HFModelFolder, names: list[str], dtype: str
 ) -> Iterator[tuple[str, np.ndarray]]:
     folder.check()
+    params = set(names)
     for name in names:
-        sources, combine = _recipe(name)
+        sources, combine = _folded_recipe(name, params)
         array = combine(*(folder.get(s).astype(np.float32) for s in sources))
         target = np.float32 if name.endswith(_F32_SUFFIXES) else _DTYPES[dtype]
         yield name, np.ascontiguousarray(array.astype(target))

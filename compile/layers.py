@@ -34,15 +34,16 @@ from .config import FULL, ModelConfig
 F32 = "float32"
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
     """RMSNorm over the last axis in float32 (schedules/norm.py: one kernel, casts included);
-    `weight` already holds HF's (1 + w), folded at conversion."""
+    `weight` already holds HF's (1 + w), folded at conversion. Without `weight`, x / rms."""
     *lead, dim = x.shape
     rows = functools.reduce(operator.mul, lead)
+    weighted = weight is not None
     y = op.tensor_ir_op(
-        norm.rms_norm(int(dim), eps, x.dtype, Target.current()),
-        norm.kernel_name(int(dim), eps, x.dtype),
-        [op.reshape(x, (rows, dim)), weight],
+        norm.rms_norm(int(dim), eps, x.dtype, Target.current(), weighted),
+        norm.kernel_name(int(dim), eps, x.dtype, weighted),
+        [op.reshape(x, (rows, dim))] + ([weight] if weighted else []),
         out=Tensor.placeholder((rows, dim), x.dtype),
     )
     return op.reshape(y, x.shape)
@@ -61,8 +62,11 @@ class Linear(nn.Linear):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        self.weight = nn.Parameter((dim,), F32)
+    """`weighted=False`: no weight of its own, the norm HF has here being folded into the
+    projection that reads it (compile/convert.py `FOLDED_NORMS`)."""
+
+    def __init__(self, dim: int, eps: float, weighted: bool = True):
+        self.weight = nn.Parameter((dim,), F32) if weighted else None
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
@@ -353,8 +357,9 @@ class GatedDeltaNet(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int, dtype: str):
         self.kind = cfg.layer_types[index]
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # each feeds one projection, which holds its weight (compile/convert.py)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, weighted=False)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, weighted=False)
         if self.kind == FULL:
             self.self_attn = GatedAttention(cfg, cfg.full_layers.index(index), dtype)
         else:

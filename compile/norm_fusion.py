@@ -1,14 +1,15 @@
 """Decode's RMSNorms folded into the GEMVs they feed (schedules/gemv.py, `rms_eps`).
 
 In a decode step each of a layer's two norms is a kernel of its own between two projections,
-and its output is read only by the next projection. This pass rewrites
+and its output is read only by the next projection. Conversion has already moved the norm's
+weight into that projection's columns (compile/convert.py), so this pass rewrites
 
-    h = rms_norm(x, weight)            (schedules/norm.py; identity reshapes around it)
+    h = rms_scale(x)                   (schedules/norm.py, no weight; identity reshapes around it)
     y = gemm(h, W, ...)                (a fused bf16 GEMM marked for decode's GEMV)
 
-into one GEMV that reads x, sums its squares from the loads it makes anyway and applies the
-weight and 1/rms itself; the norm, now unused, is dropped. Only decode's ("small") GEMMs: in
-decode_wide's 64-row bucket the extra registers spill, and prefill's GEMMs stay tiled.
+into one GEMV that reads x, sums its squares from the loads it makes anyway and applies 1/rms
+itself; the norm, now unused, is dropped. Decode's ("small") GEMMs, and decode_wide's where
+`FOLD_WIDE` says so; prefill's GEMMs stay tiled.
 
 `GemvFolder` is shared with compile/swiglu_fusion.py, which folds the SwiGLU after decode's
 gate_up GEMV into it (and that GEMV's norm with it).
@@ -26,6 +27,11 @@ from ..schedules.matmul_config import ROWS_ATTR, has_tensor_cores
 from ..schedules.norm import EPS_ATTR
 
 FUSED_ROWS = "small"
+# decode_wide's norms into its GEMVs too (8-64 rows): 64 kernels fewer a step. With the norm's
+# weight in the multiply (session 10) its 64-row buckets spilled or lost warps and the fold was
+# reverted; without it ptxas fits every 4B bucket at the same launch bounds, no spills
+# (tests/test_gemv_kernel.py). Off until the H200 has timed it.
+FOLD_WIDE = False
 CALL_TIR = tvm.ir.Op.get("relax.call_tir")
 
 
@@ -84,13 +90,14 @@ class GemvFolder(relax.PyExprMutator):
             arg = tensors[0]
         return arg, None, None
 
-    def _norm_input(self, arg: relax.Expr) -> tuple[relax.Expr, relax.Expr, float] | None:
-        """(x, weight, eps) if `arg` is an RMSNorm's output, through identity reshapes."""
+    def _norm_input(self, arg: relax.Expr) -> tuple[relax.Expr, float] | None:
+        """(x, eps) if `arg` is the output of an RMSNorm without weight, through identity
+        reshapes (a norm with a weight is not folded: the GEMV applies none)."""
         _, call, func = self.producer(arg)
         if call is None or func.attrs is None or EPS_ATTR not in func.attrs:
             return None
         tensors = list(call.args[1].fields)
-        return tensors[0], tensors[1], float(func.attrs[EPS_ATTR])
+        return (tensors[0], float(func.attrs[EPS_ATTR])) if len(tensors) == 1 else None
 
     def gemv_call(
         self, call: relax.Call, swiglu_ty=None, rows: str = FUSED_ROWS, fold_norm: bool = True
@@ -110,7 +117,7 @@ class GemvFolder(relax.PyExprMutator):
         swiglu = swiglu_ty is not None
         if norm is None and not swiglu:
             return None
-        eps = None if norm is None else norm[2]
+        eps = None if norm is None else norm[1]
         key = (name, eps, swiglu)
         if key not in self.kernels:
             kernel = gemv_for(func, self.target, rows=rows, rms_eps=eps, swiglu=swiglu)
@@ -121,7 +128,6 @@ class GemvFolder(relax.PyExprMutator):
             self.kernels[key] = self.builder_.add_func(kernel, symbol)
         if norm is not None:
             args[match.a_param] = norm[0]
-            args.append(norm[1])  # gemv_for: the norm's weight just before the output
         out_ty = [swiglu_ty] if swiglu else call.ty_args
         return relax.Call(CALL_TIR, [self.kernels[key], relax.Tuple(args)], call.attrs, out_ty)
 
@@ -146,6 +152,8 @@ class NormFolder(GemvFolder):
         if callee(self.mod_, call) is None:
             return call
         folded = self.gemv_call(call)
+        if folded is None and FOLD_WIDE:
+            folded = self.gemv_call(call, rows="wide")
         return call if folded is None else folded
 
 

@@ -14,12 +14,9 @@ pass runs before fold_norms_into_gemv, which takes the other GEMMs. A gate_up re
 else stays as it is.
 
 Prefill's gate_up GEMM ("large") can take its SwiGLU too, as the tensor-core GEMM's epilogue
-(`PREFILL_GEMM_SWIGLU`). ptxas -v (sm_90,
-the 4B and 9B gate_up): decode's kernel takes 152 registers with the SwiGLU (150 without), 168
-with the norm too (168 with the norm alone), no spills. decode_wide does not fold both:
-there the fold would carry the norm along, and with both one bucket spills 16 bytes (4 with
-the norm alone, at 4B: why decode_wide's norms are not folded). decode_wide's gate_up takes
-its SwiGLU alone (`WIDE_SWIGLU`), its norm staying a kernel of its own.
+(`PREFILL_GEMM_SWIGLU`). decode_wide's gate_up takes its SwiGLU (`WIDE_SWIGLU`), and its norm
+with it where norm_fusion.FOLD_WIDE says so; ptxas fits both folds, no spills (the norm has no
+weight to multiply in: compile/convert.py).
 """
 
 from __future__ import annotations
@@ -31,6 +28,7 @@ from ..schedules.activation import INTER_ATTR
 from ..schedules.gemm_match import match_gemm
 from ..schedules.matmul_config import ROWS_ATTR
 from ..schedules.matmul_rule import gemm_for
+from . import norm_fusion
 from .norm_fusion import CALL_TIR, GemvFolder, callee, gemv_fold_pass
 
 # Prefill's SwiGLU into its gate_up GEMM (schedules/matmul.py `swiglu`). On the H200
@@ -111,7 +109,7 @@ class SwigluFolder(GemvFolder):
             folded = self.gemv_call(gate_up, swiglu_ty=call.ty_args[0])
         elif rows == "wide":
             folded = (
-                self.gemv_call(gate_up, call.ty_args[0], rows, fold_norm=False)
+                self.gemv_call(gate_up, call.ty_args[0], rows, norm_fusion.FOLD_WIDE)
                 if WIDE_SWIGLU
                 else None
             )

@@ -244,13 +244,13 @@ def fused_gemm_func(
 ) -> tirx.PrimFunc:
     """The PrimFunc `name` (A [m, k], B [n, k] bf16, *extras, out [m, out_n or n] `out_dtype`),
     m symbolic, whose body is the macro `body(a, b, out, extras, m)`. Extras are indexed [m, n],
-    [n], [m] or [k] (`extra_shapes` "mn", "n", "m", "k"), at most MAX_EXTRA_INPUTS of them."""
+    [n] or [m] (`extra_shapes` "mn", "n", "m"), at most MAX_EXTRA_INPUTS of them."""
     cols = out_n or n
     if len(extra_shapes) > MAX_EXTRA_INPUTS or len(extra_shapes) != len(extra_dtypes):
         raise ValueError(f"at most {MAX_EXTRA_INPUTS} extra inputs, each with a dtype")
 
     def extra_shape(i: int, m):
-        return {"mn": (m, n), "n": (n,), "m": (m,), "k": (k,)}[extra_shapes[i]]
+        return {"mn": (m, n), "n": (n,), "m": (m,)}[extra_shapes[i]]
 
     if not extra_shapes:
 

@@ -23,9 +23,10 @@ sums them and applies the epilogue: no workspace, no second pass. decode_wide's 
 one launch per batch bucket (8, 16, 32, 64 rows a pass), picked on the host by the batch.
 
 Decode's RMSNorm before a projection can be folded in (`rms_eps`, compile/norm_fusion.py):
-each lane also sums the squares of the X it loads and multiplies X by the norm's weight
-before mma; the warps' squares meet in shared memory beside the partial sums, and the
-epilogue scales each row's sum by its 1/rms.
+each lane also sums the squares of the X it loads; the warps' squares meet in shared memory
+beside the partial sums, and the epilogue scales each row's sum by its 1/rms. The norm has no
+weight here: conversion folded it into W's columns (compile/convert.py), so X feeds mma as
+loaded and the fold costs a lane only its squares' registers.
 
 Decode's SwiGLU after the gate_up projection can be folded in too (`swiglu`,
 compile/swiglu_fusion.py): each m16 tile takes the gate rows of 8 output columns and their up
@@ -87,14 +88,14 @@ def gemv_kernel(
     swiglu: bool = False,
 ) -> tirx.PrimFunc:
     """The kernel with parameters (X [batch, k], W [n, k], *extras, out [batch, n]); extras are
-    indexed [batch, n], [n], [batch] or [k] (`extra_shapes` "mn", "n", "m", "k"). `epilogue(acc,
+    indexed [batch, n], [n] or [batch] (`extra_shapes` "mn", "n", "m"). `epilogue(acc,
     row, col, extras)` gives out[row, col] from the fp32 sum. `config`: one config, or buckets
     ((largest batch, config), ...) ascending, the last taking every larger batch too.
 
-    `rms_eps`: X is the input of an RMSNorm whose weight [k] fp32 is the last extra (the
-    epilogue gets the others): out = epilogue(rsqrt(mean_k(X²) + eps) · Σ_k bf16(X · weight)
-    · W), the norm folded in. Each block sums the squares of the X it loads anyway, so the
-    norm costs no kernel and no pass over X of its own.
+    `rms_eps`: X is the input of an RMSNorm without weight (its weight is in W's columns):
+    out = epilogue(rsqrt(mean_k(X²) + eps) · Σ_k X · W), the norm folded in. Each block sums
+    the squares of the X it loads anyway, so the norm costs no kernel and no pass over X of
+    its own.
 
     `swiglu`: W is [gate; up] (n = 2 I) and out [batch, I] holds silu(gate) · up of the
     epilogue's values, in float32 rounded once to `out_dtype` (activation.swiglu_of), as the
@@ -103,8 +104,6 @@ def gemv_kernel(
     buckets = ((1 << 30, config),) if isinstance(config, GemvConfig) else tuple(config)
     if k % VEC:
         raise ValueError(f"k {k} must be a multiple of {VEC} (128-bit loads)")
-    if rms_eps is not None and extra_shapes[-1:] != ("k",):
-        raise ValueError("an RMSNorm'd X needs the norm's weight, shape 'k', as the last extra")
     if swiglu and n % 2:
         raise ValueError(f"n {n} must be even with swiglu: gate and up rows")
     gpu = target.kind.name == "cuda"

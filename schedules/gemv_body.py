@@ -42,8 +42,8 @@ def pass_kernel(
     extra_shapes: tuple[str, ...] = (),
 ):
     """A macro (x, w, out, extras, batch) that launches the kernel of one config: row tiles
-    on blockIdx.x, passes of cfg.cols batch rows on blockIdx.y. With `rms_eps` the last extra
-    is an RMSNorm's weight [k]: X's rows are normalised on the fly (see gemv_kernel). With
+    on blockIdx.x, passes of cfg.cols batch rows on blockIdx.y. With `rms_eps` X's rows are
+    scaled by their 1 / rms on the fly, a norm without weight (see gemv_kernel). With
     `pair`, out [batch, n / 2] column c is pair(epilogue of row c, epilogue of row n / 2 + c):
     a block takes both rows of its columns (gemv_store.block_rows)."""
     cfg.check()
@@ -69,15 +69,6 @@ def pass_kernel(
     dependent = gpu and cfg.n_tiles == 1 and cfg.dependent
     lines = cdiv(step, LINE)  # L2 lines of a row's step
     rms = rms_eps is not None
-
-    def norm_weight(extras):
-        return extras[-1] if rms else None
-
-    def x_value(x, nw, b, kk):
-        # X, or X times the norm's weight (which the GPU rounds to bf16 for mma; TVM's CPU
-        # legalisation folds that round trip away, so the CPU keeps it in fp32)
-        xv = T.Cast("float32", x[b, kk])
-        return xv * nw[kk] if rms else xv
 
     def in_k(k0):
         return k0 < k if k % step else True  # a load can fall past k only then
@@ -125,21 +116,15 @@ def pass_kernel(
                                 x_reg[dx, u, j, v] = T.Cast(DTYPE, 0)
 
     @T.macro
-    def product(w_reg, x_reg, a_frag, b_frag, acc, d, dx, ks, q, nw, sq, nwv):
+    def product(w_reg, x_reg, a_frag, b_frag, acc, d, dx, ks, sq):
         if ks < n_steps:
             for u in T.unroll(unroll):
-                if rms:  # the norm's weight at this load's 8 k, in two 128-bit loads (k % 8 = 0)
-                    for h in T.unroll(2):
-                        for v in T.vectorized(4):
-                            nwv[h * 4 + v] = nw[T.min(load_k(ks, u, q, step), k - VEC) + h * 4 + v]
                 for j in T.unroll(nt):
                     for e in T.unroll(VEC):
-                        if rms:  # X's squares for its row's norm; X times the norm's weight
+                        if rms:  # X's squares for its row's norm (the weight is in W's columns)
                             xv: T.let[T.float32] = T.Cast("float32", x_reg[dx, u, j, e])
                             sq[j] = sq[j] + xv * xv
-                            b_frag[j, e] = T.Cast(DTYPE, xv * nwv[e])
-                        else:
-                            b_frag[j, e] = x_reg[dx, u, j, e]
+                        b_frag[j, e] = x_reg[dx, u, j, e]
                 for m in T.unroll(mt):
                     for s in T.unroll(2):
                         for e in T.unroll(8):
@@ -155,7 +140,7 @@ def pass_kernel(
                             )  # fmt: skip
 
     @T.macro
-    def accumulate_regs(w, x, acc, wk, tile, tx, col, batch, nw, sq, nwv):
+    def accumulate_regs(w, x, acc, wk, tile, tx, col, batch, sq):
         w_reg = T.sblock_alloc_buffer((stages, unroll, 2 * mt, VEC), DTYPE, scope="local")
         x_reg = T.sblock_alloc_buffer((xr, unroll, nt, VEC), DTYPE, scope="local")
         # mma operands are addressed by element offset: plain arrays the loads are copied into
@@ -173,8 +158,7 @@ def pass_kernel(
         for it in T.serial(iters, annotations={"disable_unroll": 1}):
             for d in T.unroll(stages):
                 j: T.let[T.int32] = it * stages + d
-                product(w_reg, x_reg, a_frag, b_frag, acc, d, d % xr, warp_step(j, wk, wks), q,
-                        nw, sq, nwv)  # fmt: skip
+                product(w_reg, x_reg, a_frag, b_frag, acc, d, d % xr, warp_step(j, wk, wks), sq)
                 load(w, x, w_reg, x_reg, d, d, warp_step(j + stages, wk, wks), tile, g, q, col,
                      batch, True, same)  # fmt: skip
                 if not same:  # X slot d % xr is free again: the step xr ahead goes there
@@ -196,7 +180,7 @@ def pass_kernel(
         T.evaluate(T.ptx["cp.async.commit_group"]())  # every step a group, loads or not
 
     @T.macro
-    def accumulate_smem(w, x, acc, wk, tile, tx, col, batch, nw, sq, nwv):
+    def accumulate_smem(w, x, acc, wk, tile, tx, col, batch, sq):
         w_sh = T.sblock_alloc_buffer((ring_elems,), DTYPE, scope=ring_scope)
         w_cur = T.sblock_alloc_buffer((1, unroll, 2 * mt, VEC), DTYPE, scope="local")
         x_reg = T.sblock_alloc_buffer((xr, unroll, nt, VEC), DTYPE, scope="local")
@@ -218,8 +202,7 @@ def pass_kernel(
                     for h in T.unroll(2 * mt):
                         for v in T.vectorized(VEC):
                             w_cur[0, u, h, v] = w_sh[ring_offset(wk, slot, u, h, tx, cfg) + v]
-                product(w_cur, x_reg, a_frag, b_frag, acc, 0, d, warp_step(j, wk, wks), q, nw,
-                        sq, nwv)  # fmt: skip
+                product(w_cur, x_reg, a_frag, b_frag, acc, 0, d, warp_step(j, wk, wks), sq)
                 # the slot was read into registers the mma above consumed: refill it
                 copy_w(w, w_sh, slot, warp_step(j + stages, wk, wks), tile, wk, tx, g, q)
                 load(w, x, w_cur, x_reg, 0, d, warp_step(j + xr, wk, wks), tile, g, q, col, batch,
@@ -228,7 +211,7 @@ def pass_kernel(
     accumulate_gpu = accumulate_smem if cfg.w_smem else accumulate_regs
 
     @T.macro
-    def accumulate_cpu(w, x, acc, wk, tile, tx, col, batch, nw, sq):
+    def accumulate_cpu(w, x, acc, wk, tile, tx, col, batch):
         # what the warp's mma leave in this lane's accumulators, computed from memory
         base = (wk * 32 + tx) * n_acc
         for j in T.serial(per_warp):
@@ -244,7 +227,7 @@ def pass_kernel(
                             for kk in T.serial(step):
                                 if in_k(ks * step + kk):
                                     acc[i] = acc[i] + T.Cast("float32", w[row, ks * step + kk]) \
-                                        * x_value(x, nw, b, ks * step + kk)  # fmt: skip
+                                        * T.Cast("float32", x[b, ks * step + kk])  # fmt: skip
 
     @T.macro
     def to_part(acc, base, part, wk, tx, t):
@@ -278,9 +261,8 @@ def pass_kernel(
                     T.reads()
                     T.writes()
                     acc = T.sblock_alloc_buffer((n_acc,), "float32", scope="local")
-                    # the folded norm's: each row's squares, the weight at a load's 8 k
+                    # the folded norm's: each row's squares
                     sq = T.sblock_alloc_buffer((nt,), "float32", scope="local")
-                    nwv = T.sblock_alloc_buffer((VEC,), "float32", scope="local")
                     # the epilogue's extras (a residual), read now rather than after the stream
                     early = T.sblock_alloc_buffer((max(early_size, 1),), "float32", scope="local")
                     if dependent:
@@ -293,8 +275,7 @@ def pass_kernel(
                         acc[i] = T.float32(0)
                     for j in T.unroll(nt):
                         sq[j] = T.float32(0)
-                    accumulate_gpu(w, x, acc, wk, tile, tx, col, batch, norm_weight(extras), sq,
-                                   nwv)  # fmt: skip
+                    accumulate_gpu(w, x, acc, wk, tile, tx, col, batch, sq)
                     if cfg.w_smem:  # `part` may reuse the ring's memory: every warp done with it
                         T.tvm_storage_sync("shared")
                     if rms:  # a row's squares: over the 4 lanes that load it, then per warp
@@ -342,7 +323,7 @@ def pass_kernel(
             for tx in lanes():
                 for i in T.serial(n_acc):
                     acc[(wk * 32 + tx) * n_acc + i] = T.float32(0)
-                accumulate_cpu(w, x, acc, wk, tile, tx, col, batch, norm_weight(extras), None)
+                accumulate_cpu(w, x, acc, wk, tile, tx, col, batch)
                 if rms:
                     squares_cpu(x, sq_sh, wk, tx, col, batch)
         for t in T.serial(nt):

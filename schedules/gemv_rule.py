@@ -29,25 +29,18 @@ def gemv_for(
 ) -> tirx.PrimFunc | None:
     """The GEMV standing in for the fused bf16 GEMM `func`, parameters in `func`'s order; None
     if `func` is not one this kernel covers. Without `config`, `plan(n, k, rows)`. With
-    `rms_eps`, `func`'s A is the input of an RMSNorm folded into the kernel, whose weight [k]
-    becomes a parameter just before the output (gemv_kernel's `rms_eps`). With `swiglu`, the
+    `rms_eps`, `func`'s A is the input of an RMSNorm without weight, folded into the kernel
+    (gemv_kernel's `rms_eps`). With `swiglu`, the
     output is silu(gate) · up of `func`'s [gate | up] output (gemv_kernel's `swiglu`)."""
     match = match_gemm(func)
     if match is None or match.k % VEC:
         return None
     config = config or plan(match.n, match.k, rows)
-    norm = rms_eps is not None
-    kernel = gemv_kernel(match.n, match.k, target, config,
-                         match.extra_shapes + (("k",) if norm else ()),
-                         match.extra_dtypes + (("float32",) if norm else ()),
-                         match.out_dtype, match.epilogue, rms_eps, swiglu)  # fmt: skip
-    # the kernel's own order is (X, W, *extras[, norm weight], out); put each where `func`
-    # has it, the norm weight where `func` has its output and the output last
-    n_params = len(func.params)
-    if norm and match.out_param != n_params - 1:
-        return None
-    order = [match.a_param, match.b_param, *match.extra_params]
-    order += [n_params - 1, n_params] if norm else [match.out_param]
+    kernel = gemv_kernel(match.n, match.k, target, config, match.extra_shapes,
+                         match.extra_dtypes, match.out_dtype, match.epilogue, rms_eps,
+                         swiglu)  # fmt: skip
+    # the kernel's own order is (X, W, *extras, out); put each where `func` has it
+    order = [match.a_param, match.b_param, *match.extra_params, match.out_param]
     params = [None] * len(order)
     for kernel_pos, func_pos in enumerate(order):
         params[func_pos] = kernel.params[kernel_pos]

@@ -58,7 +58,7 @@ def block_rows(
     n_out, ob = (n // 2, rb // 2) if paired else (n, rb)  # output columns: all, a block's
     outs = ob * TILE_COLS  # outputs of a block per n-tile
     store_iters = cdiv(outs, cfg.threads)
-    kinds = extra_shapes[:-1] if rms else extra_shapes  # the epilogue's
+    kinds = extra_shapes  # the epilogue's
     # one extra (a residual, a bias), held as fp32 (exact for bf16 and fp32 extras)
     early_size = cfg.n_tiles * store_iters if len(kinds) == 1 and not paired else 0
 
@@ -108,7 +108,7 @@ def block_rows(
     @T.macro
     def store(out, extras, part, wk, tx, tile, col, t, batch, sq_sh, early):
         total = T.sblock_alloc_buffer((1 + paired,), "float32", scope="local")
-        ex = extras[:-1] if rms else extras
+        ex = extras
         for i in T.unroll(store_iters):
             o, r, row, b = T.meta_var(output(i, wk, tx, tile, col, t))
             if o < outs and row < n_out and b < batch:

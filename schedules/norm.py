@@ -5,6 +5,10 @@ the cast back): a decode step runs 65 of them, each mostly latency. A block per 
 thread per 128-bit vector of it: each thread sums its squares, threads of a second phase add
 GROUP of those sums each, and every thread adds theirs and scales its vector (two barriers;
 the halving-stride reduction this replaced took eight more).
+
+A decoder layer's two norms have no weight here (`weighted=False`): each feeds one projection,
+and conversion folds HF's (1 + w) into that projection's columns (compile/convert.py), so what
+is left is the scale 1 / rms, which decode's GEMVs apply themselves (compile/norm_fusion.py).
 """
 
 from __future__ import annotations
@@ -21,9 +25,10 @@ GROUP = 16  # partial sums a thread of the second phase adds
 EPS_ATTR = "qwen35.rms_norm_eps"  # on the kernel: compile/norm_fusion.py finds norms by it
 
 
-def rms_norm(dim: int, eps: float, dtype: str, target: Target) -> PrimFunc:
+def rms_norm(dim: int, eps: float, dtype: str, target: Target, weighted: bool = True) -> PrimFunc:
     """out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight, over rows of `dim` values:
-    (x [rows, dim] dtype, weight [dim] float32) -> out [rows, dim] dtype."""
+    (x [rows, dim] dtype, weight [dim] float32) -> out [rows, dim] dtype; without `weighted`
+    (x, out) and no weight."""
     gpu = target.kind.name == "cuda"
     # 128-bit loads: a thread a vector, so a 2,560-wide bf16 row is 320 threads on the GPU
     vec = 8 if dtype == "bfloat16" else 4
@@ -40,13 +45,11 @@ def rms_norm(dim: int, eps: float, dtype: str, target: Target) -> PrimFunc:
 
     grid, lanes = block_loop(gpu), thread_loop(nt, gpu)
 
-    @T.prim_func(s_tir=True)
-    def rms_norm_rows(x_h: T.handle, w_h: T.handle, out_h: T.handle):
-        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
-        rows = T.int32()
-        x = T.match_buffer(x_h, (rows, dim), dtype)
-        w = T.match_buffer(w_h, (dim,), "float32")
-        out = T.match_buffer(out_h, (rows, dim), dtype)
+    def weight_of(w, c):
+        return w[c] if weighted else T.float32(1)
+
+    @T.macro
+    def body(x, w, out, rows):
         for r in grid(rows):
             with T.sblock("row"):
                 T.reads()
@@ -101,16 +104,39 @@ def rms_norm(dim: int, eps: float, dtype: str, target: Target) -> PrimFunc:
                                 for v in T.vectorized(vec):
                                     vals[v] = T.Cast(stage, x[r, c + v])
                                 for v in T.unroll(vec):
-                                    res[v] = T.Cast(
-                                        stage, T.Cast("float32", vals[v]) * inv * w[c + v]
-                                    )
+                                    scaled = T.meta_var(T.Cast("float32", vals[v]) * inv)
+                                    res[v] = T.Cast(stage, scaled * weight_of(w, c + v))
                                 for v in T.vectorized(vec):
                                     out[r, c + v] = T.Cast(dtype, res[v])
 
+    if weighted:
+
+        @T.prim_func(s_tir=True)
+        def rms_norm_rows(x_h: T.handle, w_h: T.handle, out_h: T.handle):
+            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+            rows = T.int32()
+            x = T.match_buffer(x_h, (rows, dim), dtype)
+            w = T.match_buffer(w_h, (dim,), "float32")
+            out = T.match_buffer(out_h, (rows, dim), dtype)
+            body(x, w, out, rows)
+
+        func = rms_norm_rows
+    else:
+
+        @T.prim_func(s_tir=True)
+        def rms_scale_rows(x_h: T.handle, out_h: T.handle):
+            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+            rows = T.int32()
+            x = T.match_buffer(x_h, (rows, dim), dtype)
+            out = T.match_buffer(out_h, (rows, dim), dtype)
+            body(x, x, out, rows)  # no weight: `w` is never read
+
+        func = rms_scale_rows
     # names must differ in a module, which holds one kernel for each width, dtype and eps
-    named = rms_norm_rows.with_attr("global_symbol", kernel_name(dim, eps, dtype))
+    named = func.with_attr("global_symbol", kernel_name(dim, eps, dtype, weighted))
     return named.with_attr(EPS_ATTR, float(eps))
 
 
-def kernel_name(dim: int, eps: float, dtype: str) -> str:
-    return f"rms_norm_{dtype}_{dim}_eps{eps:.6e}".replace(".", "p").replace("-", "m")
+def kernel_name(dim: int, eps: float, dtype: str, weighted: bool = True) -> str:
+    kind = "rms_norm" if weighted else "rms_scale"
+    return f"{kind}_{dtype}_{dim}_eps{eps:.6e}".replace(".", "p").replace("-", "m")

@@ -333,12 +333,15 @@ def test_residual_is_loaded_before_the_weight_stream(rows: str) -> None:
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 def test_wide_kernels_do_not_spill(tmp_path) -> None:
     """ptxas -v on decode_wide's kernels (every bucket) at the 4B shapes: no spills, and the
-    launch bounds met (ptxas fits the registers to them, spilling if it must)."""
-    for n, k in [(12352, 2560), (2560, 4096), (18432, 2560), (2560, 9216)]:
-        # o_proj / out_proj and down add the residual: it is loaded early, into registers
-        extras = dict(extra_shapes=("mn",), extra_dtypes=("bfloat16",), epilogue=_residual)
-        func = gemv_kernel(n, k, CUDA, plan(n, k, "wide"), out_dtype="bfloat16",
-                           **(extras if n == 2560 else {}))  # fmt: skip
+    launch bounds met (ptxas fits the registers to them, spilling if it must); in_proj and
+    gate_up (with its SwiGLU) also with their norm folded in (norm_fusion.FOLD_WIDE)."""
+    # o_proj / out_proj and down add the residual: it is loaded early, into registers
+    residual = dict(extra_shapes=("mn",), extra_dtypes=("bfloat16",), epilogue=_residual)
+    cases = [(12352, 2560, {}), (2560, 4096, residual), (18432, 2560, {}), (2560, 9216, residual),
+             (12352, 2560, {"rms_eps": 1e-6}),
+             (18432, 2560, {"rms_eps": 1e-6, "swiglu": True})]  # fmt: skip
+    for n, k, kw in cases:
+        func = gemv_kernel(n, k, CUDA, plan(n, k, "wide"), out_dtype="bfloat16", **kw)
         mod = tvm.IRModule({"main": func.with_attr("global_symbol", "g")})
         lib = tvm.compile(mod, target=CUDA)  # no nvcc here: TVM keeps the source
         (cuda,) = [m for m in lib.mod.imports if m.kind == "cuda"]
@@ -348,5 +351,5 @@ def test_wide_kernels_do_not_spill(tmp_path) -> None:
         info = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
         spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", info)
         regs = [int(r) for r in re.findall(r"Used (\d+) registers", info)]
-        assert len(regs) == 4 and max(regs) <= 255, (n, k, info)
-        assert all(a == b == "0" for a, b in spills) and len(spills) == 4, (n, k, info)
+        assert len(regs) == 4 and max(regs) <= 255, (n, k, kw, info)
+        assert all(a == b == "0" for a, b in spills) and len(spills) == 4, (n, k, kw, info)

@@ -1,13 +1,14 @@
 """Decode's RMSNorm folded into the GEMV it feeds (gemv_kernel's `rms_eps`, and the pass in
-compile/norm_fusion.py that uses it).
+compile/norm_fusion.py that uses it). The norm has no weight there: conversion put it in the
+projection's columns (tests/test_convert_fold.py).
 
 - The kernel's CPU variant (its loop nest: k-splitting warps, lanes, passes of 8 rows, each
   lane's squares of the X it loads, their sum over warps, 1/rms in the epilogue) against numpy
-  at odd shapes, batch 1-33, k below one step and with a tail. The GPU's bf16 rounding of
-  X · weight is checked on the H200 (benchmarks/gemv_kernel.py, the engine's parity).
+  at odd shapes, batch 1-33, k below one step and with a tail.
 - Mutations: a wrong epsilon, and X rows that disagree with the output rows, fail the check.
-- The pass on a small CUDA module: decode's norms are gone and each fused GEMV carries its
-  norm's weight; a norm with another reader stays; prefill's norms stay.
+- The pass on a small CUDA module: decode's norms are gone, each fused GEMV reading raw x; a
+  norm with another reader stays, and so does one with a weight; prefill's norms stay;
+  decode_wide's fold with `FOLD_WIDE`.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import pytest
 import tvm
 from tvm.relax.frontend import nn
 
+from qwen35_tvm.compile import norm_fusion
 from qwen35_tvm.compile.layers import Linear, RMSNorm
 from qwen35_tvm.compile.pipeline import fusion_passes
 from qwen35_tvm.compile.targets import make_target
@@ -42,21 +44,18 @@ CASES = [
 
 
 def _run(n: int, k: int, batch: int, cfg, eps: float = EPS, seed: int = 0):
-    """(kernel's, numpy's) rmsnorm(x) · wᵀ with a norm weight, x of magnitude ~0.05 so that
-    eps matters."""
+    """(kernel's, numpy's) rmsnorm(x) · wᵀ, x of magnitude ~0.05 so that eps matters."""
     cfg = plan(n, k, "wide") if cfg == "wide" else cfg
     rng = np.random.default_rng(seed + n * k + batch)
     x = (0.05 * rng.standard_normal((batch, k))).astype(BF16)
     w = rng.standard_normal((n, k)).astype(BF16)
-    nw = (1 + 0.5 * rng.standard_normal(k)).astype(np.float32)
-    func = gemv_kernel(n, k, LLVM, cfg, ("k",), ("float32",), rms_eps=eps)
+    func = gemv_kernel(n, k, LLVM, cfg, rms_eps=eps)
     lib = tvm.compile(tvm.IRModule({"main": func}), target=LLVM)
     out = tvm.runtime.tensor(np.zeros((batch, n), np.float32))
-    lib["main"](*(tvm.runtime.tensor(a) for a in (x, w, nw)), out)
+    lib["main"](*(tvm.runtime.tensor(a) for a in (x, w)), out)
     xf = x.astype(np.float32)
     inv = 1 / np.sqrt((xf * xf).mean(1, keepdims=True) + EPS)
-    # the CPU keeps X · weight in fp32 (see gemv.py); the GPU rounds it to bf16
-    return out.numpy(), (xf * nw) @ w.astype(np.float32).T * inv
+    return out.numpy(), xf @ w.astype(np.float32).T * inv
 
 
 def _off(got: np.ndarray, ref: np.ndarray) -> float:
@@ -81,20 +80,15 @@ def test_wrong_row_mapping_is_caught(monkeypatch) -> None:
     assert _off(got, ref) > 1e-3
 
 
-def test_norm_weight_must_be_the_last_extra() -> None:
-    with pytest.raises(ValueError, match="norm's weight"):
-        gemv_kernel(40, 24, LLVM, GemvConfig(), ("n",), ("float32",), rms_eps=EPS)
-
-
 # ---- the pass ---------------------------------------------------------------------------------
 
 
 class _Block(nn.Module):
     """A norm feeding a projection, a projection of raw x, and (`shared`) the norm's output
-    also returned, so it has a second reader."""
+    also returned, so it has a second reader; `weighted`: a norm with a weight of its own."""
 
-    def __init__(self, k: int, n: int, shared: bool):
-        self.norm = RMSNorm(k, EPS)
+    def __init__(self, k: int, n: int, shared: bool, weighted: bool = False):
+        self.norm = RMSNorm(k, EPS, weighted)
         self.proj = Linear(k, n, "bfloat16")
         self.other = Linear(k, n, "bfloat16")
         self.shared = shared
@@ -104,17 +98,17 @@ class _Block(nn.Module):
         y = self.proj(h) + self.other(x)
         return (y, h) if self.shared else y
 
-    prefill = decode
+    prefill = decode_wide = decode
 
 
-def _lowered(shared: bool) -> tvm.IRModule:
+def _lowered(shared: bool, weighted: bool = False) -> tvm.IRModule:
     k, n = 64, 48
     spec = {
         name: {"x": nn.spec.Tensor([rows, k], "bfloat16"), "$": {"param_mode": "plain"}}
-        for name, rows in (("decode", "batch"), ("prefill", "tokens"))
+        for name, rows in (("decode", "batch"), ("decode_wide", "batch"), ("prefill", "tokens"))
     }
     with CUDA:
-        mod, _ = _Block(k, n, shared).export_tvm(spec=spec)
+        mod, _ = _Block(k, n, shared, weighted).export_tvm(spec=spec)
         return tvm.transform.Sequential(fusion_passes(CUDA))(mod)
 
 
@@ -130,16 +124,33 @@ def test_decode_norms_fold_into_their_gemv(shared) -> None:
     decode = _calls(mod, "decode")
     fused = [c for c in decode if c.endswith("_rms_norm")]
     assert len(fused) == 1, decode
-    # the fused kernel reads raw x and the norm's weight
-    line = next(ln for ln in mod["decode"].script().splitlines() if fused[0] + "," in ln)
-    assert "norm_weight" in line, line
+    # the fused kernel reads raw x, and no norm weight: every input is [rows, n|k] or [n, k]
     kernel = mod[fused[0]]
-    weight = kernel.params[-2]  # just before the output
-    assert kernel.attrs["tirx.is_scheduled"] and weight.dtype == "float32"
-    assert [int(d) for d in weight.shape] == [64]
+    assert kernel.attrs["tirx.is_scheduled"]
+    shapes = [p.shape for p in kernel.params]
+    assert all(len(shape) == 2 for shape in shapes), shapes
     # the norm stays only where something else reads it
-    norms = [c for c in decode if c.startswith("rms_norm")]
+    norms = [c for c in decode if c.startswith("rms_scale")]
     assert len(norms) == int(shared), decode
     prefill = _calls(mod, "prefill")
-    assert any(c.startswith("rms_norm") for c in prefill)
+    assert any(c.startswith("rms_scale") for c in prefill)
     assert not any(c.endswith("_rms_norm") for c in prefill)
+    # decode_wide keeps its norm while FOLD_WIDE is off
+    wide = _calls(mod, "decode_wide")
+    assert any(c.startswith("rms_scale") for c in wide), wide
+    assert not any(c.endswith("_rms_norm") for c in wide), wide
+
+
+def test_a_norm_with_a_weight_is_not_folded() -> None:
+    # the GEMV applies no weight: folding this norm would drop it
+    decode = _calls(_lowered(shared=False, weighted=True), "decode")
+    assert any(c.startswith("rms_norm") for c in decode), decode
+    assert not any(c.endswith("_rms_norm") for c in decode), decode
+
+
+def test_wide_norms_fold_with_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(norm_fusion, "FOLD_WIDE", True)
+    wide = _calls(_lowered(shared=False), "decode_wide")
+    assert not any(c.startswith("rms_scale") for c in wide), wide
+    fused = [c for c in wide if c.endswith("_rms_norm")]
+    assert len(fused) == 1 and "wide" in fused[0], wide

@@ -10,7 +10,8 @@ in compile/swiglu_fusion.py that uses it).
   epilogue, fail those checks.
 - The pass on a small CUDA module: decode's SwiGLU goes and its gate_up GEMV becomes the fused
   kernel (the norm folded in too where there is one); decode_wide's goes into its gate_up GEMV
-  without the norm (`WIDE_SWIGLU`; off, it stays); a gate_up with a second reader stays.
+  (`WIDE_SWIGLU`; off, it stays), with the norm where norm_fusion.FOLD_WIDE says so; a gate_up
+  with a second reader stays. The norm is the model's, without weight (compile/convert.py).
   Run for the CPU (the pass's mutators, as the pass itself folds for sm_80+ only), the folded
   decode and decode_wide compute what the unfolded ones do: the fused kernel gets its
   arguments where it reads them.
@@ -28,7 +29,7 @@ from tvm import relax
 from tvm.relax.frontend import nn
 from tvm.script import tirx as T
 
-from qwen35_tvm.compile import swiglu_fusion
+from qwen35_tvm.compile import norm_fusion, swiglu_fusion
 from qwen35_tvm.compile.layers import MLP, RMSNorm
 from qwen35_tvm.compile.norm_fusion import NormFolder
 from qwen35_tvm.compile.pipeline import fusion_passes
@@ -65,18 +66,16 @@ def _run(inter: int, k: int, batch: int, cfg, norm: bool) -> tuple[np.ndarray, .
     rng = np.random.default_rng(inter * k + batch)
     x = (rng.integers(-8, 9, (batch, k)) / 8).astype(BF16)
     w = (rng.integers(-8, 9, (2 * inter, k)) / 8).astype(BF16)
-    nw = (1 + 0.5 * rng.standard_normal(k)).astype(np.float32)
-    norm_args = {"extra_shapes": ("k",), "extra_dtypes": ("float32",), "rms_eps": EPS}
-    kw = {"out_dtype": "bfloat16", "epilogue": _bf16_gate_up, **(norm_args if norm else {})}
-    ins = (x, w, nw) if norm else (x, w)
+    kw = {"out_dtype": "bfloat16", "epilogue": _bf16_gate_up, "rms_eps": EPS if norm else None}
+    ins = (x, w)
     fused = _call(gemv_kernel(2 * inter, k, LLVM, cfg, swiglu=True, **kw), *ins,
                   np.zeros((batch, inter), BF16))  # fmt: skip
     gate_up = _call(gemv_kernel(2 * inter, k, LLVM, cfg, **kw), *ins,
                     np.zeros((batch, 2 * inter), BF16))  # fmt: skip
     two = _call(swiglu(inter, "bfloat16", LLVM), gate_up, np.zeros((batch, inter), BF16))
     xf = x.astype(np.float64)
-    if norm:  # the CPU keeps X · weight in fp32 (see gemv_body)
-        xf = xf * nw / np.sqrt((xf * xf).mean(1, keepdims=True) + EPS)
+    if norm:
+        xf = xf / np.sqrt((xf * xf).mean(1, keepdims=True) + EPS)
     gu = (xf @ w.astype(np.float64).T).astype(BF16).astype(np.float64)
     gate, up = gu[:, :inter], gu[:, inter:]
     return fused, two, gate / (1 + np.exp(-gate)) * up
@@ -144,7 +143,7 @@ class _Block(nn.Module):
     also returned, so that it has a second reader."""
 
     def __init__(self, norm: bool, shared: bool):
-        self.norm = RMSNorm(K, EPS) if norm else None
+        self.norm = RMSNorm(K, EPS, weighted=False) if norm else None
         self.mlp = MLP(SimpleNamespace(hidden_size=K, intermediate_size=INTER), "bfloat16")
         self.shared = shared
 
@@ -197,16 +196,22 @@ def test_decode_swiglu_folds_into_gate_up(norm) -> None:
     weight = kernel.params[1]
     assert [int(d) for d in weight.shape] == [2 * INTER, K]  # the weight as stored
     # the norm went with it: nothing in decode normalises or reads gate_up any more
-    assert not any(c.startswith("rms_norm") for c in decode), decode
-    line = next(ln for ln in mod["decode"].script().splitlines() if fused[0] + "," in ln)
-    assert ("norm_weight" in line) == norm, line
-    # decode_wide: the SwiGLU alone, its norm a kernel of its own
+    assert not any(c.startswith("rms_") for c in decode), decode
+    # decode_wide: the SwiGLU alone, its norm a kernel of its own while FOLD_WIDE is off
     wide = _calls(mod, "decode_wide")
     assert not _swiglus(mod, "decode_wide"), wide
     fused_wide = [c for c in wide if c.endswith("_swiglu")]
     assert len(fused_wide) == 1 and "_rms_norm" not in fused_wide[0], wide
     assert mod[fused_wide[0]].attrs[KERNEL_ATTR] == "gemv"
-    assert any(c.startswith("rms_norm") for c in wide) == norm, wide
+    assert any(c.startswith("rms_scale") for c in wide) == norm, wide
+
+
+def test_wide_gate_up_takes_its_norm_with_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(norm_fusion, "FOLD_WIDE", True)
+    mod = _lowered(norm=True, shared=False)
+    wide = _calls(mod, "decode_wide")
+    assert [c for c in wide if c.endswith("_rms_norm_swiglu")], wide
+    assert not any(c.startswith("rms_") for c in wide), wide
 
 
 def test_wide_swiglu_stays_with_the_flag_off(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -249,22 +254,18 @@ def _cpu_decode(
     norm: bool, fold: bool, x: np.ndarray, rng: np.random.Generator, fn: str = "decode"
 ) -> np.ndarray:
     """`fn` (decode or decode_wide) of the block built for the CPU, with or without the two
-    folds, on x and weights of multiples of 1/8 (the norm's weight: multiples of 1/4 around
-    1)."""
+    folds, on x and weights of multiples of 1/8."""
     with LLVM:
         mod, params = _exported(norm, False, (fn,))
         mod = tvm.transform.Sequential(fusion_passes(LLVM))(mod)  # the folds: no-ops here
         if fold:
             mod = NormFolder(SwigluFolder(mod, LLVM).fold_module(), LLVM).fold_module()
+        assert not [p for _, p in params if p.dtype != "bfloat16"]  # the norm has no weight
         vm = relax.VirtualMachine(tvm.compile(mod, target=LLVM), tvm.cpu())
     assert any(c.endswith("_swiglu") for c in _calls(mod, fn)) == fold
     args = [x]
     for _, p in params:
-        shape = [int(d) for d in p.shape]
-        if p.dtype == "bfloat16":
-            args.append((rng.integers(-8, 9, shape) / 8).astype(BF16))
-        else:
-            args.append((1 + rng.integers(-2, 3, shape) / 4).astype(np.float32))
+        args.append((rng.integers(-8, 9, [int(d) for d in p.shape]) / 8).astype(BF16))
     return vm[fn](*(tvm.runtime.tensor(a) for a in args)).numpy().astype(np.float64)
 
 
@@ -272,19 +273,24 @@ def _cpu_decode(
 def test_folded_decode_computes_the_same_on_the_cpu(norm) -> None:
     x = (np.random.default_rng(1).integers(-8, 9, (5, K)) / 8).astype(BF16)
     plain, folded = (_cpu_decode(norm, fold, x, np.random.default_rng(2)) for fold in (0, 1))
-    if norm:  # the CPU's folded norm keeps x · weight in fp32 (gemv_body); the norm, bf16
+    if norm:  # the folded norm scales the fp32 sum; the norm kernel's output is bf16
         assert _off(folded.astype(BF16), plain) < 2**-6
     else:  # exact sums: the same bits
         assert _bits_equal(folded.astype(BF16), plain.astype(BF16))
 
 
+@pytest.mark.parametrize("fold_wide", [False, True])
 @pytest.mark.parametrize("norm", [False, True])
-def test_folded_decode_wide_computes_the_same_on_the_cpu(norm) -> None:
-    """decode_wide's fold takes the SwiGLU only, so the norm stays the same kernel: the same
-    bits with or without it, at 9 rows (its 16-row bucket) and 33 (two passes of 32)."""
+def test_folded_decode_wide_computes_the_same_on_the_cpu(monkeypatch, norm, fold_wide) -> None:
+    """decode_wide's fold takes the SwiGLU, and the norm with FOLD_WIDE: at 9 rows (its
+    16-row bucket) and 33 (two passes of 32), the same bits where the norm stays a kernel."""
+    monkeypatch.setattr(norm_fusion, "FOLD_WIDE", fold_wide)
     for rows in (9, 33):
         x = (np.random.default_rng(rows).integers(-8, 9, (rows, K)) / 8).astype(BF16)
         plain, folded = (
             _cpu_decode(norm, fold, x, np.random.default_rng(2), "decode_wide") for fold in (0, 1)
         )
-        assert _bits_equal(folded.astype(BF16), plain.astype(BF16)), rows
+        if norm and fold_wide:
+            assert _off(folded.astype(BF16), plain) < 2**-6, rows
+        else:
+            assert _bits_equal(folded.astype(BF16), plain.astype(BF16)), rows
