@@ -78,13 +78,15 @@ def build(out: Path, shape: str, variants: list[str]) -> None:
 
 
 def _artifacts(libs: Path, work: Path, shape: str, variants: list[str]) -> dict[str, Path]:
-    """Weights are written and converted once; every variant links to the same files."""
+    """Weights are written once and converted once for each parameter list (a library built
+    before the norms were folded into the projections lists them); every variant links to its
+    list's files."""
+    import hashlib
     import shutil
 
     from qwen35_tvm.compile.convert import convert_weights
     from qwen35_tvm.compile.random_model import SHAPES, write_random_model
 
-    first = variants[0]
     dirs = {name: work / f"art-{shape}-{name}" for name in variants}
     for name, d in dirs.items():
         shutil.copytree(libs / f"{shape}-{name}", d, dirs_exist_ok=True)
@@ -93,14 +95,16 @@ def _artifacts(libs: Path, work: Path, shape: str, variants: list[str]) -> dict[
     hf_dir = work / f"hf-{shape}"
     if not (hf_dir / "config.json").exists():
         write_random_model(SHAPES[shape], hf_dir, dtype="bfloat16")
-    # converted once a work dir: later runs (other variants too) link the same files
-    weights = work / f"weights-{shape}"
-    done = weights / "artifact.json"
-    if not done.exists() or "weights" not in json.loads(done.read_text()):
-        shutil.copytree(libs / f"{shape}-{first}", weights, dirs_exist_ok=True)
-        convert_weights(hf_dir, weights)
-    meta = json.loads(done.read_text())
     for name in variants:
+        params = json.loads((dirs[name] / "artifact.json").read_text())["params"]
+        key = hashlib.sha256(json.dumps(params).encode()).hexdigest()[:8]
+        # converted once a work dir: later runs (other variants too) link the same files
+        weights = work / f"weights-{shape}-{key}"
+        done = weights / "artifact.json"
+        if not done.exists() or "weights" not in json.loads(done.read_text()):
+            shutil.copytree(libs / f"{shape}-{name}", weights, dirs_exist_ok=True)
+            convert_weights(hf_dir, weights)
+        meta = json.loads(done.read_text())
         for f in meta["weights"]:
             target = dirs[name] / f
             if not target.exists():

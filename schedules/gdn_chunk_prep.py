@@ -23,14 +23,14 @@ from __future__ import annotations
 from tvm.script import tirx as T
 from tvm.tirx import PrimFunc
 
+from .gdn_chunk_ops import conv_input, decay_scan, warp_mm
 from .gdn_mma_tiles import WARPS, a_lane, acc_rc, b_lane, job_tile, n_group, swz
-from .gdn_prep import beta_gate, conv_silu, l2_parts, log_decay
+from .gdn_prep import beta_gate, conv_silu, l2_parts
 from .kv_cache import first_tile, seq_of_tile
 from .pdl import release_dependents, wait_for_producers
 from .ptx import ldmatrix_x4, mma_bf16
 
 DTYPE = "bfloat16"
-FULL_MASK = 0xFFFFFFFF
 FPAD = 4  # row padding of fp32 shared tiles (keeps 16-byte rows aligned)
 THREADS = WARPS * 32
 MAX_BLOCKS_PER_SM = 3  # at 80 registers a thread (ptxas spills little); 85 at most
@@ -46,71 +46,6 @@ def prep_shared_bytes(c: int, dk: int, dv: int) -> tuple[int, int]:
     rw, part = dk + dv, -(-2 * c * l2_parts(dk, dv) // THREADS) * THREADS  # the norms' partials
     dyn = 2 * 2 * c * dk + 4 * (c * (c + FPAD + rw + FPAD) + part)
     return dyn, 2 * (c * c + c * rw) + 4 * 4 * c  # ..., G, beta, 1/norm of K and Q
-
-
-@T.macro
-def warp_mm(
-    a, a_at, a_width, a_km, b, b_at, b_width, b_kn, acc, af, bf, mt, n0, ng, k_steps, lane
-):
-    # acc[: 4 ng] += A[16 rows at m tile mt, : 16 k_steps] x B[:, n8 tiles n0 .. n0 + ng), one
-    # warp: A stored [m][k] or, a_km, [k][m] in the swizzled tile at a_at of `a`; B as [n][k]
-    # or, b_kn, [k][n]
-    for kk in T.unroll(k_steps):
-        ar, ac = T.meta_var(a_lane(lane, kk, a_km))
-        if a_km:
-            T.evaluate(ldmatrix_x4(af, 0, a, a_at + swz(ar, mt * 16 + ac, a_width), True))
-        else:
-            T.evaluate(ldmatrix_x4(af, 0, a, a_at + swz(mt * 16 + ar, ac, a_width)))
-        for np_ in T.unroll(ng // 2):
-            br, bc = T.meta_var(b_lane(lane, kk, b_kn))
-            if b_kn:
-                T.evaluate(ldmatrix_x4(
-                    bf, 0, b, b_at + swz(br, (n0 + np_ * 2) * 8 + bc, b_width), True
-                ))  # fmt: skip
-            else:
-                T.evaluate(ldmatrix_x4(
-                    bf, 0, b, b_at + swz((n0 + np_ * 2) * 8 + br, bc, b_width)
-                ))  # fmt: skip
-            for h2 in T.unroll(2):
-                T.evaluate(mma_bf16(af.data, 0, bf.data, h2 * 4, acc.data, (np_ * 2 + h2) * 4))
-
-
-@T.macro
-def decay_scan(x, a_col, a_log, dt_bias, gs, gc, cum, gv, t0, nv, h, row0, warp, lane, c: int):
-    # G = cumsum of the chunk's log decays g (from in_proj's a at column a_col; 0 past the
-    # chunk's end, so G stays at its last value there): 32 tokens a piece, an inclusive
-    # Hillis-Steele scan over the lanes plus the pieces before; warp w stores piece w. One load
-    # a lane, not a chain of C dependent loads.
-    cum[0] = T.float32(0)
-    for piece in T.unroll(-(-c // 32)):
-        j: T.let[T.int32] = piece * 32 + lane
-        g = T.meta_var(log_decay(
-            T.Cast("float32", x[t0 + T.min(j, nv - 1), a_col]), a_log[h], dt_bias[h]
-        ))  # fmt: skip
-        gv[0] = T.Select(j < nv, g, T.float32(0))
-        for s in T.unroll(5):
-            gv[1] = T.tvm_warp_shuffle_up(FULL_MASK, gv[0], 1 << s, 32, 32)
-            gv[0] = gv[0] + T.Select(lane >= (1 << s), gv[1], T.float32(0))
-        gv[0] = gv[0] + cum[0]
-        cum[0] = T.tvm_warp_shuffle(FULL_MASK, gv[0], 31, 32, 32)
-        if piece == warp and j < c:
-            gs[j] = gv[0]
-            gc[h, row0 + j] = gv[0]
-
-
-def _conv_input(x, pool, ch, t, t0, nv, seq, layer, hist: int, n_tok, history: bool):
-    """Channel ch's conv input at token t of the chunk starting at t0 (nv tokens) of the
-    sequence (first token, slot) = seq: a row of x, or, for t < 0 (`history`) before the
-    sequence's first token, its slot's conv history. Both loads are made and one is selected
-    (a branch would put each load behind its own test); indices clamp, so every load is in
-    bounds whatever the chunk."""
-    row = T.Cast("float32", x[T.max(T.min(t0 + T.min(t, nv - 1), n_tok - 1), 0), ch])
-    if not history:
-        return row
-    s = t0 - seq[0] + t  # the token's place in its sequence
-    return T.Select(
-        s >= 0, row, T.Cast("float32", pool[seq[1], layer, ch, T.min(T.max(hist + s, 0), hist - 1)])
-    )
 
 
 def blocks_per_sm(c: int, dk: int, dv: int, smem_bytes: int) -> int:
@@ -328,10 +263,10 @@ def chunk_prep(
                             wm[i] = T.Cast("float32", cw[mc, i])
                             wq[i] = T.Cast("float32", cw[qc, i])
                         for i in T.unroll(hist):
-                            mw[i] = _conv_input(x, pool, mc, i - hist, t0, nv, seq, layer, hist,
+                            mw[i] = conv_input(x, pool, mc, i - hist, t0, nv, seq, layer, hist,
                                                 n_tok, True)  # fmt: skip
                         for i in T.unroll(c):
-                            mw[hist + i] = _conv_input(x, pool, mc, i, t0, nv, seq, layer, hist,
+                            mw[hist + i] = conv_input(x, pool, mc, i, t0, nv, seq, layer, hist,
                                                        n_tok, False)  # fmt: skip
                         if warp < -(-c // 32):  # warp-uniform: every lane shuffles
                             decay_scan(x, conv_dim + value_dim + v_heads + h, a_log, dt_bias, gs,
@@ -351,10 +286,10 @@ def chunk_prep(
                             if tx < dk:
                                 kq[swz(t, tx, dk)] = T.Cast(DTYPE, mw[t])
                         for i in T.unroll(hist):
-                            qw[i] = _conv_input(x, pool, qc, q0 + i - hist, t0, nv, seq, layer,
+                            qw[i] = conv_input(x, pool, qc, q0 + i - hist, t0, nv, seq, layer,
                                                 hist, n_tok, True)  # fmt: skip
                         for i in T.unroll(q_len):
-                            qw[hist + i] = _conv_input(x, pool, qc, q0 + i, t0, nv, seq, layer,
+                            qw[hist + i] = conv_input(x, pool, qc, q0 + i, t0, nv, seq, layer,
                                                        hist, n_tok, False)  # fmt: skip
                         for t in T.unroll(q_len):
                             qw[t] = conv_silu(wq, qw, kernel, DTYPE, t)

@@ -17,7 +17,8 @@ from __future__ import annotations
 from tvm.script import tirx as T
 from tvm.tirx import PrimFunc
 
-from .gdn_chunk_prep import FPAD, chunked_here, warp_mm
+from .gdn_chunk_ops import warp_mm
+from .gdn_chunk_prep import FPAD, chunked_here
 from .gdn_mma_tiles import WARPS, acc_rc, job_tile, n_group, swz
 from .kv_cache import first_tile
 from .pdl import release_dependents, wait_for_producers

@@ -187,7 +187,7 @@ def test_two_pass_algorithm_matches_reference(c: int) -> None:
 
 
 def scan_model(g: np.ndarray, nv: int, c: int, carry: bool = True) -> np.ndarray:
-    """The prep's decay scan (gdn_chunk_prep.decay_scan): 32-token pieces, each an inclusive
+    """The prep's decay scan (gdn_chunk_ops.decay_scan): 32-token pieces, each an inclusive
     Hillis-Steele scan over the lanes by shuffle-up (a lane below the distance keeps its own
     value and adds nothing), plus the running total of the pieces before (lane 31's)."""
     gs = np.zeros(c, np.float32)
