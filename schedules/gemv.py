@@ -31,8 +31,8 @@ loaded and the fold costs a lane only its squares' registers.
 Decode's SwiGLU after the gate_up projection can be folded in too (`swiglu`,
 compile/swiglu_fusion.py): each m16 tile takes the gate rows of 8 output columns and their up
 rows (gemv_layout.paired_row; the weight stays [gate; up]), and the epilogue stores
-silu(gate) · up, so gate_up never reaches memory. decode_wide keeps its SwiGLU kernel, as it
-keeps its norms (see compile/swiglu_fusion.py).
+silu(gate) · up, so gate_up never reaches memory. decode_wide folds its SwiGLU too, and its
+norms where compile/norm_fusion.py's FOLD_WIDE says so.
 
 The CPU variant is the same loop nest, except that a lane computes its accumulators from
 memory instead of from mma fragments: CPU tests check every index but the data movement, which
