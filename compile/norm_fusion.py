@@ -30,8 +30,9 @@ FUSED_ROWS = "small"
 # decode_wide's norms into its GEMVs too (8-64 rows): 64 kernels fewer a step. With the norm's
 # weight in the multiply (session 10) its 64-row buckets spilled or lost warps and the fold was
 # reverted; without it ptxas fits every 4B bucket at the same launch bounds, no spills
-# (tests/test_gemv_kernel.py). Off until the H200 has timed it.
-FOLD_WIDE = False
+# (tests/test_gemv_kernel.py). H200: c16 TPOT 4.093 -> 4.022 ms, 269 -> 205 kernels a 16-row
+# step (engine_s26.json, profile_step_s26w.json).
+FOLD_WIDE = True
 CALL_TIR = tvm.ir.Op.get("relax.call_tir")
 
 

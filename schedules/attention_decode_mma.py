@@ -35,9 +35,9 @@ TILE_PAGES, STAGES, DECODE_SPLIT_BUDGET = 2, 2, 96
 MERGE_THREADS = 128
 # A mixed step's decode rows (one-token sequences of its prefill) through this kernel's ragged
 # form, beside the prefill kernel, instead of a prefill block each walking its whole context
-# (compile/layers.py). Built and CPU-tested, not yet measured on the GPU (docs/performance.md,
-# session 25): off until benchmarks/mixed_step.py's check and times say so.
-MIXED_ROWS_SPLIT = False
+# (compile/layers.py). With gdn_chunked.MIXED_ROWS_BESIDE_SCAN, 16 rows + 112 prompt tokens:
+# 7.07 -> 6.37 ms a mixed step on the H200 (mixed_step_ovl2_s26.json), the check holding.
+MIXED_ROWS_SPLIT = True
 SHARED_PER_SM = 227 * 1024  # sm_90; sm_80 has 163 KB (fewer blocks an SM, same code)
 
 

@@ -115,10 +115,10 @@ FEW_SEQUENCES_SCAN = (1, 32, 4)
 # prompt tokens 7.09/7.42/8.96 -> 6.16/6.44/8.11 ms (mixed_step_s17.json), bf16 parity holds.
 MIXED_ROWS_RECURRENT = True
 # That kernel after the two passes, beside the scan (gdn_decode's `beside`: no wait before it
-# starts; its rows of the scan's o in place), instead of before them. Built and CPU-tested,
-# not yet measured on the GPU (docs/performance.md, session 25): off until mixed_step.py's
-# check and times say so.
-MIXED_ROWS_BESIDE_SCAN = False
+# starts; its rows of the scan's o in place), instead of before them. With MIXED_ROWS_SPLIT
+# (H200, 16 rows + 112 prompt tokens): 7.07 -> 6.37 ms a mixed step, 6.83 with this alone; the
+# twin-sequence check holds (mixed_step_{sw,ovl,ovl2}_s26.json).
+MIXED_ROWS_BESIDE_SCAN = True
 
 
 def _arch(target: Target) -> int:
