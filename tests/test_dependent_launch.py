@@ -63,9 +63,9 @@ def test_decode_kernels_wait_before_touching_activations(cuda_library) -> None:
     source = cuda_library.source
     found = kernels(source)
     waiting = {name for name, (_, body) in found.items() if WAIT in body}
-    # every family of the decode step waits: its first kernel, norms (the final one and
-    # decode_wide's without weight), GEMVs (and decode_wide's 8-row one), GDN, attention,
-    # logits, the pick
+    # every family of the decode step waits: its first kernel, norms (the final one, and
+    # prefill's without weight), GEMVs (and decode_wide's 8-row one), GDN, attention, logits,
+    # the pick
     for family in ("decode_inputs", "rms_norm", "rms_scale", "small_kernel", "wide_kernel",
                    "gdn_input", "gdn_delta_rule", "gdn_gated_norm", "attn_append_kv",
                    "attn_paged", "logits", "greedy_pick"):  # fmt: skip

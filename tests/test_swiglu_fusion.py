@@ -10,7 +10,7 @@ in compile/swiglu_fusion.py that uses it).
   epilogue, fail those checks.
 - The pass on a small CUDA module: decode's SwiGLU goes and its gate_up GEMV becomes the fused
   kernel (the norm folded in too where there is one); decode_wide's goes into its gate_up GEMV
-  (`WIDE_SWIGLU`; off, it stays), with the norm where norm_fusion.FOLD_WIDE says so; a gate_up
+  (`WIDE_SWIGLU`; off, it stays), with the norm (not with norm_fusion.FOLD_WIDE off); a gate_up
   with a second reader stays. The norm is the model's, without weight (compile/convert.py).
   Run for the CPU (the pass's mutators, as the pass itself folds for sm_80+ only), the folded
   decode and decode_wide compute what the unfolded ones do: the fused kernel gets its
@@ -197,21 +197,22 @@ def test_decode_swiglu_folds_into_gate_up(norm) -> None:
     assert [int(d) for d in weight.shape] == [2 * INTER, K]  # the weight as stored
     # the norm went with it: nothing in decode normalises or reads gate_up any more
     assert not any(c.startswith("rms_") for c in decode), decode
-    # decode_wide: the SwiGLU alone, its norm a kernel of its own while FOLD_WIDE is off
+    # decode_wide: the SwiGLU and the norm folded too (norm_fusion.FOLD_WIDE)
     wide = _calls(mod, "decode_wide")
     assert not _swiglus(mod, "decode_wide"), wide
     fused_wide = [c for c in wide if c.endswith("_swiglu")]
-    assert len(fused_wide) == 1 and "_rms_norm" not in fused_wide[0], wide
+    assert len(fused_wide) == 1 and ("_rms_norm" in fused_wide[0]) == norm, wide
     assert mod[fused_wide[0]].attrs[KERNEL_ATTR] == "gemv"
-    assert any(c.startswith("rms_scale") for c in wide) == norm, wide
+    assert not any(c.startswith("rms_") for c in wide), wide
 
 
-def test_wide_gate_up_takes_its_norm_with_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(norm_fusion, "FOLD_WIDE", True)
+def test_wide_gate_up_leaves_its_norm_with_the_switch_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(norm_fusion, "FOLD_WIDE", False)
     mod = _lowered(norm=True, shared=False)
     wide = _calls(mod, "decode_wide")
-    assert [c for c in wide if c.endswith("_rms_norm_swiglu")], wide
-    assert not any(c.startswith("rms_") for c in wide), wide
+    fused_wide = [c for c in wide if c.endswith("_swiglu")]
+    assert len(fused_wide) == 1 and "_rms_norm" not in fused_wide[0], wide
+    assert any(c.startswith("rms_scale") for c in wide), wide
 
 
 def test_wide_swiglu_stays_with_the_flag_off(monkeypatch: pytest.MonkeyPatch) -> None:
