@@ -58,9 +58,8 @@ def block_rows(
     n_out, ob = (n // 2, rb // 2) if paired else (n, rb)  # output columns: all, a block's
     outs = ob * TILE_COLS  # outputs of a block per n-tile
     store_iters = cdiv(outs, cfg.threads)
-    kinds = extra_shapes  # the epilogue's
     # one extra (a residual, a bias), held as fp32 (exact for bf16 and fp32 extras)
-    early_size = cfg.n_tiles * store_iters if len(kinds) == 1 and not paired else 0
+    early_size = cfg.n_tiles * store_iters if len(extra_shapes) == 1 and not paired else 0
 
     def output(i, wk, tx, tile, col, t):
         # (o, r, row, b): a thread's i-th output of n-tile t; consecutive threads take
@@ -93,7 +92,7 @@ def block_rows(
 
     def extra_at(extras, b, row):
         return {"mn": lambda: extras[0][b, row], "n": lambda: extras[0][row],
-                "m": lambda: extras[0][b]}[kinds[0]]()  # fmt: skip
+                "m": lambda: extras[0][b]}[extra_shapes[0]]()  # fmt: skip
 
     @T.macro
     def load_early(extras, early, wk, tx, tile, col, batch):
@@ -108,7 +107,6 @@ def block_rows(
     @T.macro
     def store(out, extras, part, wk, tx, tile, col, t, batch, sq_sh, early):
         total = T.sblock_alloc_buffer((1 + paired,), "float32", scope="local")
-        ex = extras
         for i in T.unroll(store_iters):
             o, r, row, b = T.meta_var(output(i, wk, tx, tile, col, t))
             if o < outs and row < n_out and b < batch:
@@ -116,14 +114,14 @@ def block_rows(
                     gate, up = T.meta_var(pair_rows(r))
                     row_sum(total, 0, part, o // ob, gate, t, sq_sh)
                     row_sum(total, 1, part, o // ob, up, t, sq_sh)
-                    out[b, row] = pair(epilogue(total[0], b, row, ex),
-                                       epilogue(total[1], b, n_out + row, ex))  # fmt: skip
+                    out[b, row] = pair(epilogue(total[0], b, row, extras),
+                                       epilogue(total[1], b, n_out + row, extras))  # fmt: skip
                 else:
                     row_sum(total, 0, part, o // ob, r, t, sq_sh)
                     if early is None:
-                        out[b, row] = epilogue(total[0], b, row, ex)
+                        out[b, row] = epilogue(total[0], b, row, extras)
                     else:
-                        held = T.meta_var(_Early(early, early_at(t, i), str(ex[0].dtype)))
+                        held = T.meta_var(_Early(early, early_at(t, i), str(extras[0].dtype)))
                         out[b, row] = epilogue(total[0], b, row, [held])
 
     return Rows(cdiv(n_out, ob), weight_row, store, load_early if early_size else None,

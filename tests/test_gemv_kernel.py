@@ -324,7 +324,7 @@ def test_residual_is_loaded_before_the_weight_stream(rows: str) -> None:
     bodies = [c for c in src.split("__global__")[1:] if c.split("\n", 1)[0].endswith("{")]
     assert len(bodies) == len(plan(2560, 4096, rows) if rows == "wide" else [0])
     for body in bodies:  # each bucket's kernel
-        reads = [m.start() for m in re.finditer(r"ex_0_ptr\[", body)]
+        reads = [m.start() for m in re.finditer(r"e0_ptr\[", body)]
         first_mma = body.index("mma.sync")
         assert reads and max(reads) < first_mma, body[:200]  # one a batch tile
         assert re.search(r"out_ptr\[[^;]*\] = [^;]*early_ptr", body), body[:200]
