@@ -7,7 +7,9 @@ Two steps, because the GPU server has no compiler:
 `run` prints, for hidden 2560 and 4096 and batch 1, 16, 17, 64, 65, the time and the weight
 bytes read per second as a fraction of the device-to-device copy bandwidth measured in the same run
 (copy bandwidth = bytes read + written per second, so a pure stream reaches about 100%), at
-width 248,077 (unpadded) and 248,192 (padded, pad columns masked).
+width 248,077 (unpadded) and 248,192 (padded, pad columns masked). The kernel also leaves the
+triples of each row's greedy pick; the pick kernel that merges them is timed after it (`pick
+µs`) and checked: the argmax and log-softmax of the decodable columns, as torch finds them.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ def build(out: Path, arch: str) -> None:
 
     from qwen35_tvm.compile.cuda_toolchain import prepare_cuda_codegen
     from qwen35_tvm.compile.targets import make_target
+    from qwen35_tvm.schedules.greedy import greedy_pick
     from qwen35_tvm.schedules.logits import logits_projection
 
     target, arches = make_target("cuda", arch)
@@ -38,7 +41,8 @@ def build(out: Path, arch: str) -> None:
     for hidden in HIDDENS:
         for name, (decodable, selection) in VARIANTS.items():
             func = logits_projection(hidden, ROWS, decodable, selection, "bfloat16", target)
-            lib = tvm.compile(tvm.IRModule({"logits": func}), target=target)
+            pick = greedy_pick(decodable, selection, target)
+            lib = tvm.compile(tvm.IRModule({"logits": func, "greedy_pick": pick}), target=target)
             lib.export_library(str(out / f"logits_{hidden}_{name}.so"))
     (out / "logits_bench.json").write_text(json.dumps({"arch": arches}))
 
@@ -51,12 +55,13 @@ def run(out: Path) -> None:
     import tvm
 
     from qwen35_tvm.runtime.artifact import device_of
+    from qwen35_tvm.schedules.pick_triples import pick_chunks
 
     device_of("cuda")  # loads TVM's CUDA runtime
     bw = copy_bandwidth(torch)
     print(f"device: {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s")
-    print("| hidden | B | width | kernel | time (µs) | weight GB/s | of copy bw |")
-    print("|---|---|---|---|---|---|---|")
+    print("| hidden | B | width | kernel | time (µs) | weight GB/s | of copy bw | pick µs |")
+    print("|---|---|---|---|---|---|---|---|")
     rows = []
     for hidden in HIDDENS:
         weight = torch.randn(ROWS, hidden, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -64,12 +69,25 @@ def run(out: Path) -> None:
             x = torch.randn(batch, hidden, device="cuda", dtype=torch.bfloat16)
             for name, (decodable, selection) in VARIANTS.items():
                 lib = tvm.runtime.load_module(str(out / f"logits_{hidden}_{name}.so"))
-                fn = lib["logits"]
+                fn, pick = lib["logits"], lib["greedy_pick"]
                 res = torch.empty(batch, selection, device="cuda", dtype=torch.float32)
-                args = [tvm.runtime.from_dlpack(t) for t in (x, weight, res)]
+                chunks = pick_chunks(selection)
+                ws_val = torch.empty(batch, chunks, 2, device="cuda", dtype=torch.float32)
+                ws_idx = torch.empty(batch, chunks, device="cuda", dtype=torch.int32)
+                best = torch.empty(batch, device="cuda", dtype=torch.int32)
+                logprob = torch.empty(batch, device="cuda", dtype=torch.float32)
+                args = [tvm.runtime.from_dlpack(t) for t in (x, weight, res, ws_val, ws_idx)]
+                pick_args = [tvm.runtime.from_dlpack(t) for t in (ws_val, ws_idx, best, logprob)]
                 ours = cuda_time(torch, lambda fn=fn, args=args: fn(*args))
+                pick_t = cuda_time(torch, lambda f=pick, a=pick_args: f(*a))
                 ref = torch.nn.functional.linear(x.float(), weight[:decodable].float())
                 err = (res[:, :decodable] - ref).abs().max().item()
+                # the pick of what the kernel wrote (its own rounding), not of the fp32 reference
+                mine = res[:, :decodable].double()
+                pick_ok = bool((best.long() == mine.argmax(dim=1)).all())
+                picked = best.long().clamp(0, decodable - 1)[:, None]
+                want_lp = mine.log_softmax(dim=1).gather(1, picked)[:, 0]
+                lp_err = (logprob.double() - want_lp).abs().max().item()
                 pads_ok = (
                     bool(torch.isneginf(res[:, decodable:]).all())
                     if selection > decodable
@@ -89,15 +107,20 @@ def run(out: Path) -> None:
                             frac=gbs / bw,
                             max_err=err,
                             pads_ok=pads_ok,
+                            pick_us=pick_t * 1e6 if kernel.startswith("ours") else None,
+                            pick_ok=pick_ok,
+                            pick_logprob_err=lp_err,
                         )
                     )
+                    pick_col = f"{pick_t * 1e6:.1f}" if kernel.startswith("ours") else ""
                     print(
                         f"| {hidden} | {batch} | {selection} | {kernel} | {t * 1e6:.1f} | "
-                        f"{gbs / 1e9:.0f} | {gbs / bw:.1%} |"
+                        f"{gbs / 1e9:.0f} | {gbs / bw:.1%} | {pick_col} |"
                     )
                 print(
                     f"  check {name} B={batch} h={hidden}: max |ours - fp32 ref| = {err:.3g}, "
-                    f"pads -inf: {pads_ok}",
+                    f"pads -inf: {pads_ok}, pick = argmax: {pick_ok}, "
+                    f"logprob max |err| {lp_err:.3g}",
                     file=sys.stderr,
                 )
     (out / "logits_bench_result.json").write_text(json.dumps({"copy_bw": bw, "rows": rows}))

@@ -23,6 +23,7 @@ from ..schedules import (
     kv_cache,
     logits,
 )
+from ..schedules.pick_triples import pick_chunks
 from .config import FULL, ModelConfig
 from .layers import DecoderLayer, GDNState, KVCache, RMSNorm
 from .vocab import VocabWidths
@@ -30,8 +31,8 @@ from .vocab import VocabWidths
 F32 = "float32"
 
 
-def _pick_workspaces(n) -> list[Tensor]:
-    val, idx = greedy.workspace_shapes(n)
+def _pick_workspaces(n, chunks: int = greedy.CHUNKS) -> list[Tensor]:
+    val, idx = greedy.workspace_shapes(n, chunks)
     return [Tensor.placeholder(val, F32), Tensor.placeholder(idx, "int32")]
 
 
@@ -64,18 +65,24 @@ class LogitsHead(nn.Module):
         else:
             self.weight = nn.Parameter((widths.rows, cfg.hidden_size), dtype)
 
-    def forward(self, hidden: Tensor, out: Tensor | None = None) -> Tensor:
-        """Logits [rows, selection], into `out` when given (decode's fixed output buffer)."""
+    def forward(self, hidden: Tensor, out: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """Logits [rows, selection], into `out` when given (decode's fixed output buffer), and
+        the triples of their greedy pick's first half (schedules/logits.py)."""
         weight = self._tied[0].weight if hasattr(self, "_tied") else self.weight
+        rows, chunks = hidden.shape[0], pick_chunks(self._widths.selection)
         if out is not None:
             return op.tensor_ir_inplace_op(
-                self._kernel, "logits", [hidden, weight, out], inplace_indices=[2], out=out
-            )
+                self._kernel, "logits", [hidden, weight, out], inplace_indices=[2, -1, -1],
+                out=[out, *_pick_workspaces(rows, chunks)],
+            )  # fmt: skip
         return op.tensor_ir_op(
             self._kernel,
             "logits",
             [hidden, weight],
-            out=Tensor.placeholder((hidden.shape[0], self._widths.selection), F32),
+            out=[
+                Tensor.placeholder((rows, self._widths.selection), F32),
+                *_pick_workspaces(rows, chunks),
+            ],
         )
 
 
@@ -159,17 +166,13 @@ class Qwen35LM(nn.Module):
             GDNState(conv_pool, rec_pool, gdn_tickets), chunked=True, mixed=mixed,
         )  # fmt: skip
         hidden = self.norm(op.take(x, logit_positions, axis=0))
-        logits_rows = self.lm_head(hidden)
+        logits_rows, *triples = self.lm_head(hidden)
         rows = logits_rows.shape[0]
-        best, best_logprob, _, _ = op.tensor_ir_op(
+        best, best_logprob = op.tensor_ir_op(
             greedy.greedy_pick(self.widths.decodable, self.widths.selection, Target.current()),
             "greedy_pick",
-            [logits_rows],
-            out=[
-                Tensor.placeholder((rows,), "int32"),
-                Tensor.placeholder((rows,), F32),
-                *_pick_workspaces(rows),
-            ],
+            triples,
+            out=[Tensor.placeholder((rows,), "int32"), Tensor.placeholder((rows,), F32)],
         )
         return logits_rows, best, best_logprob, kv.k_pool, kv.v_pool, *gdn_state
 
@@ -245,13 +248,13 @@ class Qwen35LM(nn.Module):
         x, kv, gdn_state = self._stack(
             x, indptr, slots, positions, kv, gdn_state, chunked=False, wide=wide
         )
-        logits_out = self.lm_head(self.norm(x), out=logits_out)
-        best, best_logprob, _, _ = op.tensor_ir_inplace_op(
+        logits_out, *triples = self.lm_head(self.norm(x), out=logits_out)
+        best, best_logprob = op.tensor_ir_inplace_op(
             greedy.greedy_pick(self.widths.decodable, self.widths.selection, Target.current()),
             "greedy_pick",
-            [logits_out, best_out, logprob_out],
-            inplace_indices=[1, 2, -1, -1],
-            out=[best_out, logprob_out, *_pick_workspaces(batch)],
+            [*triples, best_out, logprob_out],
+            inplace_indices=[2, 3],
+            out=[best_out, logprob_out],
         )
         return logits_out, best, best_logprob, kv.k_pool, kv.v_pool, *gdn_state
 

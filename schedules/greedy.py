@@ -2,13 +2,15 @@
 the same under a token bitmask (constrained decoding).
 
 Run where the logits are, so a greedy decode step brings 8 bytes a row to the host instead
-of the whole 248,192-column row. Only the first `decodable` columns are read: pad columns
-never compete, whether or not the logits kernel masked them.
+of the whole 248,192-column row. Only the first `decodable` columns count: pad columns never
+compete, whether or not the logits kernel masked them.
 
-A row is cut into CHUNKS chunks, a block each, so that one row (a batch-1 decode step) still
-fills the GPU; each thread keeps a running (max, first index, sum of exp(x - max)) in one pass
-over its columns, the block reduces them in shared memory by halving strides, and a second
-kernel combines a row's chunks the same way. Ties go to the lower id, as numpy's argmax does.
+A pick is a reduction of (max, first index, sum of exp(x - max)) triples
+(schedules/pick_triples.py) in two halves. The plain pick's first half runs inside the logits
+kernel, which leaves a triple per block of 128 columns beside its logits (schedules/logits.py),
+so only the second, one block a row merging them, is a kernel of its own. The masked pick
+reads the logits instead: CHUNKS blocks a row (one row still fills the GPU) each scan a chunk
+in one pass, a running triple a thread, reduced in shared memory, then the same merge.
 
 The masked variants read xgrammar's bitmask layout, [rows, ceil(decodable / 32)] int32 with
 bit j % 32 of word j // 32 set when token j is allowed, for the logits rows listed in `rows`
@@ -26,6 +28,7 @@ from tvm.tirx import PrimFunc
 
 from .loops import block_loop, thread_loop
 from .pdl import release_dependents, wait_for_producers
+from .pick_triples import last_row, merge, pick_chunks, reduce_shared, start, warp_merge
 
 GPU_THREADS = 256
 CHUNKS = 128  # column chunks of a row, a block each: one row alone spreads over the GPU
@@ -47,34 +50,25 @@ def _loops(
     return gpu, nt, rows, lanes
 
 
-def _term(x, m):
-    """exp(x - m) with exp(-inf - -inf) = 0 (a part that saw no live column)."""
-    return T.Select(x == T.float32("-inf"), T.float32(0), T.exp(x - m))
+def workspace_shapes(n, chunks: int = CHUNKS) -> tuple[tuple, tuple]:
+    """Triples of n rows' `chunks` chunks: (max, sum of exp) and argmax."""
+    return (n, chunks, 2), (n, chunks)
 
 
-def workspace_shapes(n) -> tuple[tuple, tuple]:
-    """The pick's workspaces for n rows: per-chunk (max, sum of exp) and argmax."""
-    return (n, CHUNKS, 2), (n, CHUNKS)
-
-
-def greedy_pick(
-    decodable: int, selection: int, target: Target, masked: bool = False, gpu_lanes: bool = False
-) -> PrimFunc:
-    """`greedy_pick(logits, best, logprob, ws_val, ws_idx)`, or with `masked`
-    `masked_greedy_pick(logits, rows, bitmask, best, logprob, ws_val, ws_idx)`: row `rows[i]`
-    of the logits under mask row i, results in slot i. The workspaces are `workspace_shapes`.
-
-    Two kernels: CHUNKS blocks a row each scan a chunk in one pass, keeping a running (max,
-    first argmax, sum of exp(x - max)) a thread, and reduce the block's; then a block a row
-    combines its chunks' triples. The CPU runs one lane a block, or with `gpu_lanes` the
-    GPU's lanes one after another (slower: for tests of the lanes' indexing)."""
-    gpu, nt, rows, lanes = _loops(target, GPU_THREADS, gpu_lanes)
-    _, nt2, _, lanes2 = _loops(target, CHUNKS, gpu_lanes)
-    span = -(-decodable // CHUNKS)  # columns a chunk
-    per_lane = -(-span // nt)  # a lane's columns of its chunk (8 at Qwen3.5's vocabulary)
+def chunk_triples(
+    decodable: int, span: int, chunks: int, target: Target, masked: bool, gpu_lanes: bool = False
+):
+    """A macro (logits, rows_buf, bitmask, ws_val, ws_idx, n): a kernel of a block per
+    (row, chunk) writing the triple of that chunk's `span` live columns (the first of them at
+    chunk * span): one pass keeping a running triple a lane, then the block's lanes reduced in
+    shared memory. Live: decodable, and with `masked` allowed by mask row b (logits row
+    rows_buf[b]). The CPU runs one lane a block, or with `gpu_lanes` the GPU's lanes one after
+    another."""
+    gpu, nt, rows, lanes = _loops(target, min(GPU_THREADS, span), gpu_lanes)
+    per_lane = -(-span // nt)
     shared = "shared" if gpu else "global"
 
-    # Trace-time switches: the plain pick reads row b and every decodable column.
+    # Trace-time switches: the plain scan reads row b and every decodable column.
     def source(rows_buf, b):
         return rows_buf[b] if masked else b
 
@@ -86,32 +80,8 @@ def greedy_pick(
         return tirx.And(c < decodable, T.bitwise_and(T.shift_right(word, c % 32), 1) != 0)
 
     @T.macro
-    def reduce_triples(vals, ids, sums, lanes_, width):
-        # Ping-pong between two rows: step s reads row s % 2 and every lane writes only its
-        # own slot of the other, so no lane reads what another writes; the result is slot 0
-        # of row steps % 2. Lanes past the live half compute values nobody reads.
-        for s in T.serial(width.bit_length() - 1):
-            for tx in lanes_():
-                with T.sblock("reduce"):
-                    T.reads()
-                    T.writes()
-                    # TVM's sync pass wants shared loads outside conditions.
-                    o: T.let[T.int32] = T.min(tx + T.shift_right(width, s + 1), width - 1)
-                    om: T.let[T.float32] = vals[s % 2, o]
-                    oi: T.let[T.int32] = ids[s % 2, o]
-                    os: T.let[T.float32] = sums[s % 2, o]
-                    cm: T.let[T.float32] = vals[s % 2, tx]
-                    ci: T.let[T.int32] = ids[s % 2, tx]
-                    cs: T.let[T.float32] = sums[s % 2, tx]
-                    better: T.let[T.bool] = om > cm or (om == cm and oi < ci)
-                    top: T.let[T.float32] = T.max(om, cm)
-                    vals[1 - s % 2, tx] = top
-                    ids[1 - s % 2, tx] = T.Select(better, oi, ci)
-                    sums[1 - s % 2, tx] = cs * _term(cm, top) + os * _term(om, top)
-
-    @T.macro
-    def pick(logits, rows_buf, bitmask, best, logprob, ws_val, ws_idx, n):
-        for bc in rows(n * CHUNKS):
+    def scan(logits, rows_buf, bitmask, ws_val, ws_idx, n):
+        for bc in rows(n * chunks):
             with T.sblock("chunk"):
                 T.reads()
                 T.writes()
@@ -120,14 +90,14 @@ def greedy_pick(
                 sums = T.sblock_alloc_buffer((2, nt), "float32", scope=shared)
                 T.evaluate(wait_for_producers(gpu))  # first: schedules/pdl.py
                 T.evaluate(release_dependents(gpu))
-                b: T.let[T.int32] = bc // CHUNKS
+                b: T.let[T.int32] = bc // chunks
                 r: T.let[T.int32] = source(rows_buf, b)
-                c0: T.let[T.int32] = bc % CHUNKS * span
+                c0: T.let[T.int32] = bc % chunks * span
                 for tx in lanes():
                     with T.sblock("scan"):
                         T.reads()
                         T.writes()
-                        run = T.sblock_alloc_buffer((3,), "float32", scope="local")
+                        run = T.sblock_alloc_buffer((2,), "float32", scope="local")
                         arg = T.sblock_alloc_buffer((1,), "int32", scope="local")
                         xs = T.sblock_alloc_buffer((per_lane,), "float32", scope="local")
                         # every load first, then the running triple: a load per step behind
@@ -141,76 +111,119 @@ def greedy_pick(
                                 logits[r, T.min(c, decodable - 1)],
                                 T.float32("-inf"),
                             )
-                        run[0] = T.float32("-inf")
-                        run[1] = T.float32(0)
-                        arg[0] = 0
-                        for e in T.unroll(per_lane):
-                            x: T.let[T.float32] = xs[e]
-                            if x > run[0]:  # ascending c: the first max stays
-                                run[1] = run[1] * _term(run[0], x) + T.float32(1)
-                                run[0] = x
-                                arg[0] = c0 + e * nt + tx
-                            else:
-                                run[1] = run[1] + _term(x, run[0])
+                        start(run, arg)
+                        for e in T.unroll(per_lane):  # ascending c: the first max stays
+                            merge(run, arg, xs[e], c0 + e * nt + tx, T.float32(1))
                         vals[0, tx] = run[0]
                         ids[0, tx] = arg[0]
                         sums[0, tx] = run[1]
-                reduce_triples(vals, ids, sums, lanes, nt)
+                reduce_shared(vals, ids, sums, lanes, nt)
                 for tx in lanes():
                     with T.sblock("chunk_out"):
                         T.reads()
                         T.writes()
-                        m: T.let[T.float32] = vals[(nt.bit_length() - 1) % 2, 0]
-                        i: T.let[T.int32] = ids[(nt.bit_length() - 1) % 2, 0]
-                        sm: T.let[T.float32] = sums[(nt.bit_length() - 1) % 2, 0]
+                        m: T.let[T.float32] = vals[last_row(nt), 0]
+                        i: T.let[T.int32] = ids[last_row(nt), 0]
+                        sm: T.let[T.float32] = sums[last_row(nt), 0]
                         if tx == 0:
-                            ws_val[b, bc % CHUNKS, 0] = m
-                            ws_val[b, bc % CHUNKS, 1] = sm
-                            ws_idx[b, bc % CHUNKS] = i
+                            ws_val[b, bc % chunks, 0] = m
+                            ws_val[b, bc % chunks, 1] = sm
+                            ws_idx[b, bc % chunks] = i
+
+    return scan
+
+
+def combine_triples(chunks: int, target: Target, gpu_lanes: bool = False):
+    """A macro (ws_val, ws_idx, best, logprob, n): a block a row merges the row's `chunks`
+    triples into its pick and logprob. A lane merges every GPU_THREADS-th chunk (its loads
+    all first), then warps merge by shuffles and the warps' triples in warp 0. The CPU merges
+    one lane's after another (with `gpu_lanes`, each of the GPU's lanes' first)."""
+    gpu, nt, rows, lanes = _loops(target, GPU_THREADS, gpu_lanes)
+    per_lane = -(-chunks // nt)
+    warps = nt // 32 if gpu else nt
+    shared = "shared" if gpu else "global"
+
+    @T.macro
+    def combine(ws_val, ws_idx, best, logprob, n):
         for b in rows(n):
             with T.sblock("row"):
                 T.reads()
                 T.writes()
-                vals = T.sblock_alloc_buffer((2, nt2), "float32", scope=shared)
-                ids = T.sblock_alloc_buffer((2, nt2), "int32", scope=shared)
-                sums = T.sblock_alloc_buffer((2, nt2), "float32", scope=shared)
+                # the warps' triples on the GPU, the lanes' on the CPU
+                vals = T.sblock_alloc_buffer((warps, 2), "float32", scope=shared)
+                ids = T.sblock_alloc_buffer((warps,), "int32", scope=shared)
                 T.evaluate(wait_for_producers(gpu))  # first: schedules/pdl.py
                 T.evaluate(release_dependents(gpu))
-                for tx in lanes2():
-                    with T.sblock("gather"):
+                for tx in lanes():
+                    with T.sblock("lane"):
                         T.reads()
                         T.writes()
-                        run = T.sblock_alloc_buffer((3,), "float32", scope="local")
+                        run = T.sblock_alloc_buffer((2,), "float32", scope="local")
                         arg = T.sblock_alloc_buffer((1,), "int32", scope="local")
-                        run[0] = T.float32("-inf")
-                        run[1] = T.float32(0)
-                        arg[0] = 0
-                        # ascending chunks: on equal maxima the lower id stays
-                        for e in T.serial(CHUNKS // nt2):
-                            m: T.let[T.float32] = ws_val[b, e * nt2 + tx, 0]
-                            top: T.let[T.float32] = T.max(run[0], m)
-                            run[1] = run[1] * _term(run[0], top) + ws_val[
-                                b, e * nt2 + tx, 1
-                            ] * _term(m, top)
-                            if m > run[0]:
-                                arg[0] = ws_idx[b, e * nt2 + tx]
-                            run[0] = top
-                        vals[0, tx] = run[0]
-                        ids[0, tx] = arg[0]
-                        sums[0, tx] = run[1]
-                reduce_triples(vals, ids, sums, lanes2, nt2)
-                for tx in lanes2():
-                    with T.sblock("write"):
+                        start(run, arg)
+                        if per_lane <= 16:  # the GPU's lanes: every load first
+                            m = T.sblock_alloc_buffer((per_lane,), "float32", scope="local")
+                            s = T.sblock_alloc_buffer((per_lane,), "float32", scope="local")
+                            i = T.sblock_alloc_buffer((per_lane,), "int32", scope="local")
+                            for e in T.unroll(per_lane):
+                                c: T.let[T.int32] = T.min(e * nt + tx, chunks - 1)
+                                m[e] = T.if_then_else(
+                                    e * nt + tx < chunks, ws_val[b, c, 0], T.float32("-inf")
+                                )
+                                s[e] = ws_val[b, c, 1]
+                                i[e] = ws_idx[b, c]
+                            for e in T.unroll(per_lane):
+                                merge(run, arg, m[e], i[e], s[e])
+                        else:  # one CPU lane
+                            for e in T.serial(per_lane):
+                                if e * nt + tx < chunks:
+                                    c: T.let[T.int32] = e * nt + tx
+                                    merge(run, arg, ws_val[b, c, 0], ws_idx[b, c], ws_val[b, c, 1])
+                        if gpu:
+                            warp_merge(run, arg, 1, 5)
+                            if tx % 32 == 0:
+                                vals[tx // 32, 0] = run[0]
+                                vals[tx // 32, 1] = run[1]
+                                ids[tx // 32] = arg[0]
+                        else:
+                            vals[tx, 0] = run[0]
+                            vals[tx, 1] = run[1]
+                            ids[tx] = arg[0]
+                for tx in lanes():
+                    with T.sblock("pick"):
                         T.reads()
                         T.writes()
-                        pick_id: T.let[T.int32] = ids[(nt2.bit_length() - 1) % 2, 0]
-                        total: T.let[T.float32] = sums[(nt2.bit_length() - 1) % 2, 0]
+                        run = T.sblock_alloc_buffer((2,), "float32", scope="local")
+                        arg = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                        start(run, arg)
+                        if gpu:
+                            w: T.let[T.int32] = T.min(tx % 32, warps - 1)
+                            merge(run, arg, T.if_then_else(tx % 32 < warps, vals[w, 0],
+                                  T.float32("-inf")), ids[w], vals[w, 1])  # fmt: skip
+                            warp_merge(run, arg, 1, (warps - 1).bit_length())
+                        else:
+                            for w in T.serial(warps):
+                                merge(run, arg, vals[w, 0], ids[w], vals[w, 1])
                         if tx == 0:
-                            best[b] = pick_id
-                            logprob[b] = -T.log(total)
+                            best[b] = arg[0]
+                            logprob[b] = -T.log(run[1])
 
-    # Parsed only for the variant asked for: `source` and `live` differ between them.
+    return combine
+
+
+def greedy_pick(
+    decodable: int, selection: int, target: Target, masked: bool = False, gpu_lanes: bool = False
+) -> PrimFunc:
+    """`greedy_pick(ws_val, ws_idx, best, logprob)`: each row's pick from the triples of its
+    `logits.pick_chunks(selection)` chunks, which the logits kernel wrote beside its logits
+    (over the decodable columns only). With `masked`,
+    `masked_greedy_pick(logits, rows, bitmask, best, logprob, ws_val, ws_idx)`: row `rows[i]`
+    of the logits under mask row i, results in slot i, from the logits themselves: CHUNKS
+    blocks a row make the triples (workspaces `workspace_shapes(n)`), then the same merge."""
     if masked:
+        span = -(-decodable // CHUNKS)  # columns a chunk
+        scan = chunk_triples(decodable, span, CHUNKS, target, True, gpu_lanes)
+        combine = combine_triples(CHUNKS, target, gpu_lanes)
 
         @T.prim_func(s_tir=True)
         def masked_greedy_pick(
@@ -231,26 +244,28 @@ def greedy_pick(
             logprob = T.match_buffer(logprob_h, (n,), "float32")
             ws_val = T.match_buffer(ws_val_h, (n, CHUNKS, 2), "float32")
             ws_idx = T.match_buffer(ws_idx_h, (n, CHUNKS), "int32")
-            pick(logits, rows_buf, bitmask, best, logprob, ws_val, ws_idx, n)
+            scan(logits, rows_buf, bitmask, ws_val, ws_idx, n)
+            combine(ws_val, ws_idx, best, logprob, n)
 
         return masked_greedy_pick
 
+    chunks = pick_chunks(selection)
+    combine = combine_triples(chunks, target, gpu_lanes)
+
     @T.prim_func(s_tir=True)
     def greedy_pick(
-        logits_h: T.handle,
-        best_h: T.handle,
-        logprob_h: T.handle,
         ws_val_h: T.handle,
         ws_idx_h: T.handle,
+        best_h: T.handle,
+        logprob_h: T.handle,
     ):
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
         batch = T.int32()
-        logits = T.match_buffer(logits_h, (batch, selection), "float32")
+        ws_val = T.match_buffer(ws_val_h, (batch, chunks, 2), "float32")
+        ws_idx = T.match_buffer(ws_idx_h, (batch, chunks), "int32")
         best = T.match_buffer(best_h, (batch,), "int32")
         logprob = T.match_buffer(logprob_h, (batch,), "float32")
-        ws_val = T.match_buffer(ws_val_h, (batch, CHUNKS, 2), "float32")
-        ws_idx = T.match_buffer(ws_idx_h, (batch, CHUNKS), "int32")
-        pick(logits, best, logits, best, logprob, ws_val, ws_idx, batch)  # no rows, no mask
+        combine(ws_val, ws_idx, best, logprob, batch)
 
     return greedy_pick
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tvm
+from plain_pick import pick_of
 
 from qwen35_tvm.schedules.greedy import (
     apply_token_bitmask,
@@ -31,9 +32,10 @@ def _pack(allowed: np.ndarray) -> np.ndarray:
     return np.packbits(padded, axis=1, bitorder="little").view(np.int32)
 
 
-def masked_pick(logits, rows, allowed, decodable=DECODABLE, respect_mask=True):
+def masked_pick(logits, rows, allowed, decodable=DECODABLE, respect_mask=True, gpu_lanes=False):
+    target = tvm.target.Target("llvm")
     lib = _compile(
-        greedy_pick(decodable, logits.shape[1], tvm.target.Target("llvm"), masked=True)
+        greedy_pick(decodable, logits.shape[1], target, masked=True, gpu_lanes=gpu_lanes)
     )
     bits = _pack(allowed) if respect_mask else _pack(np.ones_like(allowed))
     dev = tvm.cpu()
@@ -47,7 +49,7 @@ def masked_pick(logits, rows, allowed, decodable=DECODABLE, respect_mask=True):
 
 
 def reference(logits, rows, allowed):
-    x = np.where(allowed, logits[rows, :DECODABLE].astype(np.float64), -np.inf)
+    x = np.where(allowed, logits[rows, : allowed.shape[1]].astype(np.float64), -np.inf)
     lsm = x - x.max(axis=1, keepdims=True)
     lsm -= np.log(np.exp(lsm).sum(axis=1, keepdims=True))
     best = np.argmax(x, axis=1)
@@ -79,6 +81,25 @@ def test_masked_pick_matches_numpy():
     np.testing.assert_allclose(logprob, ref_lp, atol=1e-5)
 
 
+def test_the_gpu_lanes_scan_qwen_widths():
+    """The GPU's 256 lanes a block (one after another here) over Qwen3.5's vocabulary: a chunk
+    of 1,939 columns is 8 a lane, the last partial; the last chunk runs into the pad columns
+    (holding the largest values); a tie across two chunks' edge goes to the lower id."""
+    rng = np.random.default_rng(3)
+    decodable, selection = 248_077, 248_192
+    logits = (rng.standard_normal((3, selection)) * 3).astype(np.float32)
+    logits[:, decodable:] = 100.0
+    allowed = rng.random((3, decodable)) < 0.5
+    logits[0, decodable - 1], allowed[0, decodable - 1] = 40.0, True  # in the last chunk
+    logits[1, [1938, 1939]], allowed[1, [1938, 1939]] = 30.0, True
+    logits[2, 255], allowed[2, 255] = 35.0, True  # a lane's first column
+    best, logprob = masked_pick(logits, [0, 1, 2], allowed, decodable, gpu_lanes=True)
+    ref_best, ref_lp = reference(logits, [0, 1, 2], allowed)
+    np.testing.assert_array_equal(best, [decodable - 1, 1938, 255])
+    np.testing.assert_array_equal(best, ref_best)
+    np.testing.assert_allclose(logprob, ref_lp, rtol=1e-5, atol=1e-5)
+
+
 def test_ignoring_the_mask_would_be_caught():
     # The mutation the test above guards: the same kernel with an all-ones mask.
     logits, rows, allowed = _case()
@@ -90,15 +111,9 @@ def test_all_ones_mask_equals_the_plain_pick():
     logits, _, _ = _case(1)
     rows = list(range(logits.shape[0]))
     best, logprob = masked_pick(logits, rows, np.ones((len(rows), DECODABLE), bool))
-    lib = _compile(greedy_pick(DECODABLE, SELECTION, tvm.target.Target("llvm")))
-    dev = tvm.cpu()
-    plain_best = tvm.runtime.empty((len(rows),), "int32", dev)
-    plain_lp = tvm.runtime.empty((len(rows),), "float32", dev)
-    ws = [tvm.runtime.empty(shape, dt, dev) for shape, dt in
-          zip(workspace_shapes(len(rows)), ("float32", "int32"), strict=True)]  # fmt: skip
-    lib["greedy_pick"](tvm.runtime.tensor(logits, dev), plain_best, plain_lp, *ws)
-    np.testing.assert_array_equal(best, plain_best.numpy())
-    np.testing.assert_array_equal(logprob, plain_lp.numpy())
+    plain_best, plain_lp = pick_of(logits, DECODABLE)  # through the logits kernel's triples
+    np.testing.assert_array_equal(best, plain_best)
+    np.testing.assert_allclose(logprob, plain_lp, rtol=1e-6, atol=1e-6)
     assert (best < DECODABLE).all()
 
 
