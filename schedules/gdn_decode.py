@@ -27,16 +27,8 @@ from tvm.target import Target
 from tvm.tirx import PrimFunc
 
 from .gdn import PARTS, ROWS, RuleLayout, rule_phases
-from .gdn_prep import (
-    beta_gate,
-    conv_silu,
-    head_norm_layout,
-    head_norms,
-    l2_parts,
-    log_decay,
-    norm_gate,
-    rounded,
-)
+from .gdn_decode_tail import head_norm_macro, history_macros
+from .gdn_prep import beta_gate, conv_silu, head_norm_layout, l2_parts, log_decay
 from .loops import block_loop, thread_loop
 from .pdl import release_dependents, wait_at_end, wait_for_producers
 
@@ -123,74 +115,10 @@ def decode_delta_rule(
     shared = "shared" if gpu else "global"
     load_state, token_update, store_state = rule_phases(lay, gpu)
     grid, lanes = block_loop(gpu), thread_loop(nt, gpu)
-    norms = head_norms(1, norm_parts, norm_lanes, v_dim, eps, lanes)
     windows = (made + nt - 1) // nt  # conv windows a lane makes
 
-    def channel(i, kh, h, col0):
-        # the conv channel of staged input i: k, then q of k-head kh, then the block's values
-        return T.if_then_else(
-            i < k_dim,
-            key_dim + kh * k_dim + i,
-            T.if_then_else(
-                i < 2 * k_dim,
-                kh * k_dim + i - k_dim,
-                2 * key_dim + h * v_dim + col0 + i - 2 * k_dim,
-            ),
-        )
-
-    @T.macro
-    def shift_history(conv, x, b, slot, layer, c):
-        # the window's newest kernel - 1 inputs become channel c's history (each read first)
-        for j in T.unroll(hist - 1):
-            conv[slot, layer, c, j] = conv[slot, layer, c, j + 1]
-        conv[slot, layer, c, hist - 1] = x[b, c]
-
-    @T.macro
-    def shift_qk(conv, x, b, slot, layer, kh, active):
-        for tx in lanes():
-            with T.sblock("qk_history"):
-                T.reads()
-                T.writes()
-                for e in T.unroll((2 * k_dim + nt - 1) // nt):
-                    i: T.let[T.int32] = e * nt + tx
-                    if active:
-                        if i < 2 * k_dim:  # k-head kh's k and q channels
-                            shift_history(conv, x, b, slot, layer, channel(i, kh, 0, 0))
-
-    @T.macro
-    def head_norm(o_ws, x, nw, out, vals, part, inv, b, h, active):
-        # gated_norm's arithmetic for head h of token b, from the whole head's o
-        for tx in lanes():
-            with T.sblock("head_values"):
-                T.reads()
-                T.writes()
-                reg = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                for e in T.unroll((norm_lanes + nt - 1) // nt):
-                    c: T.let[T.int32] = e * nt + tx
-                    if c < norm_lanes:
-                        vals[c] = T.float32(0)
-                        if active:
-                            if c < v_dim:
-                                if gpu:  # other blocks wrote it: from L2, not a stale L1 line
-                                    T.ptx.ld.relaxed.gpu.global_.f32(
-                                        reg[0], T.address_of(o_ws[b, h, c])
-                                    )
-                                else:
-                                    reg[0] = o_ws[b, h, c]
-                                vals[c] = rounded(reg[0], dtype)
-        norms(vals, part, inv)
-        for tx in lanes():
-            with T.sblock("head_gate"):
-                T.reads()
-                T.writes()
-                for e in T.unroll((v_dim + nt - 1) // nt):
-                    c: T.let[T.int32] = e * nt + tx
-                    if active:
-                        if c < v_dim:
-                            out[b, h * v_dim + c] = norm_gate(
-                                vals[c], inv[0], nw[c],
-                                T.Cast("float32", x[b, conv_dim + h * v_dim + c]), dtype,
-                            )  # fmt: skip
+    channel, shift_history, shift_qk = history_macros(k_dim, key_dim, v_dim, hist, nt, lanes)
+    head_norm = head_norm_macro(v_dim, conv_dim, norm_lanes, norm_parts, eps, dtype, nt, lanes, gpu)
 
     @T.macro
     def blocks(x, w, a_log, dt_bias, nw, indptr, slots, conv, pool, tickets, layer, o_ws, out,
