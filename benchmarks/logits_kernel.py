@@ -44,7 +44,11 @@ def build(out: Path, arch: str) -> None:
             pick = greedy_pick(decodable, selection, target)
             lib = tvm.compile(tvm.IRModule({"logits": func, "greedy_pick": pick}), target=target)
             lib.export_library(str(out / f"logits_{hidden}_{name}.so"))
-    (out / "logits_bench.json").write_text(json.dumps({"arch": arches}))
+    from qwen35_tvm.schedules.pick_triples import CHUNK_COLS
+
+    # the run side has TVM's runtime only (no tvm.script): it reads the triples' chunk here
+    meta = {"arch": arches, "pick_chunk_cols": CHUNK_COLS}
+    (out / "logits_bench.json").write_text(json.dumps(meta))
 
 
 def run(out: Path) -> None:
@@ -55,9 +59,9 @@ def run(out: Path) -> None:
     import tvm
 
     from qwen35_tvm.runtime.artifact import device_of
-    from qwen35_tvm.schedules.pick_triples import pick_chunks
 
     device_of("cuda")  # loads TVM's CUDA runtime
+    chunk_cols = json.loads((out / "logits_bench.json").read_text())["pick_chunk_cols"]
     bw = copy_bandwidth(torch)
     print(f"device: {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s")
     print("| hidden | B | width | kernel | time (µs) | weight GB/s | of copy bw | pick µs |")
@@ -71,7 +75,7 @@ def run(out: Path) -> None:
                 lib = tvm.runtime.load_module(str(out / f"logits_{hidden}_{name}.so"))
                 fn, pick = lib["logits"], lib["greedy_pick"]
                 res = torch.empty(batch, selection, device="cuda", dtype=torch.float32)
-                chunks = pick_chunks(selection)
+                chunks = -(-selection // chunk_cols)
                 ws_val = torch.empty(batch, chunks, 2, device="cuda", dtype=torch.float32)
                 ws_idx = torch.empty(batch, chunks, device="cuda", dtype=torch.int32)
                 best = torch.empty(batch, device="cuda", dtype=torch.int32)

@@ -28,7 +28,7 @@ from tvm.tirx import PrimFunc
 
 from .loops import block_loop, thread_loop
 from .pdl import release_dependents, wait_for_producers
-from .pick_triples import last_row, merge, pick_chunks, reduce_shared, start, warp_merge
+from .pick_triples import last_row, merge, pick_chunks, reduce_shared, start, take, warp_merge
 
 GPU_THREADS = 256
 CHUNKS = 128  # column chunks of a row, a block each: one row alone spreads over the GPU
@@ -112,8 +112,8 @@ def chunk_triples(
                                 T.float32("-inf"),
                             )
                         start(run, arg)
-                        for e in T.unroll(per_lane):  # ascending c: the first max stays
-                            merge(run, arg, xs[e], c0 + e * nt + tx, T.float32(1))
+                        for e in T.unroll(per_lane):
+                            take(run, arg, xs[e], c0 + e * nt + tx)
                         vals[0, tx] = run[0]
                         ids[0, tx] = arg[0]
                         sums[0, tx] = run[1]

@@ -6,7 +6,7 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from .pdl import release_dependents, wait_for_producers
-from .pick_triples import CHUNK_COLS, merge, start, warp_merge
+from .pick_triples import CHUNK_COLS, merge, start, take, warp_merge
 from .ptx import mma_bf16
 
 # 128 rows per block (a pick chunk). Two m-tiles per warp halve how often each warp re-reads
@@ -123,20 +123,22 @@ def _mma_launch(hidden: int, live: int, decodable: int, selection: int, dtype: s
         # each batch column's triple over the block's decodable rows: a lane's 4 rows, the
         # warp's (the 8 lanes of one q) by shuffles, then the 4 warps' in shared memory
         g, q = T.meta_var((tx // 4, tx % 4))
-        for j in T.unroll(2 * n_tiles):  # the lane's batch column (j // 2) * 8 + 2q + j % 2
-            start(run, arg)
-            for m in T.unroll(m_tiles):
-                for h in T.unroll(2):
-                    r: T.let[T.int32] = row0 + m * 16 + h * 8
-                    x_r: T.let[T.float32] = T.if_then_else(
-                        r < decodable, acc[(m * n_tiles + j // 2) * 4 + h * 2 + j % 2], neg_inf
-                    )
-                    merge(run, arg, x_r, r, T.float32(1))
-            warp_merge(run, arg, 4, 3)  # lane bits 2-4: g
-            if g == 0:
-                red_val[ty, j // 2 * 8 + q * 2 + j % 2, 0] = run[0]
-                red_val[ty, j // 2 * 8 + q * 2 + j % 2, 1] = run[1]
-                red_idx[ty, j // 2 * 8 + q * 2 + j % 2] = arg[0]
+        for nt in T.unroll(n_tiles):
+            if b0 * cols + nt * 8 < batch:  # warp-uniform: a tile past the batch has no row
+                for c in T.unroll(2):  # the lane's batch column nt * 8 + 2q + c
+                    start(run, arg)
+                    for m in T.unroll(m_tiles):
+                        for h in T.unroll(2):  # ascending rows
+                            r: T.let[T.int32] = row0 + m * 16 + h * 8
+                            x_r: T.let[T.float32] = T.if_then_else(
+                                r < decodable, acc[(m * n_tiles + nt) * 4 + h * 2 + c], neg_inf
+                            )
+                            take(run, arg, x_r, r)
+                    warp_merge(run, arg, 4, 3)  # lane bits 2-4: g
+                    if g == 0:
+                        red_val[ty, nt * 8 + q * 2 + c, 0] = run[0]
+                        red_val[ty, nt * 8 + q * 2 + c, 1] = run[1]
+                        red_idx[ty, nt * 8 + q * 2 + c] = arg[0]
         T.tvm_storage_sync("shared")
         if ty == 0:
             for cc in T.unroll(-(-cols // 32)):

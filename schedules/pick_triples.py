@@ -28,6 +28,18 @@ def merge(run, arg, om, oi, osum):
 
 
 @T.macro
+def take(run, arg, x, c):
+    """merge(run, arg, x, c, 1) for columns taken in ascending c: one exp, not two (the first
+    max stays)."""
+    if x > run[0]:
+        run[1] = run[1] * term(run[0], x) + T.float32(1)
+        run[0] = x
+        arg[0] = c
+    else:
+        run[1] = run[1] + term(x, run[0])
+
+
+@T.macro
 def warp_merge(run, arg, lowest: int, steps: int):
     """Merge the triples of lanes that differ in lane bits lowest << 0 .. lowest << steps-1:
     after it each of them holds their merged triple. GPU only."""
