@@ -62,11 +62,8 @@ def pass_kernel(
     ring_elems = cfg.warps_k * cfg.stages * cfg.unroll * 2 * cfg.m_tiles * 32 * VEC
     ring_scope = "shared" if cfg.shared_bytes <= 48 * 1024 else "shared.dyn"
     prefetched = min(cfg.prefetch_steps, per_warp)
-    # decode's kernel (one n-tile) starts beside its producer (schedules/pdl.py); decode_wide's
-    # do not: launched early, a one-wave grid's blocks land unevenly on SMs the producer still
-    # holds, and at 16 rows those kernels ran 1.3-1.5x slower (profile_step, H200); nor do
-    # decode's smallest grids (gemv_config.START_AFTER_PRODUCER_TILES)
-    dependent = gpu and cfg.n_tiles == 1 and cfg.dependent
+    # starts beside its producer (schedules/pdl.py) where its config says (gemv_config)
+    dependent = gpu and cfg.dependent
     lines = cdiv(step, LINE)  # L2 lines of a row's step
     rms = rms_eps is not None
 

@@ -47,8 +47,8 @@ class GemvConfig:
     w_smem: bool = False
     # k steps a warp prefetches into L2 before it waits for its producer (schedules/pdl.py)
     prefetch_steps: int = 4
-    # launched beside its producer, waiting inside (schedules/pdl.py; decode's one n-tile
-    # only); False: launched once the producer has ended
+    # launched beside its producer, waiting inside (schedules/pdl.py); False: launched once
+    # the producer has ended
     dependent: bool = True
 
     @property
@@ -135,13 +135,18 @@ def one_wave(n: int, k: int, cfg: GemvConfig, shared: int = SHARED_PER_SM) -> bo
     return fits and cfg.warps_k <= cdiv(k, cfg.step) and est_registers(cfg) <= MAX_REGISTERS
 
 
+def starts_beside_producer(tiles: int) -> bool:
+    """Whether a grid of `tiles` row tiles is a dependent launch (schedules/pdl.py)."""
+    return not SMS < tiles <= START_AFTER_PRODUCER_TILES
+
+
 def default_config(n: int, k: int) -> GemvConfig:
     """Two m-tiles a block for wide weights (half the X loads per weight byte), one for narrow
     ones (more blocks); then the most k-splitting warps (8, 4, 2, 1), and the deepest ring (3
     or 2 steps), that keep every row tile in one wave, with at least one k step a warp. Grids
     of SMS to START_AFTER_PRODUCER_TILES row tiles are not dependent launches."""
     m_tiles = 2 if n >= 8192 else 1
-    dependent = not SMS < cdiv(n, 16 * m_tiles) <= START_AFTER_PRODUCER_TILES
+    dependent = starts_beside_producer(cdiv(n, 16 * m_tiles))
     for warps_k in (8, 4, 2, 1):
         for stages in (3, 2):
             cfg = GemvConfig(m_tiles=m_tiles, warps_k=warps_k, stages=stages, dependent=dependent)
@@ -159,7 +164,15 @@ def wide_config(
     given (4 read less X but measured slower in the engine: c16 TPOT 4.351 -> 4.297 ms with 2,
     and 4.323 with 2 for N = 2,560 too, which leaves SMs idle; engine_wide_mtiles.json); then
     the most weight bytes in flight (k-splitting warps x ring depth) in one wave, with a
-    two-step X ring where it fits."""
+    two-step X ring where it fits.
+
+    A bucket with the ring in registers starts beside its producer where decode's GEMV would
+    (starts_beside_producer): in_proj's early release lets the GDN kernel behind it load its
+    state under in_proj's tail (H100, c16 TPOT 5.02 -> 4.91-4.93 ms in three runs, greedy
+    tokens identical; docs/results/engine_w16_h100_s28.json). Shared-ring buckets, launched
+    early, landed unevenly on the SMs the producer still held (1.3-1.5x slower, H200), and so
+    did the n = 2,560 grids (c16 TPOT 6.74 ms: two blocks an SM on the first to free up, where
+    one SM streams ~45 GB/s; engine_w16all_h100_s28.json)."""
     if n_tiles == 1:
         return default_config(n, k)
     rings = (8, 6, 4, 3) if w_smem else (4, 3, 2)
@@ -171,10 +184,12 @@ def wide_config(
             continue  # SMs left idle, or the accumulators alone past half the registers
         for warps_k, stages in tries:
             for x_stages in (2, 1) if w_smem else (0,):
-                cfg = GemvConfig(mt, warps_k, 1, stages, n_tiles, x_stages, w_smem)
+                beside = not w_smem and starts_beside_producer(cdiv(n, 16 * mt))
+                cfg = GemvConfig(mt, warps_k, 1, stages, n_tiles, x_stages, w_smem,
+                                 dependent=beside)  # fmt: skip
                 if one_wave(n, k, cfg, WIDE_SHARED_PER_SM):
                     return cfg
-    return GemvConfig(m_tiles or 1, 1, 1, 2, n_tiles, int(w_smem), w_smem)
+    return GemvConfig(m_tiles or 1, 1, 1, 2, n_tiles, int(w_smem), w_smem, dependent=False)
 
 
 def ring_in_registers(n: int, k: int, n_tiles: int) -> bool:

@@ -297,6 +297,9 @@ def test_wide_buckets_read_the_weight_once_up_to_64_rows() -> None:
             assert cfg.w_smem != gemv_config.ring_in_registers(n, k, cfg.n_tiles), (n, k, cfg)
             assert gemv_config.one_wave(n, k, cfg, gemv_config.WIDE_SHARED_PER_SM), (n, k, cfg)
             assert gemv_config.cdiv(n, cfg.rows) >= gemv_config.SMS, (n, k, cfg)
+            # beside its producer: register rings where decode's rule would, never shared rings
+            beside = gemv_config.starts_beside_producer(gemv_config.cdiv(n, cfg.rows))
+            assert cfg.dependent == (not cfg.w_smem and beside), (n, k, cfg)
 
 
 def test_k_tail_zero_fills_the_shared_ring() -> None:
