@@ -25,9 +25,28 @@ def variants(default) -> dict[str, object]:
     return out
 
 
+def deeper_register_ring(n: int, k: int, cfg):
+    """A register-ring bucket with more weight bytes in flight: a 2-step X ring (X comes from
+    L2) frees the registers of a deeper weight ring, 4-8 steps, the most warps x steps that
+    still keep one wave; `cfg` where none does or the ring is in shared memory."""
+    from dataclasses import replace
+
+    from qwen35_tvm.schedules.gemv_config import SHARED_PER_SM, one_wave
+
+    if cfg.w_smem:
+        return cfg
+    tries = sorted(((wk, s) for wk in (8, 4, 2, 1) for s in (8, 6, 4)),
+                   key=lambda p: (-p[0] * p[1], -p[0]))  # fmt: skip
+    for warps_k, stages in tries:
+        deep = replace(cfg, warps_k=warps_k, stages=stages, x_stages=2)
+        if warps_k * stages > cfg.warps_k * cfg.stages and one_wave(n, k, deep, SHARED_PER_SM):
+            return deep
+    return cfg
+
+
 def wide_variants(n: int, k: int) -> dict[str, object]:
     """Bucket plans around the default: the weight ring in registers, the other m-tile count,
-    half the shared ring."""
+    half the shared ring, deeper register rings ("deep")."""
     from dataclasses import replace
 
     from qwen35_tvm.schedules.gemv_config import wide_buckets
@@ -43,6 +62,7 @@ def wide_variants(n: int, k: int) -> dict[str, object]:
         "regs": wide_buckets(n, k, w_smem=False),
         f"m{other}": wide_buckets(n, k, m_tiles=other),
         "half": half,
+        "deep": tuple((limit, deeper_register_ring(n, k, cfg)) for limit, cfg in default),
     }
 
 

@@ -6,8 +6,9 @@ ragged prefill of up to `prefill_chunk` prompt tokens (one forward: the decode r
 prefill as one-token chunks), samples each sequence with its own parameters and generator
 (runtime/step_sampling.py), and frees finished sequences at once. Greedy decoding runs a step
 ahead of the host: a step is launched before the tokens of the one before it are read
-(`_step_ahead`): a decode step behind a decode step, and a mixed step (new prompts' chunks with
-the decode rows) behind either, its decode rows fed the in-flight step's picks on the device.
+(`_step_ahead`): a decode step behind a decode step or behind the mixed step where the last
+prompts end, and a mixed step (new prompts' chunks with the decode rows) behind either, its
+decode rows fed the in-flight step's picks on the device.
 """
 
 from __future__ import annotations
@@ -270,8 +271,10 @@ class Engine:
         its next token is computed and dropped (within its pages: they hold max_tokens)."""
         done, self._ahead = self._ahead, None
         self.last_step = done.info
-        if done.info.kind == "decode" and self._may_launch_ahead(done.rows, 1):
-            self._launch(done.rows, None)  # fed by the step in flight
+        # a decode behind a decode, or behind the mixed step where the last prompts end: every
+        # running sequence is a row of `done`, which feeds it on the device
+        if done.rows and self._may_launch_ahead(done.rows, 1):
+            self._launch(done.rows, None)
         else:
             self._mix_behind(done)
         tokens, logprobs = done.picks.wait()

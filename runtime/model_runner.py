@@ -108,6 +108,7 @@ class ModelRunner:
         self._fed: tuple[int, ...] | None = None  # slots whose next inputs are on the device
         # the device picks of the step launched last, not read by the host, and each row's slot
         self._in_flight: tuple[tvm.runtime.Tensor, tuple[int, ...]] | None = None
+        self._prefill_in_flight = False  # that step is a prefill (its rows: `_in_flight`'s)
         self._staging = UploadStaging(self.device)
         self._ints: dict[str, tvm.runtime.Tensor] = {}  # prefill's and add_sequence's inputs
         # Artifacts built before the bitmask kernels lack these; the engine masks on the host.
@@ -277,6 +278,7 @@ class ModelRunner:
         chunk_of_row = np.searchsorted(np.cumsum([len(t) for t in tokens]), rows, side="right")
         self._fed = None
         self._in_flight = (out[1], tuple(slots[c] for c in chunk_of_row))
+        self._prefill_in_flight = True
         return self._fetch(out[1], out[2])
 
     def _run_prefill(
@@ -316,16 +318,23 @@ class ModelRunner:
     def launch_decode(self, slots: list[int], tokens: list[int] | None) -> PendingPicks:
         """`decode`, returning before the step runs: only its greedy picks come back, in host
         memory, when `PendingPicks.wait` says. With `tokens` None, each row's token is the pick
-        of the step launched just before over the same slots, in the same order: the device
-        fed it forward, so the host can launch this step before reading that one's picks."""
+        of the step launched just before over the same slots, in the same order: a decode step
+        fed it forward, or a prefill's picks rows (a mixed step whose prompts ended) are these
+        slots, so the host can launch this step before reading that one's picks."""
         if not self.launches_ahead:
             raise RuntimeError("this artifact has no feed_picks; recompile it to launch ahead")
+        after_prefill = None
         if tokens is None and self._fed != tuple(slots):
-            raise ValueError(f"the device holds the next inputs of slots {self._fed}, not {slots}")
-        _, _, best, logprob = self._run_decode(slots, tokens)
+            flight = self._in_flight if self._prefill_in_flight else None
+            if flight is None or flight[1] != tuple(slots):
+                held = self._fed or (self._in_flight[1] if self._in_flight else None)
+                raise ValueError(f"the device holds the next inputs of slots {held}, not {slots}")
+            after_prefill = flight[0]
+        _, _, best, logprob = self._run_decode(slots, tokens, after_prefill)
         self._feed(self._views(len(slots))[0], best)
         self._fed = tuple(slots)
         self._in_flight = (best, tuple(slots))
+        self._prefill_in_flight = False
         return self._fetch(best, logprob)
 
     def _fetch(self, best: tvm.runtime.Tensor, logprob: tvm.runtime.Tensor) -> PendingPicks:
@@ -336,16 +345,24 @@ class ModelRunner:
         self._staging.next_turn()
         return buffer.fetch(best, logprob)
 
-    def _run_decode(self, slots: list[int], tokens: list[int] | None) -> tuple:
-        """Launch one decode step; `tokens` None: its inputs are already on the device."""
+    def _run_decode(
+        self, slots: list[int], tokens: list[int] | None, picks: tvm.runtime.Tensor | None = None
+    ) -> tuple:
+        """Launch one decode step; `tokens` None: its inputs are already on the device, or its
+        tokens are `picks` (a prefill's, one row a slot), fed in on the device."""
         batch = len(slots)
         if not 0 < batch <= self.max_batch_size:
             raise ValueError(f"decode batch {batch}: 1 to {self.max_batch_size}")
         starts = self._advance(slots, [1] * batch)
         views = step, logits, best, logprob = self._views(batch)
-        if tokens is not None:
-            host = np.array([tokens, slots, starts], dtype=np.int32).T.ravel()
+        if tokens is not None or picks is not None:
+            # behind a prefill: one position short, which feed_picks adds with each row's pick
+            first = tokens if tokens is not None else [0] * batch
+            at = starts if tokens is not None else [s - 1 for s in starts]
+            host = np.array([first, slots, at], dtype=np.int32).T.ravel()
             step.copyfrom(self._staging.put(host, (batch, 3)))
+            if tokens is None:
+                self._feed(step, picks)
         fn = self._decode_wide if batch >= WIDE_DECODE_FROM else self._decode
         fn(step, logits, best, logprob, *self._state())
         return views

@@ -85,6 +85,32 @@ def test_a_mixed_step_fed_on_the_device_matches_host_tokens(tiny_compiled):
         sync.launch_prefill([3], [[0]], np.array([0]), [0])
 
 
+def test_a_decode_launched_behind_a_prefill_takes_its_picks(tiny_compiled):
+    """A mixed step whose rows are one a slot (decode rows, a prompt that ends): the decode
+    launched behind it takes each row's pick on the device, one position on, as the host's
+    tokens would give; slots in another order than the picks' rows are refused."""
+    art, _ = loaded(tiny_compiled)
+    slots, lengths = [2, 0], [9, 30]
+    sync, ahead = _prefilled(art, slots, lengths), _prefilled(art, slots, lengths)
+    chunk = prompt(23, art.widths.decodable, 5)
+    for runner in (sync, ahead):
+        runner.add_sequence(1, list(range(16, 32)))
+    rows, order = np.array([0, 1, 24]), [0, 2, 1]
+    mixed = sync.prefill(order, [[7], [8], chunk], rows)
+    tokens = mixed.best.tolist()
+    want = [sync.decode(order, tokens)]
+    want.append(sync.decode(order, want[0].best.tolist()))
+    ahead.launch_prefill(order, [[7], [8], chunk], rows, [])
+    with pytest.raises(ValueError, match="next inputs of slots"):
+        ahead.launch_decode([2, 0, 1], None)
+    first = ahead.launch_decode(order, None)
+    second = ahead.launch_decode(order, None)  # and the chain goes on from there
+    for pending, step in zip((first, second), want, strict=True):
+        ids, logprobs = pending.wait()
+        np.testing.assert_array_equal(ids, step.best)
+        np.testing.assert_allclose(logprobs, step.best_logprob, rtol=0, atol=1e-6)
+
+
 def _requests(decodable: int) -> list[Request]:
     sampled = SamplingParams(temperature=0.8, top_p=0.9, seed=3)
     shapes = [(5, 40, GREEDY), (40, 1, GREEDY), (17, 2, GREEDY), (3, 9, sampled), (70, 20, GREEDY)]
@@ -166,6 +192,40 @@ def test_mixed_steps_run_ahead_between_decodes(tiny_compiled):
     _assert_same(got, want)
     mixed = [t[1] for t in launched if isinstance(t, tuple)]
     assert len(mixed) == 3 and all(len(f) == 2 for f in mixed), launched  # every chunk ahead
+
+
+def test_the_decode_after_the_last_prompt_ends_is_fed_on_the_device(tiny_compiled):
+    """Where the joining prompt's last chunk ends, the decode behind that mixed step launches
+    before the host reads it, its rows (the two decoding and the new one) fed that step's
+    picks; before, the host read the mixed step first and launched with its tokens."""
+    art, gen = loaded(tiny_compiled)
+    joins = _join_during_decodes(gen.decodable)
+    want, _ = _run(art, joins, overlap=False)
+    got, launched = _run(art, joins, overlap=True)
+    _assert_same(got, want)
+    last_mixed = max(i for i, t in enumerate(launched) if isinstance(t, tuple))
+    assert launched[last_mixed + 1] is None, launched
+
+
+def test_the_comparison_fails_when_a_decode_behind_a_prefill_takes_other_rows(tiny_compiled):
+    """Teeth for the test above: the decode behind the last mixed step fed its rows' picks in
+    reverse changes what comes out."""
+    art, gen = loaded(tiny_compiled)
+    joins = _join_during_decodes(gen.decodable)
+    want, _ = _run(art, joins, overlap=False)
+    real = ModelRunner._run_decode
+
+    def reversed_picks(self, slots, tokens, picks=None):
+        if picks is not None:
+            picks = tvm.runtime.tensor(picks.numpy()[::-1].copy())
+        return real(self, slots, tokens, picks)
+
+    ModelRunner._run_decode = reversed_picks
+    try:
+        got, _ = _run(art, joins, overlap=True)
+    finally:
+        ModelRunner._run_decode = real
+    assert {k: v[0] for k, v in got.items()} != {k: v[0] for k, v in want.items()}
 
 
 def test_a_mixed_step_after_a_synchronous_one_launches_with_the_hosts_tokens(tiny_compiled):
