@@ -7,10 +7,48 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import tvm
 
 if TYPE_CHECKING:
     from .host_picks import StepLogits
     from .model_runner import ModelRunner
+
+
+class DeviceMasks:
+    """The artifact's bitmask kernels (`constrained_pick`, `constrained_mask`) and their inputs'
+    fixed buffers, `rows` logits rows a call."""
+
+    def __init__(self, vm: Any, rows: int, decodable: int, device: Any):
+        self._pick, self._mask = vm["constrained_pick"], vm["constrained_mask"]
+        words = (decodable + 31) // 32
+        self._rows = tvm.runtime.empty((rows,), "int32", device)
+        self._bits = tvm.runtime.empty((rows, words), "int32", device)
+        self._best = tvm.runtime.empty((rows,), "int32", device)
+        self._logprob = tvm.runtime.empty((rows,), "float32", device)
+
+    def apply(
+        self, logits: Any, rows: list[int], bitmasks: np.ndarray, pick: bool, mask: bool
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """Apply `bitmasks` [len(rows), words] (xgrammar's layout) to rows `rows` of `logits`
+        on the device: with `pick`, return each row's greedy pick and its logprob in the
+        masked distribution; with `mask`, write -inf over the forbidden columns in place, so
+        the rows the host copies afterwards are masked. Pad columns are never touched."""
+        n = len(rows)
+        if not 0 < n <= self._rows.shape[0]:
+            raise ValueError(f"{n} constrained rows: 1 to {self._rows.shape[0]}")
+        row_ids = self._rows._create_view((n,))
+        row_ids.copyfrom(np.asarray(rows, dtype=np.int32))
+        bits = self._bits._create_view((n, self._bits.shape[1]))
+        bits.copyfrom(np.ascontiguousarray(bitmasks, dtype=np.int32))
+        picked = None
+        if pick:  # before the in-place mask: it reads the logits the mask would overwrite
+            best, logprob = self._best._create_view((n,)), self._logprob._create_view((n,))
+            self._pick(logits, row_ids, bits, best, logprob)
+            picked = best.numpy(), logprob.numpy()
+        if mask:
+            self._mask(logits, row_ids, bits)
+        return picked
+
 
 # id(step) -> (the step's logits, [(row, its bitmask, whether it takes the greedy pick)])
 Groups = dict[int, tuple["StepLogits", list[tuple[int, np.ndarray, bool]]]]

@@ -8,7 +8,9 @@ prefill as one-token chunks), samples each sequence with its own parameters and 
 ahead of the host: a step is launched before the tokens of the one before it are read
 (`_step_ahead`): a decode step behind a decode step or behind the mixed step where the last
 prompts end, and a mixed step (new prompts' chunks with the decode rows) behind either, its
-decode rows fed the in-flight step's picks on the device.
+decode rows fed the in-flight step's picks on the device. Rows that end (by length, or already
+read) drop out of the step behind; only a step the host must feed (sampled or constrained rows,
+prompt logprobs, the first decode after a prompts-only step) runs synchronously.
 """
 
 from __future__ import annotations
@@ -255,26 +257,35 @@ class Engine:
     def _may_launch_ahead(self, seqs: list[Sequence], unread: int) -> bool:
         """Whether a decode of `seqs` may be launched ahead, `unread` tokens each still to come
         from the step in flight: only steady greedy decoding, where the token is the device's
-        pick, with no request waiting that could join, and no row sure to have stopped by
-        length before this step's token."""
+        pick, with no request waiting that could join, every running sequence in `seqs` but
+        those sure to have stopped by length at those tokens, and none of `seqs` so."""
+        chosen = {id(s) for s in seqs}
         return (
             self.overlap
-            and len(seqs) == len(self.scheduler.running)
+            and bool(seqs)
             and not self.scheduler.could_admit()
             and picks_suffice(seqs, self.picker, unread)
+            and all(
+                id(s) in chosen or len(s.output) + unread >= s.max_tokens
+                for s in self.scheduler.running
+            )
         )
 
     def _step_ahead(self) -> list[Output]:
         """Launch the next step behind the one in flight where it can be fed on the device (a
-        decode behind a decode, `_may_launch_ahead`; a mixed step, `_mix_behind`), then read
-        the one in flight and report its tokens. A row that stops now was already fed forward:
-        its next token is computed and dropped (within its pages: they hold max_tokens)."""
+        decode of its rows still running, `_may_launch_ahead`; a mixed step, `_mix_behind`),
+        then read the one in flight and report its tokens. A row that stops now was already fed
+        forward: its next token is computed and dropped (within its pages: they hold
+        max_tokens)."""
         done, self._ahead = self._ahead, None
         self.last_step = done.info
-        # a decode behind a decode, or behind the mixed step where the last prompts end: every
-        # running sequence is a row of `done`, which feeds it on the device
-        if done.rows and self._may_launch_ahead(done.rows, 1):
-            self._launch(done.rows, None)
+        # a decode behind a decode or behind the mixed step where the last prompts end: every
+        # running sequence is a row of `done`, which feeds it on the device; rows that ended
+        # before it, or end by length in it, drop out
+        live = [i for i, s in enumerate(done.rows) if s.status is Status.RUNNING]
+        going = [i for i in live if len(done.rows[i].output) + 1 < done.rows[i].max_tokens]
+        if self._may_launch_ahead([done.rows[i] for i in going], 1):
+            self._launch([done.rows[i] for i in going], None, going)
         else:
             self._mix_behind(done)
         tokens, logprobs = done.picks.wait()
@@ -286,11 +297,14 @@ class Engine:
                 tokens_in = done.info.decode_rows + done.info.prompt_tokens
                 self.costs.record_prefill(tokens_in, now - self._chained_at)
         self._chained_at = now if self._ahead is not None else None
-        live = [i for i, s in enumerate(done.rows) if s.status is Status.RUNNING]
         return self._emit([(done.rows[i], int(tokens[i]), float(logprobs[i]), None) for i in live])
 
-    def _launch(self, seqs: list[Sequence], tokens: list[int] | None) -> None:
-        picks = self.runner.launch_decode([s.slot for s in seqs], tokens)
+    def _launch(
+        self, seqs: list[Sequence], tokens: list[int] | None, rows: list[int] | None = None
+    ) -> None:
+        """Launch a decode of `seqs`: with `tokens`, or (None) fed rows `rows` of the picks of
+        the step in flight."""
+        picks = self.runner.launch_decode([s.slot for s in seqs], tokens, rows)
         self._ahead = InFlight(list(seqs), picks, StepInfo("decode", len(seqs), 0))
         for seq in seqs:
             seq.num_computed += 1
@@ -310,8 +324,10 @@ class Engine:
         for seq in self.scheduler.admit():
             self.runner.add_sequence(seq.slot, seq.page_ids)
         plan = self.scheduler.plan(self.costs.prefill_tokens if self.costs is not None else None)
-        if plan.decode and plan.prefill and self._may_mix_ahead(plan.decode, plan.prefill, 1):
-            self._launch_mixed(plan, row_of)
+        # a row that ends by length in `done` leaves: its next token would be dropped
+        going = [s for s in plan.decode if len(s.output) + 1 < s.max_tokens]
+        if going and plan.prefill and self._may_mix_ahead(going, plan.prefill, 1):
+            self._launch_mixed(StepPlan(going, plan.prefill), row_of)
 
     def _launch_mixed(self, plan: StepPlan, row_of: dict[int, int] | None) -> None:
         """Launch `plan` as one forward without waiting for it; its decode rows' tokens are

@@ -33,6 +33,7 @@ import numpy as np
 import tvm
 
 from .artifact import Artifact
+from .constrained_rows import DeviceMasks
 from .host_picks import PendingPicks, PickBuffer, StepLogits, UploadStaging
 
 # Decode batches from this size run `decode_wide`: on an H200 the GEMV schedules match cuBLAS
@@ -46,6 +47,19 @@ INT32 = "int32"
 @functools.lru_cache(maxsize=1024)
 def _shape(n: int) -> tvm.runtime.ShapeTuple:
     return tvm.runtime.ShapeTuple([n])
+
+
+def _copy_rows(src: tvm.runtime.Tensor, rows: list[int], dst: tvm.runtime.Tensor) -> None:
+    """dst[j] = src[rows[j]] for int32 vectors on the device: a copy a run of consecutive rows
+    (usually one run, or two around a row that left)."""
+    j = 0
+    while j < len(rows):
+        n = 1
+        while j + n < len(rows) and rows[j + n] == rows[j] + n:
+            n += 1
+        piece = src._create_view(_shape(n), INT32, 4 * rows[j])
+        dst._create_view(_shape(n), INT32, 4 * j).copyfrom(piece)
+        j += n
 
 
 class ModelRunner:
@@ -104,22 +118,18 @@ class ModelRunner:
             # a row a sequence: a mixed step's rows are distinct slots
             rows = max(n, self.num_slots)
             self._pick_buffers = [PickBuffer(rows, self.device) for _ in range(2)]
+            # the picks rows a decode behind a step takes, where some rows dropped out
+            self._gathered = tvm.runtime.empty((rows,), INT32, self.device)
             self._turn = 0
         self._fed: tuple[int, ...] | None = None  # slots whose next inputs are on the device
         # the device picks of the step launched last, not read by the host, and each row's slot
         self._in_flight: tuple[tvm.runtime.Tensor, tuple[int, ...]] | None = None
-        self._prefill_in_flight = False  # that step is a prefill (its rows: `_in_flight`'s)
         self._staging = UploadStaging(self.device)
         self._ints: dict[str, tvm.runtime.Tensor] = {}  # prefill's and add_sequence's inputs
         # Artifacts built before the bitmask kernels lack these; the engine masks on the host.
         self.constrains_on_device = vm.module.implements_function("constrained_pick")
         if self.constrains_on_device:
-            self._pick_masked, self._mask = vm["constrained_pick"], vm["constrained_mask"]
-            words = (artifact.widths.decodable + 31) // 32
-            self._mask_rows = tvm.runtime.empty((n,), "int32", self.device)
-            self._bitmask = tvm.runtime.empty((n, words), "int32", self.device)
-            self._masked_best = tvm.runtime.empty((n,), "int32", self.device)
-            self._masked_logprob = tvm.runtime.empty((n,), "float32", self.device)
+            self._masks = DeviceMasks(vm, n, artifact.widths.decodable, self.device)
 
     def capture_decode_graphs(self, batch_sizes: list[int]) -> None:
         """Run `decode` once at each batch size on throw-away sequences, so a CUDA-graph build
@@ -278,7 +288,6 @@ class ModelRunner:
         chunk_of_row = np.searchsorted(np.cumsum([len(t) for t in tokens]), rows, side="right")
         self._fed = None
         self._in_flight = (out[1], tuple(slots[c] for c in chunk_of_row))
-        self._prefill_in_flight = True
         return self._fetch(out[1], out[2])
 
     def _run_prefill(
@@ -296,14 +305,8 @@ class ModelRunner:
             positions=positions,
             rows=rows,
         )
-        j = 0
-        while j < len(fed):  # a copy a run of consecutive rows (usually one)
-            n = 1
-            while j + n < len(fed) and fed[j + n] == fed[j] + n:
-                n += 1
-            src = self._in_flight[0]._create_view(_shape(n), INT32, 4 * fed[j])
-            inputs[0]._create_view(_shape(n), INT32, 4 * j).copyfrom(src)
-            j += n
+        if fed:
+            _copy_rows(self._in_flight[0], fed, inputs[0])
         prompts_only = all(len(t) > 1 for t in tokens)
         return (self._prefill_prompts if prompts_only else self._prefill)(*inputs, *self._state())
 
@@ -315,27 +318,41 @@ class ModelRunner:
         self._staging.settled()
         return picks
 
-    def launch_decode(self, slots: list[int], tokens: list[int] | None) -> PendingPicks:
+    def launch_decode(
+        self, slots: list[int], tokens: list[int] | None, rows: list[int] | None = None
+    ) -> PendingPicks:
         """`decode`, returning before the step runs: only its greedy picks come back, in host
-        memory, when `PendingPicks.wait` says. With `tokens` None, each row's token is the pick
-        of the step launched just before over the same slots, in the same order: a decode step
-        fed it forward, or a prefill's picks rows (a mixed step whose prompts ended) are these
-        slots, so the host can launch this step before reading that one's picks."""
+        memory, when `PendingPicks.wait` says. With `tokens` None, slot j's token is row
+        `rows[j]` (default j) of the picks of the step launched just before, a decode or a
+        prefill, copied on the device: the host launches this step before it reads that one's
+        picks, and rows that ended there drop out."""
         if not self.launches_ahead:
             raise RuntimeError("this artifact has no feed_picks; recompile it to launch ahead")
-        after_prefill = None
-        if tokens is None and self._fed != tuple(slots):
-            flight = self._in_flight if self._prefill_in_flight else None
-            if flight is None or flight[1] != tuple(slots):
-                held = self._fed or (self._in_flight[1] if self._in_flight else None)
+        rows = list(range(len(slots))) if rows is None else rows
+        picks = None
+        if tokens is None and not (self._fed == tuple(slots) and rows == list(range(len(slots)))):
+            held = self._in_flight[1] if self._in_flight is not None else ()
+            if len(rows) != len(slots) or any(
+                not 0 <= r < len(held) or held[r] != s or s not in self._lengths
+                for r, s in zip(rows, slots, strict=False)
+            ):
                 raise ValueError(f"the device holds the next inputs of slots {held}, not {slots}")
-            after_prefill = flight[0]
-        _, _, best, logprob = self._run_decode(slots, tokens, after_prefill)
+            picks = self._gather(rows)
+        _, _, best, logprob = self._run_decode(slots, tokens, picks)
         self._feed(self._views(len(slots))[0], best)
         self._fed = tuple(slots)
         self._in_flight = (best, tuple(slots))
-        self._prefill_in_flight = False
         return self._fetch(best, logprob)
+
+    def _gather(self, rows: list[int]) -> tvm.runtime.Tensor:
+        """Rows `rows` of the in-flight picks as one int32 tensor on the device: a view where
+        they are its first rows in order, else a copy."""
+        src = self._in_flight[0]
+        if rows == list(range(len(rows))):
+            return src._create_view(_shape(len(rows)), INT32, 0)
+        out = self._gathered._create_view(_shape(len(rows)), INT32, 0)
+        _copy_rows(src, rows, out)
+        return out
 
     def _fetch(self, best: tvm.runtime.Tensor, logprob: tvm.runtime.Tensor) -> PendingPicks:
         """A launched step's picks, on their way to the host; its inputs' host memory is kept
@@ -349,14 +366,14 @@ class ModelRunner:
         self, slots: list[int], tokens: list[int] | None, picks: tvm.runtime.Tensor | None = None
     ) -> tuple:
         """Launch one decode step; `tokens` None: its inputs are already on the device, or its
-        tokens are `picks` (a prefill's, one row a slot), fed in on the device."""
+        tokens are `picks` (a row a slot), fed in on the device."""
         batch = len(slots)
         if not 0 < batch <= self.max_batch_size:
             raise ValueError(f"decode batch {batch}: 1 to {self.max_batch_size}")
         starts = self._advance(slots, [1] * batch)
         views = step, logits, best, logprob = self._views(batch)
         if tokens is not None or picks is not None:
-            # behind a prefill: one position short, which feed_picks adds with each row's pick
+            # from `picks`: one position short, which feed_picks adds with each row's pick
             first = tokens if tokens is not None else [0] * batch
             at = starts if tokens is not None else [s - 1 for s in starts]
             host = np.array([first, slots, at], dtype=np.int32).T.ravel()
@@ -382,27 +399,8 @@ class ModelRunner:
     def constrain(
         self, step: StepLogits, rows: list[int], bitmasks: np.ndarray, pick: bool, mask: bool
     ) -> tuple[np.ndarray, np.ndarray] | None:
-        """Apply `bitmasks` [len(rows), words] (xgrammar's layout) to logits rows `rows` of
-        `step` on the device: with `pick`, return each row's greedy pick and its logprob in the
-        masked distribution; with `mask`, write -inf over the forbidden columns in place, so
-        the rows the host copies afterwards are masked. Pad columns are never touched."""
-        n = len(rows)
-        if not 0 < n <= self.max_batch_size:
-            raise ValueError(f"{n} constrained rows: 1 to {self.max_batch_size}")
-        logits = step.device_rows()
-        row_ids = self._mask_rows._create_view((n,))
-        row_ids.copyfrom(np.asarray(rows, dtype=np.int32))
-        bits = self._bitmask._create_view((n, self._bitmask.shape[1]))
-        bits.copyfrom(np.ascontiguousarray(bitmasks, dtype=np.int32))
-        picked = None
-        if pick:  # before the in-place mask: it reads the logits the mask would overwrite
-            best = self._masked_best._create_view((n,))
-            logprob = self._masked_logprob._create_view((n,))
-            self._pick_masked(logits, row_ids, bits, best, logprob)
-            picked = best.numpy(), logprob.numpy()
-        if mask:
-            self._mask(logits, row_ids, bits)
-        return picked
+        """Apply `bitmasks` to logits rows `rows` of `step` on the device (DeviceMasks.apply)."""
+        return self._masks.apply(step.device_rows(), rows, bitmasks, pick, mask)
 
     def _state(self) -> tuple:
         return (

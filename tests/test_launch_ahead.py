@@ -111,6 +111,35 @@ def test_a_decode_launched_behind_a_prefill_takes_its_picks(tiny_compiled):
         np.testing.assert_allclose(logprobs, step.best_logprob, rtol=0, atol=1e-6)
 
 
+def test_a_decode_launched_behind_a_decode_takes_the_rows_still_running(tiny_compiled):
+    """Rows that ended drop out of the chain: the next decode takes the picks of the rows
+    left (a first or middle row gone: a view, or copies of runs of rows), as host tokens
+    would give; a removed slot or a row that is another slot's is refused."""
+    art, _ = loaded(tiny_compiled)
+    slots, lengths = [2, 0, 3, 1], [9, 1, 30, 4]
+    sync, ahead = _prefilled(art, slots, lengths), _prefilled(art, slots, lengths)
+    first = sync.decode(slots, [7, 8, 9, 10])
+    keep = [[2, 0, 1], [0, 1]]  # rows of the step before: slot 3 ends, then slot 2
+    want, tokens, held = [], first.best.tolist(), slots
+    for rows in keep:
+        held = [held[r] for r in rows]
+        step = sync.decode(held, [tokens[r] for r in rows])
+        want.append(step)
+        tokens = step.best.tolist()
+    ahead.launch_decode(slots, [7, 8, 9, 10]).wait()
+    with pytest.raises(ValueError, match="next inputs of slots"):
+        ahead.launch_decode([2, 0, 1], None, [0, 2, 3])  # row 2 is slot 3's
+    held = slots
+    for rows, step in zip(keep, want, strict=True):
+        held = [held[r] for r in rows]
+        ids, logprobs = ahead.launch_decode(held, None, rows).wait()
+        np.testing.assert_array_equal(ids, step.best)
+        np.testing.assert_allclose(logprobs, step.best_logprob, rtol=0, atol=1e-6)
+    ahead.remove_sequence(2)
+    with pytest.raises(ValueError, match="next inputs of slots"):
+        ahead.launch_decode(held, None)
+
+
 def _requests(decodable: int) -> list[Request]:
     sampled = SamplingParams(temperature=0.8, top_p=0.9, seed=3)
     shapes = [(5, 40, GREEDY), (40, 1, GREEDY), (17, 2, GREEDY), (3, 9, sampled), (70, 20, GREEDY)]
@@ -127,7 +156,7 @@ def _run(art, joins: dict[int, list[Request]], overlap: bool, stops=None, abort=
     engine = Engine(art, max_batch_size=3, max_total_tokens=1024, prefill_chunk=32, overlap=overlap)
     launched = []  # decode launches' tokens (None: fed on the device); ("mixed", fed rows)
     launch, mixed = engine.runner.launch_decode, engine.runner.launch_prefill
-    engine.runner.launch_decode = lambda s, t: launched.append(t) or launch(s, t)
+    engine.runner.launch_decode = lambda s, t, rows=None: launched.append(t) or launch(s, t, rows)
     engine.runner.launch_prefill = lambda s, t, r, f: launched.append(("mixed", f)) or mixed(
         s, t, r, f
     )
@@ -177,10 +206,14 @@ def test_overlapped_engine_gives_the_tokens_of_synchronous_stepping(tiny_compile
     assert launched.count(None) >= 6, launched  # steps really ran ahead, fed on the device
 
 
-def _join_during_decodes(decodable: int) -> dict[int, list[Request]]:
-    """Two greedy requests decode; a third's 70-token prompt joins them at step 4 (chunks of
-    32: three mixed steps, behind a decode step and then behind each other)."""
-    reqs = [Request(prompt(n, decodable, seed=n), GREEDY, 30, ignore_eos=True) for n in (6, 11)]
+def _join_during_decodes(decodable: int, second_max: int = 30) -> dict[int, list[Request]]:
+    """Two greedy requests decode (the second for `second_max` tokens); a third's 70-token
+    prompt joins them at step 4 (chunks of 32: three mixed steps, behind a decode step and
+    then behind each other)."""
+    reqs = [
+        Request(prompt(n, decodable, seed=n), GREEDY, m, ignore_eos=True)
+        for n, m in ((6, 30), (11, second_max))
+    ]
     return {0: reqs, 4: [Request(prompt(70, decodable, seed=2), GREEDY, 8, ignore_eos=True)]}
 
 
@@ -207,6 +240,20 @@ def test_the_decode_after_the_last_prompt_ends_is_fed_on_the_device(tiny_compile
     assert launched[last_mixed + 1] is None, launched
 
 
+def test_a_row_ending_by_length_leaves_the_mixed_chain(tiny_compiled):
+    """The second request's 6th and last token comes from the second mixed step: the third
+    mixed step, launched before that is read, leaves it out and still chains (before, a row
+    sure to stop there made the host read the step and launch the next with its tokens)."""
+    art, gen = loaded(tiny_compiled)
+    joins = _join_during_decodes(gen.decodable, second_max=6)
+    want, _ = _run(art, joins, overlap=False)
+    got, launched = _run(art, joins, overlap=True)
+    _assert_same(got, want)
+    mixed = [t[1] for t in launched if isinstance(t, tuple)]
+    assert mixed == [[0, 1], [0, 1], [0]], launched
+    assert [t is None for t in launched].count(False) == 1 + len(mixed), launched
+
+
 def test_the_comparison_fails_when_a_decode_behind_a_prefill_takes_other_rows(tiny_compiled):
     """Teeth for the test above: the decode behind the last mixed step fed its rows' picks in
     reverse changes what comes out."""
@@ -225,6 +272,42 @@ def test_the_comparison_fails_when_a_decode_behind_a_prefill_takes_other_rows(ti
         got, _ = _run(art, joins, overlap=True)
     finally:
         ModelRunner._run_decode = real
+    assert {k: v[0] for k, v in got.items()} != {k: v[0] for k, v in want.items()}
+
+
+def _staggered_ends(decodable: int) -> dict[int, list[Request]]:
+    """Three greedy requests together, ending after 5, 9 and 14 tokens; nothing joins."""
+    return {
+        0: [
+            Request(prompt(n, decodable, seed=n), GREEDY, m, ignore_eos=True)
+            for n, m in ((7, 5), (12, 9), (3, 14))
+        ]
+    }
+
+
+def test_the_chain_goes_on_past_a_finished_request(tiny_compiled):
+    """After the first decode (host tokens, behind the prefill read on the host) every decode
+    is fed on the device, past each request's end; before, the host read the step where one
+    ended and launched the rest with its tokens."""
+    art, gen = loaded(tiny_compiled)
+    joins = _staggered_ends(gen.decodable)
+    want, _ = _run(art, joins, overlap=False)
+    got, launched = _run(art, joins, overlap=True)
+    _assert_same(got, want)
+    assert [t is None for t in launched].count(False) == 1, launched
+
+
+def test_the_comparison_fails_when_the_rows_left_take_other_picks(tiny_compiled):
+    """Teeth for the test above: the rows left fed their picks in reverse."""
+    art, gen = loaded(tiny_compiled)
+    joins = _staggered_ends(gen.decodable)
+    want, _ = _run(art, joins, overlap=False)
+    real = ModelRunner._gather
+    ModelRunner._gather = lambda self, rows: real(self, rows[::-1])
+    try:
+        got, _ = _run(art, joins, overlap=True)
+    finally:
+        ModelRunner._gather = real
     assert {k: v[0] for k, v in got.items()} != {k: v[0] for k, v in want.items()}
 
 
