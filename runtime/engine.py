@@ -6,12 +6,11 @@ ragged prefill of up to `prefill_chunk` prompt tokens (one forward: the decode r
 prefill as one-token chunks), samples each sequence with its own parameters and generator
 (runtime/step_sampling.py), and frees finished sequences at once. Greedy decoding runs a step
 ahead of the host (runtime/launched.py, `_step_ahead`): a step is launched before the tokens
-of the one before it are read: a decode step behind a decode step or behind the mixed step
-where the last prompts end, and a mixed step (new prompts' chunks with the decode rows) behind
-either, its decode rows fed the in-flight step's picks on the device. Rows that end (by length,
-or already read) drop out of the step behind; only a step the host must feed (sampled or
-constrained rows, prompt logprobs, the first decode after a prompts-only step) runs
-synchronously.
+of the one before it are read: a decode step behind a decode step or behind the step where
+the last prompts end, and a step of prompt chunks (with the decode rows, if any) behind either,
+its decode rows fed the in-flight step's picks on the device. Rows that end (by length, or
+already read) drop out of the step behind; only a step the host must feed (sampled or
+constrained rows, prompt logprobs) runs synchronously.
 """
 
 from __future__ import annotations
@@ -228,8 +227,8 @@ class Engine(LaunchAhead):
         if plan.decode and not plan.prefill and self._may_launch_ahead(plan.decode, 0):
             self._launch(plan.decode, [s.output[-1] for s in plan.decode])
             return outputs  # this step's tokens come with the next step
-        if plan.decode and plan.prefill and self._may_mix_ahead(plan.decode, plan.prefill, 0):
-            self._launch_mixed(plan, None)  # the next mixed step can then chain behind it
+        if plan.prefill and self._may_mix_ahead(plan.decode, plan.prefill, 0):
+            self._launch_mixed(plan, None)  # the next step can then chain behind it
             return outputs
         chunks = plan.prefill
         if plan.decode or chunks:

@@ -151,9 +151,9 @@ class LaunchAhead:
             seq.num_computed += 1
 
     def _mix_behind(self, done: InFlight) -> None:
-        """Admit, plan, and launch a mixed step behind `done` (in flight) where every row's
-        token is the device's pick: the decode rows' come from `done`'s picks, copied on the
-        device, and a prompt that ends here takes its first token the same way. Otherwise
+        """Admit, plan, and launch a step of prompt chunks behind `done` (in flight) where every
+        row's token is the device's pick: the decode rows' come from `done`'s picks, copied on
+        the device, and a prompt that ends here takes its first token the same way. Otherwise
         nothing is launched, and the next `step()` runs synchronously."""
         row_of = {id(s): i for i, s in enumerate(done.rows)}
         if not all(id(s) in row_of or s.prefilling for s in self.scheduler.running):
@@ -167,7 +167,7 @@ class LaunchAhead:
         plan = self.scheduler.plan(self.costs.prefill_tokens if self.costs is not None else None)
         # a row that ends by length in `done` leaves: its next token would be dropped
         going = [s for s in plan.decode if not ends_by_length(s, 1)]
-        if going and plan.prefill and self._may_mix_ahead(going, plan.prefill, 1):
+        if plan.prefill and self._may_mix_ahead(going, plan.prefill, 1):
             self._launch_mixed(StepPlan(going, plan.prefill), row_of)
 
     def _launch_mixed(self, plan: StepPlan, row_of: dict[int, int] | None) -> None:
@@ -188,7 +188,8 @@ class LaunchAhead:
         for seq, n in chunks:
             seq.num_computed += n
         sampled = [s for (s, _), count in zip(chunks, counts, strict=True) if count]
-        info = StepInfo("mixed", len(plan.decode), sum(n for _, n in plan.prefill))
+        kind = "mixed" if plan.decode else "prefill"
+        info = StepInfo(kind, len(plan.decode), sum(n for _, n in plan.prefill))
         self._ahead = InFlight(sampled, picks, info)
 
     def _may_mix_ahead(

@@ -223,8 +223,9 @@ def test_mixed_steps_run_ahead_between_decodes(tiny_compiled):
     want, _ = _run(art, joins, overlap=False)
     got, launched = _run(art, joins, overlap=True)
     _assert_same(got, want)
+    # the opening step of the two prompts, then the three mixed steps: every chunk ahead
     mixed = [t[1] for t in launched if isinstance(t, tuple)]
-    assert len(mixed) == 3 and all(len(f) == 2 for f in mixed), launched  # every chunk ahead
+    assert mixed == [[], [0, 1], [0, 1], [0, 1]], launched
 
 
 def test_the_decode_after_the_last_prompt_ends_is_fed_on_the_device(tiny_compiled):
@@ -250,8 +251,8 @@ def test_a_row_ending_by_length_leaves_the_mixed_chain(tiny_compiled):
     got, launched = _run(art, joins, overlap=True)
     _assert_same(got, want)
     mixed = [t[1] for t in launched if isinstance(t, tuple)]
-    assert mixed == [[0, 1], [0, 1], [0]], launched
-    assert [t is None for t in launched].count(False) == 1 + len(mixed), launched
+    assert mixed == [[], [0, 1], [0, 1], [0]], launched
+    assert all(t is None for t in launched if not isinstance(t, tuple)), launched
 
 
 def test_the_comparison_fails_when_a_decode_behind_a_prefill_takes_other_rows(tiny_compiled):
@@ -286,15 +287,15 @@ def _staggered_ends(decodable: int) -> dict[int, list[Request]]:
 
 
 def test_the_chain_goes_on_past_a_finished_request(tiny_compiled):
-    """After the first decode (host tokens, behind the prefill read on the host) every decode
-    is fed on the device, past each request's end; before, the host read the step where one
-    ended and launched the rest with its tokens."""
+    """The prompts' step launched ahead, then every decode fed on the device, past each
+    request's end; before, the host read the step where one ended and launched the rest with
+    its tokens."""
     art, gen = loaded(tiny_compiled)
     joins = _staggered_ends(gen.decodable)
     want, _ = _run(art, joins, overlap=False)
     got, launched = _run(art, joins, overlap=True)
     _assert_same(got, want)
-    assert [t is None for t in launched].count(False) == 1, launched
+    assert launched[0] == ("mixed", []) and set(launched[1:]) == {None}, launched
 
 
 def test_the_comparison_fails_when_the_rows_left_take_other_picks(tiny_compiled):
@@ -311,10 +312,10 @@ def test_the_comparison_fails_when_the_rows_left_take_other_picks(tiny_compiled)
     assert {k: v[0] for k, v in got.items()} != {k: v[0] for k, v in want.items()}
 
 
-def test_a_mixed_step_after_a_synchronous_one_launches_with_the_hosts_tokens(tiny_compiled):
-    """Two prompts at once: the first step prefills both (nothing decodes yet, so it runs
-    synchronously); the next is mixed, launched with its decode row's token from the host; the
-    one after that chains behind it, fed on the device."""
+def test_a_step_of_prompts_alone_launches_ahead_too(tiny_compiled):
+    """Two prompts at once: the first step prefills both (nothing decodes yet) and launches
+    ahead with the host's tokens; the short prompt ends there, and the mixed steps behind it
+    take its row's token from the step in flight (before, the host read the first step)."""
     art, gen = loaded(tiny_compiled)
     d = gen.decodable
     joins = {0: [Request(prompt(n, d, seed=n), GREEDY, 12, ignore_eos=True) for n in (6, 70)]}
@@ -322,7 +323,47 @@ def test_a_mixed_step_after_a_synchronous_one_launches_with_the_hosts_tokens(tin
     got, launched = _run(art, joins, overlap=True)
     _assert_same(got, want)
     mixed = [t[1] for t in launched if isinstance(t, tuple)]
-    assert mixed[:2] == [[], [0]], launched  # host tokens, then row 0 of the step in flight
+    assert mixed == [[], [0], [0]], launched  # host tokens, then row 0 of the step in flight
+
+
+class _Watched:
+    """A launch's picks that note when the engine reads them."""
+
+    def __init__(self, picks, read: list[bool]):
+        self.picks, self.read, self.at = picks, read, len(read)
+        read.append(False)
+
+    def wait(self):
+        self.read[self.at] = True
+        return self.picks.wait()
+
+
+def test_a_long_prompt_alone_chains_its_chunks(tiny_compiled):
+    """One 70-token prompt, chunks of 32, nothing decoding: each chunk's step, and then each
+    decode, launches while the step before it is still unread (before, the step after a chunk
+    that ends no prompt waited for the host to read it)."""
+    art, gen = loaded(tiny_compiled)
+    req = Request(prompt(70, gen.decodable, seed=4), GREEDY, 5, ignore_eos=True)
+    want, _ = _run(art, {0: [req]}, overlap=False)
+    engine = Engine(art, max_batch_size=3, max_total_tokens=1024, prefill_chunk=32, overlap=True)
+    read: list[bool] = []
+    behind: list[bool] = []  # a launch's: was the step before it still unread
+
+    def watched(launch):
+        def run(*args):
+            behind.append(bool(read) and not read[-1])
+            return _Watched(launch(*args), read)
+
+        return run
+
+    engine.runner.launch_prefill = watched(engine.runner.launch_prefill)
+    engine.runner.launch_decode = watched(engine.runner.launch_decode)
+    rid = engine.submit(req.prompt_ids, req.params, req.max_tokens, None, True)
+    tokens = []
+    while engine.has_work():
+        tokens += [t for out in engine.step() if out.request_id == rid for t in out.token_ids]
+    assert tokens == want[0][0]
+    assert behind == [False] + [True] * 6, behind  # 3 chunks, then decodes for tokens 2-5
 
 
 def test_the_comparison_fails_when_mixed_rows_take_each_others_picks(tiny_compiled):
