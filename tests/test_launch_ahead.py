@@ -298,6 +298,18 @@ def test_the_chain_goes_on_past_a_finished_request(tiny_compiled):
     assert launched[0] == ("mixed", []) and set(launched[1:]) == {None}, launched
 
 
+def test_an_abort_mid_chain_leaves_the_others_fed_on_the_device(tiny_compiled):
+    """The longest request aborted at its 3rd token: the others' tokens are the synchronous
+    ones, the aborted one stops at 3, and the chain goes on with the rows left."""
+    art, gen = loaded(tiny_compiled)
+    joins = _staggered_ends(gen.decodable)
+    want, _ = _run(art, joins, overlap=False, abort=2)
+    got, launched = _run(art, joins, overlap=True, abort=2)
+    _assert_same(got, want)
+    assert (len(got[2][0]), got[2][2]) == (3, "abort")
+    assert launched[0] == ("mixed", []) and set(launched[1:]) == {None}, launched
+
+
 def test_the_comparison_fails_when_the_rows_left_take_other_picks(tiny_compiled):
     """Teeth for the test above: the rows left fed their picks in reverse."""
     art, gen = loaded(tiny_compiled)
