@@ -14,8 +14,6 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import shutil
-import subprocess
-import sys
 import tempfile
 import zipfile
 from pathlib import Path
@@ -25,24 +23,19 @@ PACKAGES = ("compile", "runtime", "schedules", "server", "cli")  # qwen35_tvm.<n
 SERVER = ("fastapi", "uvicorn", "prometheus-client", "httpx", "jsonschema")
 
 
-def _download(args: list[str], into: Path, python: str, platforms: list[str]) -> None:
-    target = ["--only-binary=:all:", "--python-version", python, "--implementation", "cp"]
-    for tag in platforms:
-        target += ["--platform", tag]
-    cmd = [sys.executable, "-m", "pip", "download", "-q", "-d", str(into), *target, *args]
-    subprocess.run(cmd, check=True)
-
-
 def build(out: Path, python: str, server: bool) -> None:
     from qwen35_tvm.compile.bundle_wheels import (
         TVM_COMPILER_ONLY,
         download_tvm_wheel,
         manylinux_platforms,
         rewrite_wheel,
+        run_pip,
+        target_args,
+        tvm_ffi_pin,
     )
 
     tvm_version = importlib.metadata.version("apache-tvm").split("+")[0]
-    ffi = importlib.metadata.version("apache-tvm-ffi")  # model.so is linked against its ABI
+    ffi = tvm_ffi_pin(tvm_version)  # model.so is linked against its ABI
     platforms = manylinux_platforms()
     if out.exists():
         shutil.rmtree(out)
@@ -50,11 +43,15 @@ def build(out: Path, python: str, server: bool) -> None:
     with tempfile.TemporaryDirectory(prefix="qwen35-device-pkg-") as tmp:
         wheels = Path(tmp) / "wheels"
         wheels.mkdir()
+
+        def download(args: list[str], what: str) -> None:
+            run_pip(["download", "-d", str(wheels), *target_args(python, platforms), *args], what)
+
         full = download_tvm_wheel(tvm_version, python, platforms, Path(tmp) / "full")
         rewrite_wheel(full, wheels, "runtime", TVM_COMPILER_ONLY)
-        _download(["--no-deps", f"apache-tvm-ffi=={ffi}"], wheels, python, platforms)
+        download(["--no-deps", f"apache-tvm-ffi=={ffi}"], "download apache-tvm-ffi")
         if server:
-            _download(list(SERVER), wheels, python, platforms)
+            download(list(SERVER), "download the server's requirements")
         for wheel in sorted(wheels.glob("*.whl")):
             with zipfile.ZipFile(wheel) as z:
                 z.extractall(out)

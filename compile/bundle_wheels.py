@@ -52,7 +52,7 @@ def manylinux_platforms(glibc: str = "2.28", arch: str = "x86_64") -> list[str]:
     return tags + [f"manylinux2014_{arch}"]
 
 
-def _pip(args: Sequence[str], what: str) -> str:
+def run_pip(args: Sequence[str], what: str) -> str:
     proc = subprocess.run(
         [sys.executable, "-m", "pip", *args], capture_output=True, text=True, check=False
     )
@@ -61,7 +61,7 @@ def _pip(args: Sequence[str], what: str) -> str:
     return proc.stdout
 
 
-def _target_args(python: str, platforms: Sequence[str]) -> list[str]:
+def target_args(python: str, platforms: Sequence[str]) -> list[str]:
     args = ["--only-binary=:all:", "--python-version", python, "--implementation", "cp"]
     for tag in platforms:
         args += ["--platform", tag]
@@ -84,8 +84,8 @@ def download_tvm_wheel(
     """The full apache-tvm wheel (py3-none, so one per platform) in `cache_dir`; pip skips
     the download when the file is already there."""
     cache_dir.mkdir(parents=True, exist_ok=True)
-    out = _pip(
-        ["download", "--no-deps", "-d", str(cache_dir), *_target_args(python, platforms)]
+    out = run_pip(
+        ["download", "--no-deps", "-d", str(cache_dir), *target_args(python, platforms)]
         + [f"apache-tvm=={version}"],
         f"download apache-tvm=={version}",
     )
@@ -165,16 +165,16 @@ def build_own_wheel(out_dir: Path) -> Path:
                 shutil.copytree(item, src / item.name, ignore=shutil.ignore_patterns("__pycache__"))
         args = ["wheel", "--no-deps", "-w", str(out_dir), str(src)]
         try:  # the build env's setuptools is enough; isolation would need an index
-            out = _pip([*args[:2], "--no-build-isolation", *args[2:]], "build the wheel")
+            out = run_pip([*args[:2], "--no-build-isolation", *args[2:]], "build the wheel")
         except RuntimeError:
-            out = _pip(args, "build the qwen35-tvm wheel")
+            out = run_pip(args, "build the qwen35-tvm wheel")
     wheels = sorted(out_dir.glob("qwen35_tvm-*.whl"))
     if not wheels:
         raise RuntimeError(f"pip built no qwen35_tvm wheel:\n{out[-2000:]}")
     return wheels[-1]
 
 
-def _tvm_ffi_pin(tvm_version: str) -> str | None:
+def tvm_ffi_pin(tvm_version: str) -> str | None:
     """The apache-tvm-ffi this environment compiles with, when it has the artifact's TVM:
     model.so is linked against tvm-ffi's ABI, so the server gets the same one."""
     try:
@@ -208,15 +208,15 @@ def fetch_wheels(
         log("building the qwen35-tvm wheel")
         built = build_own_wheel(Path(tmp) / "own")
         own = rewrite_wheel(built, wheels, keep_requirement=lambda n: n not in COMPILE_ONLY)
-    ffi = _tvm_ffi_pin(tvm_version)
+    ffi = tvm_ffi_pin(tvm_version)
     own_version = own.name.split("-")[1]
     reqs = [f"apache-tvm=={tvm_version}+runtime"] + ([f"apache-tvm-ffi=={ffi}"] if ffi else [])
     reqs += [f"qwen35-tvm=={own_version}", *SERVER_REQUIREMENTS, *extra]
     (staging / "requirements.txt").write_text("\n".join(reqs) + "\n")
     log(f"resolving the wheels for CPython {python}, {platforms[0]}")
-    _pip(
+    run_pip(
         ["download", "-d", str(wheels), "--find-links", str(wheels)]
-        + _target_args(python, platforms)
+        + target_args(python, platforms)
         + ["-r", str(staging / "requirements.txt"), "pip"],
         f"resolve the wheels for CPython {python}",
     )
