@@ -157,8 +157,8 @@ def _run(art, joins: dict[int, list[Request]], overlap: bool, stops=None, abort=
     launched = []  # decode launches' tokens (None: fed on the device); ("mixed", fed rows)
     launch, mixed = engine.runner.launch_decode, engine.runner.launch_prefill
     engine.runner.launch_decode = lambda s, t, rows=None: launched.append(t) or launch(s, t, rows)
-    engine.runner.launch_prefill = lambda s, t, r, f: launched.append(("mixed", f)) or mixed(
-        s, t, r, f
+    engine.runner.launch_prefill = lambda s, t, r, f: (
+        launched.append(("mixed", f)) or mixed(s, t, r, f)
     )
     got: dict[int, list] = {}
     step = 0
@@ -255,25 +255,33 @@ def test_a_row_ending_by_length_leaves_the_mixed_chain(tiny_compiled):
     assert all(t is None for t in launched if not isinstance(t, tuple)), launched
 
 
+def _changes_tokens(art, joins: dict, method: str, wrap) -> bool:
+    """Whether overlapped stepping with ModelRunner.`method` replaced by `wrap(real)` gives
+    other tokens than synchronous stepping (a comparison's teeth)."""
+    want, _ = _run(art, joins, overlap=False)
+    real = getattr(ModelRunner, method)
+    setattr(ModelRunner, method, wrap(real))
+    try:
+        got, _ = _run(art, joins, overlap=True)
+    finally:
+        setattr(ModelRunner, method, real)
+    return {k: v[0] for k, v in got.items()} != {k: v[0] for k, v in want.items()}
+
+
 def test_the_comparison_fails_when_a_decode_behind_a_prefill_takes_other_rows(tiny_compiled):
     """Teeth for the test above: the decode behind the last mixed step fed its rows' picks in
     reverse changes what comes out."""
     art, gen = loaded(tiny_compiled)
-    joins = _join_during_decodes(gen.decodable)
-    want, _ = _run(art, joins, overlap=False)
-    real = ModelRunner._run_decode
 
-    def reversed_picks(self, slots, tokens, picks=None):
-        if picks is not None:
-            picks = tvm.runtime.tensor(picks.numpy()[::-1].copy())
-        return real(self, slots, tokens, picks)
+    def reversed_picks(real):
+        def run(self, slots, tokens, picks=None):
+            if picks is not None:
+                picks = tvm.runtime.tensor(picks.numpy()[::-1].copy())
+            return real(self, slots, tokens, picks)
 
-    ModelRunner._run_decode = reversed_picks
-    try:
-        got, _ = _run(art, joins, overlap=True)
-    finally:
-        ModelRunner._run_decode = real
-    assert {k: v[0] for k, v in got.items()} != {k: v[0] for k, v in want.items()}
+        return run
+
+    assert _changes_tokens(art, _join_during_decodes(gen.decodable), "_run_decode", reversed_picks)
 
 
 def _staggered_ends(decodable: int) -> dict[int, list[Request]]:
@@ -313,15 +321,11 @@ def test_an_abort_mid_chain_leaves_the_others_fed_on_the_device(tiny_compiled):
 def test_the_comparison_fails_when_the_rows_left_take_other_picks(tiny_compiled):
     """Teeth for the test above: the rows left fed their picks in reverse."""
     art, gen = loaded(tiny_compiled)
-    joins = _staggered_ends(gen.decodable)
-    want, _ = _run(art, joins, overlap=False)
-    real = ModelRunner._gather
-    ModelRunner._gather = lambda self, rows: real(self, rows[::-1])
-    try:
-        got, _ = _run(art, joins, overlap=True)
-    finally:
-        ModelRunner._gather = real
-    assert {k: v[0] for k, v in got.items()} != {k: v[0] for k, v in want.items()}
+
+    def reverse(real):
+        return lambda self, rows: real(self, rows[::-1])
+
+    assert _changes_tokens(art, _staggered_ends(gen.decodable), "_gather", reverse)
 
 
 def test_a_step_of_prompts_alone_launches_ahead_too(tiny_compiled):
@@ -382,15 +386,11 @@ def test_the_comparison_fails_when_mixed_rows_take_each_others_picks(tiny_compil
     """Teeth for the test above: decode rows fed their neighbour's pick (past the runner's
     check of the rows it was given) change what comes out."""
     art, gen = loaded(tiny_compiled)
-    joins = _join_during_decodes(gen.decodable)
-    want, _ = _run(art, joins, overlap=False)
-    real = ModelRunner._run_prefill
-    ModelRunner._run_prefill = lambda self, s, t, rows, fed: real(self, s, t, rows, fed[::-1])
-    try:
-        got, _ = _run(art, joins, overlap=True)
-    finally:
-        ModelRunner._run_prefill = real
-    assert {k: v[0] for k, v in got.items()} != {k: v[0] for k, v in want.items()}
+
+    def reverse(real):
+        return lambda self, s, t, rows, fed: real(self, s, t, rows, fed[::-1])
+
+    assert _changes_tokens(art, _join_during_decodes(gen.decodable), "_run_prefill", reverse)
 
 
 def test_steps_of_prompt_chunks_take_the_prompts_prefill(tiny_compiled):
