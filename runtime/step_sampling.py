@@ -47,7 +47,7 @@ class StepSampler:
             if isinstance(done, np.ndarray):  # logits on the host, or no device kernels
                 apply_bitmask(row, done, self.decodable)  # the row is this sequence's alone
             token = self.sampler.sample(row, seq.params, seq.rng)
-            picked.append((seq, token, float(self.sampler.logprobs(row)[token]), row))
+            picked.append((seq, token, self.sampler.logprob(row, token), row))
         return picked
 
     def score_prompt(self, seq: Sequence, rows: np.ndarray) -> None:
@@ -59,8 +59,7 @@ class StepSampler:
         for j, row in enumerate(rows):
             nxt = start + j + 1
             if nxt < len(seq.prompt):
-                lp = self.sampler.logprobs(row)[seq.prompt[nxt]]
-                seq.prompt_logprobs.append(float(lp))
+                seq.prompt_logprobs.append(self.sampler.logprob(row, seq.prompt[nxt]))
                 if seq.top_logprobs:
                     seq.prompt_top_logprobs.append(self.sampler.top_logprobs(row, seq.top_logprobs))
 

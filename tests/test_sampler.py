@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 
 from qwen35_tvm.runtime.sampler import (
+    _CDF_BLOCK,
     Sampler,
     SamplingParams,
+    _inverse_cdf,
     is_effectively_greedy,
     make_rng,
 )
@@ -299,6 +301,51 @@ def test_logprobs_normalised_over_decodable() -> None:
         assert lp[tok] == pytest.approx(math.log(p), abs=1e-6)
     big = _arena(np.random.default_rng(0).normal(0, 5, 1000).astype(np.float32), 1024)
     assert np.exp(Sampler(1000).logprobs(big)).sum() == pytest.approx(1.0, abs=1e-9)
+
+
+def test_logprob_of_one_token_matches_the_row() -> None:
+    """The one-pass float32 logprob a sampled token reports equals the float64 row's entry,
+    pads ignored (a 248k arena, an odd width, a row with -inf decodable entries)."""
+    rng = np.random.default_rng(5)
+    for decodable, selection in [(248_077, 248_192), (1000, 1024), (7, 8)]:
+        logits = rng.normal(0, 4, decodable).astype(np.float32)
+        logits[rng.integers(0, decodable, decodable // 7 + 1)] = -np.inf
+        logits[decodable // 2] = 9.0
+        row = _arena(logits, selection)
+        row[decodable:] = 50.0  # an unmasked pad would dominate the sum
+        sampler = Sampler(decodable)
+        full = sampler.logprobs(row)
+        for tok in [0, decodable // 2, decodable - 1, int(rng.integers(decodable))]:
+            assert sampler.logprob(row, tok) == pytest.approx(full[tok], abs=2e-5), tok
+    with pytest.raises(ValueError, match="largest decodable logit"):
+        Sampler(3).logprob(np.full(4, -np.inf, dtype=np.float32), 0)
+
+
+@pytest.mark.parametrize(
+    "n", [1, 5, _CDF_BLOCK - 1, _CDF_BLOCK, _CDF_BLOCK + 1, 3 * _CDF_BLOCK + 17]
+)
+def test_inverse_cdf_matches_a_whole_row_cumsum(n: int) -> None:
+    """The two-level draw lands where a float64 cumsum of the whole row would put the same
+    point, zero weights (whole empty blocks too) never chosen, block edges included."""
+    rng = np.random.default_rng(n)
+    q = rng.random(n).astype(np.float32)
+    q[rng.random(n) < 0.3] = 0.0
+    if n > 2 * _CDF_BLOCK:
+        q[_CDF_BLOCK : 2 * _CDF_BLOCK] = 0.0  # an empty block
+    q[rng.integers(n)] = 1.0  # some weight
+    cum = np.cumsum(q.astype(np.float64))
+    us = np.concatenate([[0.0, 1 - 1e-12], rng.random(400)])
+    # points at block edges: the running sum at a block's end, over the total
+    edges = [cum[e - 1] / cum[-1] for e in range(_CDF_BLOCK, n, _CDF_BLOCK)]
+    last = int(np.flatnonzero(q)[-1])
+    for u in np.concatenate([us, [e for e in edges if e < 1]]):
+        # the first position whose running sum passes the point; past the end (rounding),
+        # the last with weight
+        want = min(int(np.searchsorted(cum, u * cum[-1], side="right")), last)
+        got = _inverse_cdf(q, float(u))
+        assert got == want, (u, got, want)
+        assert q[got] > 0
+    assert _inverse_cdf(q, 1.0) == last  # the point on the total itself
 
 
 def test_top_logprobs_order_and_ties() -> None:
