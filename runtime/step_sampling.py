@@ -43,7 +43,7 @@ class StepSampler:
             if done is None and logits.best is not None and self.wants_pick(seq):
                 picked.append((seq, int(logits.best[i]), float(logits.best_logprob[i]), None))
                 continue
-            row = logits.rows()[i]
+            row = logits.row(i)
             if isinstance(done, np.ndarray):  # logits on the host, or no device kernels
                 apply_bitmask(row, done, self.decodable)  # the row is this sequence's alone
             token = self.sampler.sample(row, seq.params, seq.rng)
