@@ -154,23 +154,23 @@ def _inverse_cdf(q: np.ndarray, u: float) -> int:
 
     Blocks of _CDF_BLOCK weights are summed, and only the block holding the point gets a
     running sum, in float64 (a float64 cumsum of a whole 248k row took ~1.2 ms)."""
-    n = q.shape[0]
-    nb = -(-n // _CDF_BLOCK)
-    padded = np.zeros(nb * _CDF_BLOCK, dtype=np.float32)
-    padded[:n] = q
-    blocks = np.cumsum(padded.reshape(nb, _CDF_BLOCK).sum(axis=1, dtype=np.float64))
+    starts = np.arange(0, q.shape[0], _CDF_BLOCK)
+    whole = q.shape[0] // _CDF_BLOCK * _CDF_BLOCK  # the last block may be short
+    sums = q[:whole].reshape(-1, _CDF_BLOCK).sum(axis=1, dtype=np.float64)
+    if whole < q.shape[0]:
+        sums = np.append(sums, q[whole:].sum(dtype=np.float64))
+    blocks = np.cumsum(sums)
     point = u * blocks[-1]
     # side="right" skips zero-probability entries (and empty blocks)
     b = int(np.searchsorted(blocks, point, side="right"))
-    if b >= nb:  # the point rounded onto the total: the last block with weight
+    if b >= len(blocks):  # the point rounded onto the total: the last block with weight
         b = int(np.flatnonzero(np.diff(blocks, prepend=0.0) > 0)[-1])
     base = blocks[b - 1] if b else 0.0
-    block = padded[b * _CDF_BLOCK : (b + 1) * _CDF_BLOCK]
-    inner = base + np.cumsum(block, dtype=np.float64)
-    j = int(np.searchsorted(inner, point, side="right"))
-    if j >= _CDF_BLOCK:  # rounding past the block's end: its last position with weight
+    block = q[starts[b] : starts[b] + _CDF_BLOCK]
+    j = int(np.searchsorted(base + np.cumsum(block, dtype=np.float64), point, side="right"))
+    if j >= len(block):  # rounding past the block's end: its last position with weight
         j = int(np.flatnonzero(block)[-1])
-    return min(b * _CDF_BLOCK + j, n - 1)
+    return int(starts[b]) + j
 
 
 class Sampler:
