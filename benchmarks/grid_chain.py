@@ -27,7 +27,7 @@ PHASES = 16
 GRIDS = (132, 264)  # H100/H200 SXM: one block an SM, two
 SIZES = {"tiny": 1, "o_proj": 20, "down": 44}  # 128-bit loads a thread a phase at 264 blocks
 AHEAD = (0, 8)
-MANIFEST = "grid_chain.json"
+MANIFEST = "manifest.json"
 GRAPH_CALLS = 8  # fused calls a graph (chain: 8 x 16 launches)
 
 
@@ -45,7 +45,7 @@ def build(out: Path) -> None:
     from qwen35_tvm.compile.cuda_toolchain import prepare_cuda_codegen
     from qwen35_tvm.compile.pipeline import tir_pipeline
     from qwen35_tvm.compile.targets import make_target
-    from qwen35_tvm.schedules.grid_barrier import streaming_phases
+    from qwen35_tvm.schedules.grid_barrier import THREADS, VEC, WORDS, streaming_phases
 
     target, arches = make_target("cuda", "sm_90")  # griddepcontrol: sm_90's
     prepare_cuda_codegen(arches)
@@ -61,7 +61,9 @@ def build(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     lib = tvm.compile(tvm.IRModule(funcs), target=target, tir_pipeline=tir_pipeline(target))
     lib.export_library(str(out / "grid_chain.so"))
-    manifest = {"arch": arches, "sizes": SIZES, "grids": GRIDS, "ahead": AHEAD}
+    # the run side reads the layout here: it imports no compiler (tvm.script)
+    manifest = {"arch": arches, "sizes": SIZES, "grids": GRIDS, "ahead": AHEAD,
+                "threads": THREADS, "vec": VEC, "words": WORDS}  # fmt: skip
     (out / MANIFEST).write_text(json.dumps(manifest))
     print(f"built {out / 'grid_chain.so'}: {sorted(funcs)}")
 
@@ -75,13 +77,13 @@ def _reference(torch, data):
     return out.to(torch.int32)
 
 
-def _measure_case(torch, tvm_ffi, lib, gen, bw: float, size: str, blocks: int) -> list[dict]:
+def _measure_case(torch, tvm_ffi, lib, gen, bw: float, size: str, blocks: int,
+                  layout: dict) -> list[dict]:
     """Both forms at each `ahead` for one phase size and grid: exact checks, then µs a phase."""
     import tvm
     from common import cuda_time
 
-    from qwen35_tvm.schedules.grid_barrier import THREADS, VEC, WORDS
-
+    THREADS, VEC, WORDS = layout["threads"], layout["vec"], layout["words"]  # noqa: N806
     dl = tvm.runtime.from_dlpack
     per_thread = _per_thread(size, blocks)
     data = torch.randint(0, 8, (PHASES, blocks, per_thread, THREADS * VEC), device="cuda",
@@ -139,10 +141,11 @@ def run(out: Path, results: Path | None) -> None:
     bw = copy_bandwidth(torch)
     lib = tvm.runtime.load_module(str(out / "grid_chain.so"))
     gen = torch.Generator(device="cuda").manual_seed(0)
+    layout = json.loads((out / MANIFEST).read_text())
     rows = []
     for size in SIZES:
         for blocks in GRIDS:
-            rows += _measure_case(torch, tvm_ffi, lib, gen, bw, size, blocks)
+            rows += _measure_case(torch, tvm_ffi, lib, gen, bw, size, blocks, layout)
     by = {r["case"]: r for r in rows}
     print("| phase | blocks | ahead | fused µs/phase | chain µs/phase | fused − chain |"
           " fused % bw | chain % bw | exact |")  # fmt: skip
