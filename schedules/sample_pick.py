@@ -1,0 +1,378 @@
+"""A sampled row's next token, drawn where its logits are: so a request with a temperature
+takes its token the way a greedy one does, 8 bytes back to the host, and its steps can be
+launched ahead (runtime/launched.py) instead of waiting for the host to sample a 1 MB row.
+
+Two ways, chosen a row by its top_k:
+- top_k in 1..K_MAX: the k largest of x / temperature (ties to the lower id, as the host's
+  sampler), then top_p over them and a draw by inverse CDF with one uniform;
+- top_k off (top_p then 1): Gumbel-max, the argmax of x / temperature + Gumbel noise over
+  every decodable column, an exact draw from the whole tempered distribution.
+Other settings (top_p without top_k, min_p, top_k past K_MAX) stay with the host's sampler.
+
+Randomness is counter-based: a 32-bit hash of (seed, counter, column), so a row's draw
+depends on its request's seed and its position only, never on the batch it ran in, and
+tests can recompute it (tests/sampling_reference.py).
+
+Two kernels. The first is a block a (row, chunk of the decodable columns): it keeps each
+column's score (y, or y + noise) in shared memory, then takes the chunk's `rounds` best in
+order, one block-wide argmax a round (`rounds` = k, or 1 for Gumbel-max), and the chunk's
+(max, sum of exp) of the raw logits for the logprob. The second is a block a row: a
+tournament over the chunks' sorted lists gives the row's `rounds` best in order, then the
+draw. Only decodable columns are read: pads never compete. The logprob reported is the raw
+distribution's (temperature 1, no filter), as the host's `Sampler.logprob` gives it.
+"""
+
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.script import tirx as T
+from tvm.target import Target
+from tvm.tirx import PrimFunc
+
+from .greedy import CHUNKS
+from .loops import block_loop, thread_loop
+from .pdl import release_dependents, wait_for_producers
+from .pick_triples import FULL_MASK, merge, start, take, warp_merge
+
+K_MAX = 64  # the largest top_k sampled here: a chunk's list, the merge's shared memory
+THREADS = 256
+DRAW = 0x80000000  # the hash input of the inverse CDF's uniform: no column is this large
+MIX = (0x7FEB352D, 0x846CA68B)  # lowbias32's multipliers
+
+
+def workspace_shapes(n) -> tuple[tuple, tuple, tuple]:
+    """The chunks' sorted lists (scores, column ids) and their raw (max, sum of exp)."""
+    return (n, CHUNKS, K_MAX), (n, CHUNKS, K_MAX), (n, CHUNKS, 2)
+
+
+@T.macro
+def mix(h):
+    """h[0] (a local uint32) through lowbias32's finaliser."""
+    h[0] = T.bitwise_xor(h[0], T.shift_right(h[0], T.uint32(16)))
+    h[0] = h[0] * T.uint32(MIX[0])
+    h[0] = T.bitwise_xor(h[0], T.shift_right(h[0], T.uint32(15)))
+    h[0] = h[0] * T.uint32(MIX[1])
+    h[0] = T.bitwise_xor(h[0], T.shift_right(h[0], T.uint32(16)))
+
+
+@T.macro
+def row_key(h, ints, b):
+    """h[0] = the hash of row b's (seed, counter), what every draw of its step starts from."""
+    h[0] = T.reinterpret("uint32", ints[b, 2])
+    mix(h)
+    h[0] = T.bitwise_xor(h[0], T.reinterpret("uint32", ints[b, 1]))
+    mix(h)
+    h[0] = T.bitwise_xor(h[0], T.reinterpret("uint32", ints[b, 3]))
+    mix(h)
+
+
+def uniform(h):
+    """A float32 in (0, 1) from a hash's top 24 bits."""
+    top = T.Cast("float32", T.shift_right(h, T.uint32(8)))
+    return (top + T.float32(0.5)) * T.float32(1.0 / (1 << 24))
+
+
+def rounds_of(ints, b):
+    """How many best scores a chunk lists for row b: its top_k, or 1 (Gumbel-max)."""
+    return T.if_then_else(ints[b, 0] >= 1, T.min(ints[b, 0], K_MAX), 1)
+
+
+def listed(cand, pick, q):
+    """The score of the row's q-th best, -inf where there was none."""
+    at = T.max(pick[q], 0)
+    return T.if_then_else(pick[q] >= 0, cand[at // K_MAX, at % K_MAX], T.float32("-inf"))
+
+
+def _after(s, j, lv, lj):
+    """Whether score s at j comes after (lv, lj) in the order: score down, then j up."""
+    return tirx.Or(s < lv, tirx.And(s == lv, j > lj))
+
+
+@T.macro
+def warp_best(v, j):
+    """Each lane of a warp ends with the warp's best (v[0], j[0]): largest, then lowest j."""
+    for s in T.unroll(5):
+        ov: T.let[T.float32] = T.tvm_warp_shuffle_xor(FULL_MASK, v[0], 1 << s, 32, 32)
+        oj: T.let[T.int32] = T.tvm_warp_shuffle_xor(FULL_MASK, j[0], 1 << s, 32, 32)
+        if ov > v[0] or (ov == v[0] and oj < j[0]):
+            v[0] = ov
+            j[0] = oj
+
+
+@T.macro
+def warps_best(v, at, wv, wj, warps: int):
+    """(v[0], at[0]) = the best of the warps' (wv[w, 0], wj[w]): largest, then lowest."""
+    v[0] = wv[0, 0]
+    at[0] = wj[0]
+    for w in T.serial(1, warps):
+        ov: T.let[T.float32] = wv[w, 0]
+        oj: T.let[T.int32] = wj[w]
+        better: T.let[T.bool] = tirx.Or(ov > v[0], tirx.And(ov == v[0], oj < at[0]))
+        at[0] = T.Select(better, oj, at[0])
+        v[0] = T.Select(better, ov, v[0])
+
+
+def sample_pick(decodable: int, selection: int, target: Target) -> PrimFunc:
+    """`sample_pick(logits, rows, floats, ints, best, logprob, ws_v, ws_i, ws_t)`: for each
+    i, row rows[i] of the logits [batch, selection] drawn with floats[i] = (temperature,
+    top_p) and ints[i] = (top_k, seed low, seed high, counter); its token and raw logprob are
+    written to best[rows[i]] and logprob[rows[i]] (the step's own pick buffers, in place).
+    Workspaces: `workspace_shapes(n)`."""
+    gpu = target.kind.name == "cuda"
+    nt = THREADS if gpu else 1
+    grid, lanes = block_loop(gpu), thread_loop(nt, gpu)
+    warps = nt // 32 if gpu else 1
+    shared = "shared" if gpu else "global"
+    span = -(-decodable // CHUNKS)
+    per_lane = -(-span // nt)
+    per_merge = -(-CHUNKS // nt)
+
+    @T.macro
+    def chunk_lists(logits, rows_buf, floats, ints, ws_v, ws_i, ws_t, n):
+        for bc in grid(n * CHUNKS):
+            with T.sblock("chunk"):
+                T.reads()
+                T.writes()
+                score = T.sblock_alloc_buffer((per_lane * nt,), "float32", scope=shared)
+                wv = T.sblock_alloc_buffer((warps, 2), "float32", scope=shared)
+                wj = T.sblock_alloc_buffer((warps,), "int32", scope=shared)
+                tw = T.sblock_alloc_buffer((warps, 2), "float32", scope=shared)
+                last_v = T.sblock_alloc_buffer((1,), "float32", scope=shared)
+                last_j = T.sblock_alloc_buffer((1,), "int32", scope=shared)
+                T.evaluate(wait_for_producers(gpu))  # first: schedules/pdl.py
+                T.evaluate(release_dependents(gpu))
+                b: T.let[T.int32] = bc // CHUNKS
+                c0: T.let[T.int32] = bc % CHUNKS * span
+                r: T.let[T.int32] = rows_buf[b]
+                for tx in lanes():
+                    with T.sblock("scores"):
+                        T.reads()
+                        T.writes()
+                        h = T.sblock_alloc_buffer((1,), "uint32", scope="local")
+                        hc = T.sblock_alloc_buffer((1,), "uint32", scope="local")
+                        run = T.sblock_alloc_buffer((2,), "float32", scope="local")
+                        arg = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                        row_key(h, ints, b)
+                        start(run, arg)
+                        for e in T.serial(per_lane):
+                            j: T.let[T.int32] = e * nt + tx
+                            live: T.let[T.bool] = j < span and c0 + j < decodable
+                            x: T.let[T.float32] = T.if_then_else(
+                                live, logits[r, T.min(c0 + j, decodable - 1)], T.float32("-inf")
+                            )
+                            take(run, arg, x, c0 + j)
+                            hc[0] = T.bitwise_xor(h[0], T.Cast("uint32", c0 + j))
+                            mix(hc)
+                            noise: T.let[T.float32] = -T.log(-T.log(uniform(hc[0])))
+                            y: T.let[T.float32] = x / floats[b, 0]
+                            plain: T.let[T.bool] = tirx.Or(ints[b, 0] >= 1, tirx.Not(live))
+                            score[j] = T.Select(plain, y, y + noise)
+                        if gpu:
+                            warp_merge(run, arg, 1, 5)
+                        if tx % 32 == 0:
+                            tw[tx // 32, 0] = run[0]
+                            tw[tx // 32, 1] = run[1]
+                        if tx == 0:
+                            last_v[0] = T.float32("inf")
+                            last_j[0] = -1
+                for tx in lanes():
+                    with T.sblock("triple"):
+                        T.reads()
+                        T.writes()
+                        run = T.sblock_alloc_buffer((2,), "float32", scope="local")
+                        arg = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                        if tx == 0:
+                            start(run, arg)
+                            for w in T.serial(warps):
+                                merge(run, arg, tw[w, 0], 0, tw[w, 1])
+                            ws_t[b, bc % CHUNKS, 0] = run[0]
+                            ws_t[b, bc % CHUNKS, 1] = run[1]
+                for rd in T.serial(rounds_of(ints, b)):
+                    for tx in lanes():
+                        with T.sblock("round"):
+                            T.reads()
+                            T.writes()
+                            v = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                            at = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                            lv: T.let[T.float32] = last_v[0]
+                            lj: T.let[T.int32] = last_j[0]
+                            v[0] = T.float32("-inf")
+                            at[0] = span
+                            for e in T.serial(per_lane):
+                                j: T.let[T.int32] = e * nt + tx
+                                s: T.let[T.float32] = score[T.min(j, per_lane * nt - 1)]
+                                # Selects, not ifs: TVM's sync pass wants no shared loads in
+                                # a condition
+                                ok: T.let[T.bool] = tirx.all(j < span, _after(s, j, lv, lj))
+                                better: T.let[T.bool] = tirx.And(ok, s > v[0])
+                                at[0] = T.Select(better, j, at[0])
+                                v[0] = T.Select(better, s, v[0])
+                            if gpu:
+                                warp_best(v, at)
+                            if tx % 32 == 0:
+                                wv[tx // 32, 0] = v[0]
+                                wj[tx // 32] = at[0]
+                    for tx in lanes():
+                        with T.sblock("winner"):
+                            T.reads()
+                            T.writes()
+                            v = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                            at = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                            if tx == 0:
+                                warps_best(v, at, wv, wj, warps)
+                                last_v[0] = v[0]
+                                last_j[0] = at[0]
+                                ws_v[b, bc % CHUNKS, rd] = v[0]
+                                ws_i[b, bc % CHUNKS, rd] = c0 + at[0]
+
+    @T.macro
+    def row_draw(logits, rows_buf, floats, ints, best, logprob, ws_v, ws_i, ws_t, n):
+        for b in grid(n):
+            with T.sblock("row"):
+                T.reads()
+                T.writes()
+                cand = T.sblock_alloc_buffer((CHUNKS, K_MAX), "float32", scope=shared)
+                # each list's next entry, ping-ponged between two rows a round as in
+                # pick_triples.reduce_shared: no lane reads what another writes
+                heads = T.sblock_alloc_buffer((2, CHUNKS), "int32", scope=shared)
+                won = T.sblock_alloc_buffer((1,), "int32", scope=shared)
+                pick = T.sblock_alloc_buffer((K_MAX,), "int32", scope=shared)
+                wv = T.sblock_alloc_buffer((warps, 2), "float32", scope=shared)
+                wj = T.sblock_alloc_buffer((warps,), "int32", scope=shared)
+                tw = T.sblock_alloc_buffer((warps, 2), "float32", scope=shared)
+                T.evaluate(wait_for_producers(gpu))  # first: schedules/pdl.py
+                T.evaluate(release_dependents(gpu))
+                k: T.let[T.int32] = rounds_of(ints, b)
+                for tx in lanes():
+                    with T.sblock("load"):
+                        T.reads()
+                        T.writes()
+                        run = T.sblock_alloc_buffer((2,), "float32", scope="local")
+                        arg = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                        start(run, arg)
+                        for e in T.serial(per_merge):
+                            c: T.let[T.int32] = e * nt + tx
+                            if c < CHUNKS:
+                                heads[0, c] = 0
+                                merge(run, arg, ws_t[b, c, 0], 0, ws_t[b, c, 1])
+                                for q in T.serial(k):
+                                    cand[c, q] = ws_v[b, c, q]
+                        if gpu:
+                            warp_merge(run, arg, 1, 5)
+                        if tx % 32 == 0:
+                            tw[tx // 32, 0] = run[0]
+                            tw[tx // 32, 1] = run[1]
+                        if tx == 0:
+                            won[0] = CHUNKS
+                for rd in T.serial(k):
+                    for tx in lanes():
+                        with T.sblock("heads"):
+                            T.reads()
+                            T.writes()
+                            v = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                            at = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                            v[0] = T.float32("-inf")
+                            at[0] = CHUNKS
+                            # lower chunks hold lower ids: ties go to the lower chunk
+                            for e in T.serial(per_merge):
+                                c: T.let[T.int32] = T.min(e * nt + tx, CHUNKS - 1)
+                                moved: T.let[T.int32] = T.Select(c == won[0], 1, 0)
+                                hd: T.let[T.int32] = heads[rd % 2, c] + moved
+                                heads[1 - rd % 2, c] = hd
+                                s: T.let[T.float32] = cand[c, T.min(hd, K_MAX - 1)]
+                                better: T.let[T.bool] = tirx.all(e * nt + tx < CHUNKS, hd < k,
+                                                                 s > v[0])  # fmt: skip
+                                at[0] = T.Select(better, c, at[0])
+                                v[0] = T.Select(better, s, v[0])
+                            if gpu:
+                                warp_best(v, at)
+                            if tx % 32 == 0:
+                                wj[tx // 32] = at[0]
+                                wv[tx // 32, 0] = v[0]
+                    for tx in lanes():
+                        with T.sblock("advance"):
+                            T.reads()
+                            T.writes()
+                            v = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                            at = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                            if tx == 0:
+                                warps_best(v, at, wv, wj, warps)
+                                c: T.let[T.int32] = T.min(at[0], CHUNKS - 1)
+                                # -1: every list ran out (fewer decodable columns than k)
+                                found: T.let[T.bool] = v[0] > T.float32("-inf")
+                                pick[rd] = T.Select(found, c * K_MAX + heads[1 - rd % 2, c], -1)
+                                won[0] = T.Select(found, c, CHUNKS)  # its list moves on
+                for tx in lanes():
+                    with T.sblock("draw"):
+                        T.reads()
+                        T.writes()
+                        h = T.sblock_alloc_buffer((1,), "uint32", scope="local")
+                        run = T.sblock_alloc_buffer((2,), "float32", scope="local")
+                        arg = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                        acc = T.sblock_alloc_buffer((3,), "float32", scope="local")
+                        sel = T.sblock_alloc_buffer((2,), "int32", scope="local")
+                        if tx == 0:
+                            start(run, arg)
+                            for w in T.serial(warps):
+                                merge(run, arg, tw[w, 0], 0, tw[w, 1])
+                            peak: T.let[T.float32] = listed(cand, pick, 0)
+                            # acc: total weight, the nucleus's weight, the running sum
+                            acc[0] = T.float32(0)
+                            for q in T.serial(k):
+                                acc[0] = acc[0] + T.exp(listed(cand, pick, q) - peak)
+                            sel[0] = k  # the nucleus's size: the shortest prefix with top_p
+                            acc[1] = T.float32(0)
+                            for q in T.serial(k):
+                                open_: T.let[T.bool] = sel[0] == k
+                                wq: T.let[T.float32] = T.exp(listed(cand, pick, q) - peak)
+                                acc[1] = acc[1] + T.Select(open_, wq, T.float32(0))
+                                enough: T.let[T.bool] = acc[1] >= floats[b, 1] * acc[0]
+                                full: T.let[T.bool] = tirx.And(open_, enough)
+                                sel[0] = T.Select(full, q + 1, sel[0])
+                            row_key(h, ints, b)
+                            h[0] = T.bitwise_xor(h[0], T.uint32(DRAW))
+                            mix(h)
+                            point: T.let[T.float32] = uniform(h[0]) * acc[1]
+                            sel[1] = 0
+                            acc[2] = T.float32(0)
+                            for q in T.serial(k):
+                                # the first with the running sum past the point; a point
+                                # rounded past the total keeps the last with weight
+                                wq: T.let[T.float32] = T.exp(listed(cand, pick, q) - peak)
+                                live: T.let[T.bool] = tirx.And(q < sel[0], wq > T.float32(0))
+                                sel[1] = T.Select(tirx.And(live, acc[2] <= point), q, sel[1])
+                                acc[2] = acc[2] + T.Select(live, wq, T.float32(0))
+                            at: T.let[T.int32] = T.max(pick[sel[1]], 0)
+                            token: T.let[T.int32] = ws_i[b, at // K_MAX, at % K_MAX]
+                            best[rows_buf[b]] = token
+                            logprob[rows_buf[b]] = (
+                                logits[rows_buf[b], token] - run[0] - T.log(run[1])
+                            )
+
+    @T.prim_func(s_tir=True)
+    def sample_pick(
+        logits_h: T.handle,
+        rows_h: T.handle,
+        floats_h: T.handle,
+        ints_h: T.handle,
+        best_h: T.handle,
+        logprob_h: T.handle,
+        ws_v_h: T.handle,
+        ws_i_h: T.handle,
+        ws_t_h: T.handle,
+    ):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        batch, n = T.int32(), T.int32()
+        logits = T.match_buffer(logits_h, (batch, selection), "float32")
+        rows_buf = T.match_buffer(rows_h, (n,), "int32")
+        floats = T.match_buffer(floats_h, (n, 2), "float32")
+        ints = T.match_buffer(ints_h, (n, 4), "int32")
+        best = T.match_buffer(best_h, (batch,), "int32")
+        logprob = T.match_buffer(logprob_h, (batch,), "float32")
+        ws_v = T.match_buffer(ws_v_h, (n, CHUNKS, K_MAX), "float32")
+        ws_i = T.match_buffer(ws_i_h, (n, CHUNKS, K_MAX), "int32")
+        ws_t = T.match_buffer(ws_t_h, (n, CHUNKS, 2), "float32")
+        chunk_lists(logits, rows_buf, floats, ints, ws_v, ws_i, ws_t, n)
+        row_draw(logits, rows_buf, floats, ints, best, logprob, ws_v, ws_i, ws_t, n)
+
+    return sample_pick

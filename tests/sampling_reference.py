@@ -1,0 +1,88 @@
+"""schedules/sample_pick.py's draw in numpy: the same counter-based hash and the same float32
+steps, so a CPU run of the kernel can be checked token for token."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from qwen35_tvm.schedules.sample_pick import DRAW, K_MAX, MIX
+
+U32 = np.uint32
+
+
+def mix(h: int) -> int:
+    h = U32(h)
+    with np.errstate(over="ignore"):
+        h ^= h >> U32(16)
+        h *= U32(MIX[0])
+        h ^= h >> U32(15)
+        h *= U32(MIX[1])
+        h ^= h >> U32(16)
+    return int(h)
+
+
+def split_seed(seed: int) -> tuple[int, int]:
+    """A 64-bit seed as the kernel's two int32 words (low, high)."""
+    u = seed & (2**64 - 1)
+    lo, hi = u & 0xFFFFFFFF, u >> 32
+    return int(np.array(lo, np.uint32).view(np.int32)), int(np.array(hi, np.uint32).view(np.int32))
+
+
+def row_key(seed_lo: int, seed_hi: int, counter: int) -> int:
+    h = mix(seed_hi & 0xFFFFFFFF)
+    h = mix(h ^ (seed_lo & 0xFFFFFFFF))
+    return mix(h ^ (counter & 0xFFFFFFFF))
+
+
+def uniform(h: np.ndarray) -> np.ndarray:
+    return ((np.asarray(h, np.uint32) >> U32(8)).astype(np.float32) + np.float32(0.5)) * np.float32(
+        1.0 / (1 << 24)
+    )
+
+
+def column_uniforms(key: int, n: int) -> np.ndarray:
+    h = np.uint32(key) ^ np.arange(n, dtype=np.uint32)
+    with np.errstate(over="ignore"):
+        h ^= h >> U32(16)
+        h *= U32(MIX[0])
+        h ^= h >> U32(15)
+        h *= U32(MIX[1])
+        h ^= h >> U32(16)
+    return uniform(h)
+
+
+def draw(row: np.ndarray, decodable: int, temperature: float, top_p: float, top_k: int,
+         seed_lo: int, seed_hi: int, counter: int) -> tuple[int, float]:  # fmt: skip
+    """The kernel's token and raw logprob for one row."""
+    x = row[:decodable].astype(np.float32)
+    key = row_key(seed_lo, seed_hi, counter)
+    y = x / np.float32(temperature)
+    lse = float(np.float64(x.max()) + np.log(np.exp((x - x.max()).astype(np.float64)).sum()))
+    if top_k < 1:
+        u = column_uniforms(key, decodable)
+        noise = -np.log(-np.log(u))
+        score = np.where(np.isfinite(x), y + noise, y)
+        token = int(np.argmax(score))
+        return token, float(x[token]) - lse
+    k = min(top_k, K_MAX)
+    order = np.lexsort((np.arange(decodable), -y))[:k]  # score down, then id up
+    order = order[np.isfinite(y[order])]
+    w = np.exp(y[order] - y[order[0]]).astype(np.float32)
+    total = np.float32(0)
+    for v in w:
+        total = np.float32(total + v)
+    keep, run = len(w), np.float32(0)
+    for q, v in enumerate(w):
+        run = np.float32(run + v)
+        if run >= np.float32(top_p) * total:
+            keep = q + 1
+            break
+    point = uniform(mix(key ^ DRAW)) * np.float32(w[:keep].sum(dtype=np.float32))
+    acc, sel = np.float32(0), 0
+    for q in range(keep):
+        if w[q] > 0:
+            if acc <= point:
+                sel = q
+            acc = np.float32(acc + w[q])
+    token = int(order[sel])
+    return token, float(x[token]) - lse
