@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -60,3 +62,25 @@ def cuda_time(torch, fn, iters: int = 20) -> float:
         end.synchronize()
         best = min(best, start.elapsed_time(end) / 1e3)
     return best
+
+
+def write_result(name: str, result: dict, *dirs: Path | None) -> None:
+    """`result` as DIR/name in each directory given (None: skipped)."""
+    for where in dirs:
+        if where is not None:
+            where.mkdir(parents=True, exist_ok=True)
+            (where / name).write_text(json.dumps(result, indent=1))
+
+
+def build_or_run(doc: str, build: Callable[[Path], None], run: Callable[[Path, Path | None], None]):
+    """The command line of a kernel benchmark: `build DIR` here, `run DIR [--out RESULTS]` on
+    the GPU server."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("step", choices=["build", "run"])
+    p.add_argument("dir", type=Path)
+    p.add_argument("--out", type=Path, default=None, help="run: also write the JSON here")
+    args = p.parse_args()
+    if args.step == "build":
+        build(args.dir)
+    else:
+        run(args.dir, args.out)

@@ -1,7 +1,9 @@
 """Engine-level throughput on a GPU at real shapes (bf16), with and without CUDA graphs
 (`--variants graphs,no-graphs`) or programmatic dependent launch (`graphs,no-pdl`). A variant
 `NAME:sync` runs library NAME with synchronous decode steps (no launch-ahead), `NAME:split` with
-a mixed step's decode and prefill as two forwards (runtime/engine.py), `NAME:sync:split` both.
+a mixed step's decode and prefill as two forwards (runtime/engine.py), `NAME:sync:split` both;
+`NAME:sampled` samples with Qwen3.5's suggested settings (temperature 0.7, top_p 0.8, top_k 20)
+instead of greedy decoding, drawn on the device, `NAME:sampled:host` by the host's sampler.
 
   here:        python benchmarks/engine_throughput.py build DIR [--shape 4b]
   on the GPU:  python benchmarks/engine_throughput.py run DIR WORK [--shape 4b] [--constrained]
@@ -126,17 +128,20 @@ def step_bytes(artifact, batch: int, context: int) -> int:
     return weights + batch * (state + context * kv_bytes_per_token(artifact))
 
 
-def run_level(engine, prompts: list[list[int]], grammar: tuple | None = None) -> dict:
+def run_level(
+    engine, prompts: list[list[int]], grammar: tuple | None = None, sampled: bool = False
+) -> dict:
     """One level; with `grammar` (a GrammarCompiler and a compiled grammar) every request is
-    constrained, and the row says how long the engine waited for masks and applied them."""
+    constrained, and the row says how long the engine waited for masks and applied them; with
+    `sampled`, Qwen3.5's suggested sampling instead of greedy decoding."""
     from qwen35_tvm.runtime.sampler import SamplingParams
 
-    greedy = SamplingParams(temperature=0.0)
+    params = SamplingParams(0.7, 0.8, 20) if sampled else SamplingParams(temperature=0.0)
     states = [grammar[0].state(grammar[1]) if grammar else None for _ in prompts]
     timers = _time_constraints(engine, states) if grammar else None
     start = time.perf_counter()
     ids = [
-        engine.submit(p, greedy, OUTPUT, ignore_eos=True, grammar=g)
+        engine.submit(p, params, OUTPUT, ignore_eos=True, grammar=g)
         for p, g in zip(prompts, states, strict=True)
     ]
     stamps: dict[int, list[float]] = {i: [] for i in ids}
@@ -154,6 +159,7 @@ def run_level(engine, prompts: list[list[int]], grammar: tuple | None = None) ->
     row = dict(
         concurrency=len(prompts),
         constrained=grammar is not None,
+        sampled=sampled,
         ttft_ms_mean=1e3 * float(np.mean(ttft)),
         ttft_ms_max=1e3 * float(np.max(ttft)),
         tpot_ms_mean=1e3 * float(np.mean(tpot)),
@@ -313,19 +319,22 @@ def run(
             **chunk,
         )
         print(f"{name}: engine ready in {time.time() - t0:.1f} s: {engine.capacity()}", flush=True)
+        sampled = "sampled" in modes
+        if "host" in modes:
+            engine.runner.draws_on_device = False  # sampled rows go to the host's sampler
         grammar = _grammar(artifact) if constrained else None
         if constrained:
             results[f"{name}_kernel_check"] = check = check_constrain_kernels(engine.runner)
             print(name, "constrained kernels vs numpy:", json.dumps(check), flush=True)
         warm = [rng.integers(1000, 100000, 64).tolist()]
-        run_level(engine, warm)  # loads every kernel
+        run_level(engine, warm, sampled=sampled)  # loads every kernel
         if grammar:
             run_level(engine, warm, grammar)  # and the constrained ones, and xgrammar
         rows = []
         for c in levels:
             prompts = [rng.integers(1000, 100000, prompt).tolist() for _ in range(c)]
             for g in (None, grammar) if grammar else (None,):
-                row = run_level(engine, prompts, g)
+                row = run_level(engine, prompts, g, sampled)
                 # Mid-generation context: the prompt plus half the outputs.
                 # The whole copy bandwidth: it counts bytes read and written, and a read stream
                 # reaches ~95% of it (earlier runs divided by half of it).
@@ -348,12 +357,13 @@ def run(
         torch.cuda.empty_cache()
     # the same kernels launched otherwise (graphs, dependent launch): greedy tokens must not
     # change; each variant against the first, a flag per level
-    first, *rest = variants
+    greedy = [v for v in variants if "sampled" not in v]
     results["greedy_tokens_identical"] = {
         name: [
-            a["tokens"] == b["tokens"] for a, b in zip(results[first], results[name], strict=True)
+            a["tokens"] == b["tokens"]
+            for a, b in zip(results[greedy[0]], results[name], strict=True)
         ]
-        for name in rest
+        for name in greedy[1:]
     }
     for rows in (results[n] for n in variants):
         for row in rows:

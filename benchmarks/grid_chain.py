@@ -17,11 +17,12 @@ of the same run, and fused minus chain: the time a barrier saves over a boundary
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 from pathlib import Path
+
+from common import build_or_run, write_result
 
 PHASES = 16
 GRIDS = (132, 264)  # H100/H200 SXM: one block an SM, two
@@ -77,8 +78,9 @@ def _reference(torch, data):
     return out.to(torch.int32)
 
 
-def _measure_case(torch, tvm_ffi, lib, gen, bw: float, size: str, blocks: int,
-                  layout: dict) -> list[dict]:
+def _measure_case(
+    torch, tvm_ffi, lib, gen, bw: float, size: str, blocks: int, layout: dict
+) -> list[dict]:
     """Both forms at each `ahead` for one phase size and grid: exact checks, then µs a phase."""
     import tvm
     from common import cuda_time
@@ -162,25 +164,10 @@ def run(out: Path, results: Path | None) -> None:
                           f"{f['pct_copy_bw']:.1f} | {c['pct_copy_bw']:.1f} | "
                           f"{f['exact'] and c['exact']} |")  # fmt: skip
     result = {"device": torch.cuda.get_device_name(), "rows": rows}
-    for where in (out, results):
-        if where is not None:
-            where.mkdir(parents=True, exist_ok=True)
-            (where / "grid_chain.json").write_text(json.dumps(result, indent=1))
+    write_result("grid_chain.json", result, out, results)
     if not all(r["exact"] and r["words_zero"] for r in rows):
         sys.exit("a result differs from torch's, or the barrier's words were left nonzero")
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("step", choices=["build", "run"])
-    p.add_argument("dir", type=Path)
-    p.add_argument("--out", type=Path, default=None, help="run: also write the JSON here")
-    args = p.parse_args()
-    if args.step == "build":
-        build(args.dir)
-    else:
-        run(args.dir, args.out)
-
-
 if __name__ == "__main__":
-    main()
+    build_or_run(__doc__, build, run)

@@ -26,14 +26,8 @@ from ..schedules import (
 from ..schedules.pick_triples import pick_chunks
 from .config import FULL, ModelConfig
 from .layers import DecoderLayer, GDNState, KVCache, RMSNorm
+from .row_picks import F32, RowPicks, pick_workspaces
 from .vocab import VocabWidths
-
-F32 = "float32"
-
-
-def _pick_workspaces(n, chunks: int = greedy.CHUNKS) -> list[Tensor]:
-    val, idx = greedy.workspace_shapes(n, chunks)
-    return [Tensor.placeholder(val, F32), Tensor.placeholder(idx, "int32")]
 
 
 class LogitsHead(nn.Module):
@@ -73,7 +67,7 @@ class LogitsHead(nn.Module):
         if out is not None:
             return op.tensor_ir_inplace_op(
                 self._kernel, "logits", [hidden, weight, out], inplace_indices=[2, -1, -1],
-                out=[out, *_pick_workspaces(rows, chunks)],
+                out=[out, *pick_workspaces(rows, chunks)],
             )  # fmt: skip
         return op.tensor_ir_op(
             self._kernel,
@@ -81,12 +75,12 @@ class LogitsHead(nn.Module):
             [hidden, weight],
             out=[
                 Tensor.placeholder((rows, self._widths.selection), F32),
-                *_pick_workspaces(rows, chunks),
+                *pick_workspaces(rows, chunks),
             ],
         )
 
 
-class Qwen35LM(nn.Module):
+class Qwen35LM(RowPicks, nn.Module):
     """Embedding, the decoder stack, the final norm and the logits head."""
 
     def __init__(self, cfg: ModelConfig, widths: VocabWidths, dtype: str, mask_pad: bool = True):
@@ -258,34 +252,6 @@ class Qwen35LM(nn.Module):
         )
         return logits_out, best, best_logprob, kv.k_pool, kv.v_pool, *gdn_state
 
-    def constrained_pick(
-        self, logits: Tensor, rows: Tensor, bitmask: Tensor, best_out: Tensor, logprob_out: Tensor
-    ) -> tuple[Tensor, Tensor]:
-        """The greedy pick of logits rows `rows` under their token bitmasks (xgrammar's
-        layout, decodable columns only), and its logprob in the masked distribution. Runs
-        after a decode or prefill on the logits it left on the device."""
-        w = self.widths
-        best, logprob, _, _ = op.tensor_ir_inplace_op(
-            greedy.greedy_pick(w.decodable, w.selection, Target.current(), masked=True),
-            "masked_greedy_pick",
-            [logits, rows, bitmask, best_out, logprob_out],
-            inplace_indices=[3, 4, -1, -1],
-            out=[best_out, logprob_out, *_pick_workspaces(rows.shape[0])],
-        )
-        return best, logprob
-
-    def constrained_mask(self, logits: Tensor, rows: Tensor, bitmask: Tensor) -> Tensor:
-        """-inf, in place, over the decodable columns each row's bitmask forbids: constrained
-        rows the host samples are masked before they are copied."""
-        w = self.widths
-        return op.tensor_ir_inplace_op(
-            greedy.apply_token_bitmask(w.decodable, w.selection, Target.current()),
-            "apply_token_bitmask",
-            [logits, rows, bitmask],
-            inplace_indices=[0],
-            out=Tensor.placeholder(logits.shape, F32),
-        )
-
     def _stack(
         self,
         x: Tensor,
@@ -306,9 +272,7 @@ class Qwen35LM(nn.Module):
             if layer.kind == FULL:
                 h, kv = layer.self_attn(h, indptr, slots, positions, kv, chunked, mixed)
             else:
-                h, gdn_state = layer.linear_attn(
-                    h, indptr, slots, gdn_state, chunked, wide, mixed
-                )
+                h, gdn_state = layer.linear_attn(h, indptr, slots, gdn_state, chunked, wide, mixed)
             x = x + h
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return x, kv, gdn_state

@@ -202,6 +202,10 @@ class Engine(LaunchAhead):
         self._pending.append(Output(request_id, [], [], "abort"))
         return True
 
+    def _start(self, seq: Sequence) -> None:
+        self.runner.add_sequence(seq.slot, seq.page_ids)  # also zeroes the slot
+        self.picker.admit(seq)
+
     def _release(self, seq: Sequence) -> None:
         if seq.status is Status.RUNNING:
             self.runner.remove_sequence(seq.slot)
@@ -219,7 +223,7 @@ class Engine(LaunchAhead):
         if self._ahead is not None:
             return outputs + self._step_ahead()
         for seq in self.scheduler.admit():
-            self.runner.add_sequence(seq.slot, seq.page_ids)  # also zeroes the slot
+            self._start(seq)
         timed = self.costs is not None
         plan = self.scheduler.plan(self.costs.prefill_tokens if timed else None)
         ready: list[Ready] = []  # sequences to sample, with their logits

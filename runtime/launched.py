@@ -98,6 +98,9 @@ class LaunchAhead:
     def _emit(self, picked: list[Picked]) -> list[Output]:  # the engine's: report tokens
         raise NotImplementedError
 
+    def _start(self, seq: Sequence) -> None:  # the engine's: a sequence takes its slot
+        raise NotImplementedError
+
     def _may_launch_ahead(self, seqs: list[Sequence], unread: int) -> bool:
         """Whether a decode of `seqs` may be launched ahead, `unread` tokens each still to come
         from the step in flight: only steady greedy decoding, where the token is the device's
@@ -163,7 +166,7 @@ class LaunchAhead:
         ):
             return  # no prompt to prefill: the decode after `done` launches once it is read
         for seq in self.scheduler.admit():
-            self.runner.add_sequence(seq.slot, seq.page_ids)
+            self._start(seq)
         plan = self.scheduler.plan(self.costs.prefill_tokens if self.costs is not None else None)
         # a row that ends by length in `done` leaves: its next token would be dropped
         going = [s for s in plan.decode if not ends_by_length(s, 1)]

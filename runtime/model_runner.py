@@ -20,13 +20,14 @@ page-locked memory, so no launch waits for the step before it.
 Constrained rows (structured output) get their token bitmasks applied where the logits are:
 `constrain` uploads the rows' masks into a fixed buffer and runs the artifact's
 `constrained_pick` (greedy: 8 bytes a row come back) and/or `constrained_mask` (in place, for
-rows the host samples) on a decode step's or a prefill's logits, still on the device.
+rows the host samples) on a decode step's or a prefill's logits, still on the device. Slots
+whose settings the device's sampler serves get their rows drawn there, behind each step, into
+its pick buffers (runtime/device_sampling.py).
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Iterator
 
 import numpy as np
@@ -34,7 +35,16 @@ import tvm
 
 from .artifact import Artifact
 from .constrained_rows import DeviceMasks
-from .host_picks import PendingPicks, PickBuffer, StepLogits, UploadStaging
+from .device_sampling import DeviceDraws, prefill_draws
+from .host_picks import (
+    DeviceInputs,
+    PendingPicks,
+    PickBuffer,
+    StepLogits,
+    UploadStaging,
+    shape_of,
+)
+from .sampler import SamplingParams
 
 # Decode batches from this size run `decode_wide`: on an H200 the GEMV schedules match cuBLAS
 # up to 4 rows and fall to a third of it by 16, where the tensor-core tiles reach 0.9x.
@@ -42,11 +52,6 @@ WIDE_DECODE_FROM = 8
 
 
 INT32 = "int32"
-
-
-@functools.lru_cache(maxsize=1024)
-def _shape(n: int) -> tvm.runtime.ShapeTuple:
-    return tvm.runtime.ShapeTuple([n])
 
 
 def _copy_rows(src: tvm.runtime.Tensor, rows: list[int], dst: tvm.runtime.Tensor) -> None:
@@ -57,8 +62,8 @@ def _copy_rows(src: tvm.runtime.Tensor, rows: list[int], dst: tvm.runtime.Tensor
         n = 1
         while j + n < len(rows) and rows[j + n] == rows[j] + n:
             n += 1
-        piece = src._create_view(_shape(n), INT32, 4 * rows[j])
-        dst._create_view(_shape(n), INT32, 4 * j).copyfrom(piece)
+        piece = src._create_view(shape_of(n), INT32, 4 * rows[j])
+        dst._create_view(shape_of(n), INT32, 4 * j).copyfrom(piece)
         j += n
 
 
@@ -125,7 +130,11 @@ class ModelRunner:
         # the device picks of the step launched last, not read by the host, and each row's slot
         self._in_flight: tuple[tvm.runtime.Tensor, tuple[int, ...]] | None = None
         self._staging = UploadStaging(self.device)
-        self._ints: dict[str, tvm.runtime.Tensor] = {}  # prefill's and add_sequence's inputs
+        self._inputs = DeviceInputs(self.device, self._staging)  # prefill's, add_sequence's
+        # Artifacts built before `sampled_pick` lack it; their sampled rows go to the host.
+        self.draws_on_device = vm.module.implements_function("sampled_pick")
+        if self.draws_on_device:
+            self._draws = DeviceDraws(vm, max(n, self.num_slots), self.device)
         # Artifacts built before the bitmask kernels lack these; the engine masks on the host.
         self.constrains_on_device = vm.module.implements_function("constrained_pick")
         if self.constrains_on_device:
@@ -155,38 +164,6 @@ class ModelRunner:
             for slot in held:
                 self.remove_sequence(slot)
 
-    def _upload(self, **arrays) -> list[tvm.runtime.Tensor]:
-        """int32 arrays on the device, each in a buffer of its own kept from call to call
-        (viewed at its start: the kernels take no offset). A fresh tensor each would cost a
-        cudaMalloc and, freed, a cudaFree that waits for the GPU. The arrays cross to the
-        device together, in one host-to-device copy (each such copy from pageable memory
-        waits for the stream: prefill's five took ~0.3 ms), then move to their buffers by
-        device-to-device copies, which the host does not wait for. Every copy is ordered after
-        the kernels that read the buffers' last values. Views take shapes made once a length:
-        building one is most of a view's ~11 µs. The one host-to-device copy is from page-locked
-        memory (`UploadStaging`): from pageable memory it would wait for the step in flight."""
-        hosts = {n: np.ascontiguousarray(v, dtype=np.int32).ravel() for n, v in arrays.items()}
-        packed = np.concatenate(list(hosts.values()))
-        staging = self._buffer("_staging", len(packed))._create_view(_shape(len(packed)), INT32)
-        staging.copyfrom(self._staging.put(packed, (len(packed),)))
-        views, at = [], 0
-        for name, host in hosts.items():
-            shape = _shape(len(host))
-            view = self._buffer(name, len(host))._create_view(shape, INT32)
-            if len(host):
-                view.copyfrom(staging._create_view(shape, INT32, 4 * at))
-            views.append(view)
-            at += len(host)
-        return views
-
-    def _buffer(self, name: str, length: int) -> tvm.runtime.Tensor:
-        """The int32 buffer kept under `name`, grown (doubling) to hold `length` values."""
-        buf = self._ints.get(name)
-        if buf is None or buf.shape[0] < length:
-            grown = max(length, 2 * (0 if buf is None else buf.shape[0]), 64)
-            buf = self._ints[name] = tvm.runtime.empty((grown,), INT32, self.device)
-        return buf
-
     def add_sequence(self, slot: int, pages: list[int]) -> None:
         """Start an empty sequence in `slot` over `pages` (its page ids, in order) and zero
         its GDN state."""
@@ -194,14 +171,23 @@ class ModelRunner:
             raise ValueError(f"slot {slot} is taken or outside [0, {self.num_slots})")
         if not 0 < len(pages) <= self.pages_per_seq:
             raise ValueError(f"{len(pages)} pages: a sequence holds 1 to {self.pages_per_seq}")
-        slot_ids, page_ids = self._upload(slot=[slot], pages=pages)
+        slot_ids, page_ids = self._inputs.upload(slot=[slot], pages=pages)
         self._assign(self.page_table, slot_ids, page_ids)
         self._reset(*self.gdn_state[:2], slot_ids)
         self._lengths[slot] = 0
         self._capacity[slot] = len(pages) * self.page_size
 
+    def draw_on_device(self, slot: int, params: SamplingParams, seed: int) -> None:
+        """From now until it is removed, `slot`'s rows are drawn on the device with `params`
+        (device_sampling.drawn_on_device must hold for them)."""
+        if slot not in self._lengths:
+            raise ValueError(f"slot {slot} holds no sequence")
+        self._draws.add(slot, params, seed)
+
     def remove_sequence(self, slot: int) -> None:
         del self._lengths[slot], self._capacity[slot]
+        if self.draws_on_device:
+            self._draws.remove(slot)
         if self._fed is not None and slot in self._fed:
             self._fed = None
 
@@ -298,7 +284,7 @@ class ModelRunner:
         positions = np.concatenate(
             [np.arange(s, s + len(t)) for s, t in zip(starts, tokens, strict=True)]
         )
-        inputs = self._upload(
+        inputs = self._inputs.upload(
             tokens=np.concatenate(tokens),
             indptr=np.concatenate([[0], np.cumsum([len(t) for t in tokens])]),
             slots=slots,
@@ -308,7 +294,12 @@ class ModelRunner:
         if fed:
             _copy_rows(self._in_flight[0], fed, inputs[0])
         prompts_only = all(len(t) > 1 for t in tokens)
-        return (self._prefill_prompts if prompts_only else self._prefill)(*inputs, *self._state())
+        fn = self._prefill_prompts if prompts_only else self._prefill
+        out = fn(*inputs, *self._state())
+        if self.draws_on_device and len(out) > 5:  # artifacts with prefill's picks
+            drawn = prefill_draws(slots, [len(t) for t in tokens], rows, positions)
+            self._draws.draw(out[0], out[1], out[2], drawn, self._staging)
+        return out
 
     def decode(self, slots: list[int], tokens: list[int]) -> StepLogits:
         """One token for each sequence; the logits stay on the device until asked for."""
@@ -349,8 +340,8 @@ class ModelRunner:
         they are its first rows in order, else a copy."""
         src = self._in_flight[0]
         if rows == list(range(len(rows))):
-            return src._create_view(_shape(len(rows)), INT32, 0)
-        out = self._gathered._create_view(_shape(len(rows)), INT32, 0)
+            return src._create_view(shape_of(len(rows)), INT32, 0)
+        out = self._gathered._create_view(shape_of(len(rows)), INT32, 0)
         _copy_rows(src, rows, out)
         return out
 
@@ -382,6 +373,9 @@ class ModelRunner:
                 self._feed(step, picks)
         fn = self._decode_wide if batch >= WIDE_DECODE_FROM else self._decode
         fn(step, logits, best, logprob, *self._state())
+        if self.draws_on_device:  # the token drawn sits at the position after the input's
+            drawn = [(j, slot, starts[j] + 1) for j, slot in enumerate(slots)]
+            self._draws.draw(logits, best, logprob, drawn, self._staging)
         return views
 
     def _views(self, batch: int) -> tuple:

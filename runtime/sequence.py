@@ -34,6 +34,7 @@ class Sequence:
     return_prompt_logprobs: bool = False
     top_logprobs: int = 0  # alternatives reported with each sampled (and prompt) token
     grammar: GrammarState | None = None  # constrains each sampled token (structured output)
+    drawn_on_device: bool = False  # its tokens are drawn where its logits are
     status: Status = Status.WAITING
     slot: int = -1
     page_ids: list[int] = field(default_factory=list)  # the KV pages, in order

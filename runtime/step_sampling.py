@@ -1,5 +1,6 @@
 """How a step's ready rows become tokens. A greedy sequence that wants no alternatives takes
-the pick the device made; a constrained row gets its grammar's bitmask where its logits are
+the pick the device made, and so does one whose draws the device makes
+(runtime/device_sampling.py); a constrained row gets its grammar's bitmask where its logits are
 (runtime/constrained_rows.py) and never the plain pick; the others copy their whole row to the
 host and sample it there with their own parameters and generator. Prompt logprobs are read
 from a prefill chunk's rows here too."""
@@ -11,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from .constrained_rows import apply_bitmasks
+from .device_sampling import drawn_on_device
 from .grammar import apply_bitmask  # numpy only: xgrammar loads with the first grammar
 from .host_picks import StepLogits
 from .model_runner import ModelRunner
@@ -27,8 +29,24 @@ class StepSampler:
     def __init__(self, runner: ModelRunner, sampler: Sampler, decodable: int) -> None:
         self.runner, self.sampler, self.decodable = runner, sampler, decodable
 
+    def admit(self, seq: Sequence) -> None:
+        """`seq` just took its slot: where the device can draw its tokens, it will."""
+        if (
+            self.runner.draws_on_device
+            and not seq.top_logprobs
+            and seq.grammar is None
+            and drawn_on_device(seq.params, self.decodable)
+        ):
+            seed = seq.params.seed
+            if seed is None:
+                seed = int(seq.rng.integers(0, 2**63))
+            self.runner.draw_on_device(seq.slot, seq.params, seed)
+            seq.drawn_on_device = True
+
     def wants_pick(self, seq: Sequence) -> bool:
-        """Whether the device's greedy pick is all `seq` needs."""
+        """Whether the device's pick (greedy, or drawn there) is all `seq` needs."""
+        if seq.drawn_on_device:
+            return True
         return not seq.top_logprobs and is_effectively_greedy(seq.params, self.decodable)
 
     def pick(self, ready: list[Ready]) -> list[Picked]:

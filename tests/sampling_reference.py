@@ -10,15 +10,16 @@ from qwen35_tvm.schedules.sample_pick import DRAW, K_MAX, MIX
 U32 = np.uint32
 
 
-def mix(h: int) -> int:
-    h = U32(h)
+def mix(h):
+    """lowbias32's finaliser, as the kernel's `mix`, on a uint32 or an array of them."""
+    h = np.asarray(h, dtype=np.uint32).copy()
     with np.errstate(over="ignore"):
         h ^= h >> U32(16)
         h *= U32(MIX[0])
         h ^= h >> U32(15)
         h *= U32(MIX[1])
         h ^= h >> U32(16)
-    return int(h)
+    return h
 
 
 def split_seed(seed: int) -> tuple[int, int]:
@@ -29,9 +30,9 @@ def split_seed(seed: int) -> tuple[int, int]:
 
 
 def row_key(seed_lo: int, seed_hi: int, counter: int) -> int:
-    h = mix(seed_hi & 0xFFFFFFFF)
-    h = mix(h ^ (seed_lo & 0xFFFFFFFF))
-    return mix(h ^ (counter & 0xFFFFFFFF))
+    h = int(mix(seed_hi & 0xFFFFFFFF))
+    h = int(mix(h ^ (seed_lo & 0xFFFFFFFF)))
+    return int(mix(h ^ (counter & 0xFFFFFFFF)))
 
 
 def uniform(h: np.ndarray) -> np.ndarray:
@@ -41,14 +42,7 @@ def uniform(h: np.ndarray) -> np.ndarray:
 
 
 def column_uniforms(key: int, n: int) -> np.ndarray:
-    h = np.uint32(key) ^ np.arange(n, dtype=np.uint32)
-    with np.errstate(over="ignore"):
-        h ^= h >> U32(16)
-        h *= U32(MIX[0])
-        h ^= h >> U32(15)
-        h *= U32(MIX[1])
-        h ^= h >> U32(16)
-    return uniform(h)
+    return uniform(mix(np.uint32(key) ^ np.arange(n, dtype=np.uint32)))
 
 
 def draw(row: np.ndarray, decodable: int, temperature: float, top_p: float, top_k: int,

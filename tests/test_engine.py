@@ -338,14 +338,14 @@ def test_graph_capture_warm_up_leaves_no_trace(tiny_compiled):
 
 
 def test_uploads_land_in_their_own_buffers(tiny_compiled):
-    """runner._upload packs its arrays into one copy, then spreads them: each comes back whole,
+    """DeviceInputs.upload packs its arrays into one copy, then spreads them: each comes back whole,
     empty ones too, and a buffer that grows keeps no stale values."""
     art, _ = loaded(tiny_compiled)
     runner = ModelRunner(art, max_batch_size=2, max_total_tokens=64)
     rng = np.random.default_rng(3)
     for sizes in ((5, 0, 1, 70), (2, 130, 0, 3), (5, 0, 1, 70)):
         arrays = {f"a{i}": rng.integers(-9, 10**6, n) for i, n in enumerate(sizes)}
-        views = runner._upload(**arrays)
+        views = runner._inputs.upload(**arrays)
         for view, want in zip(views, arrays.values(), strict=True):
             np.testing.assert_array_equal(view.numpy(), want)
 

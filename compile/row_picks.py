@@ -1,0 +1,81 @@
+"""The artifact's functions over a step's logits rows after the step: a constrained row's
+masked pick or in-place mask (structured output), and a sampled row's draw
+(schedules/sample_pick.py). Each runs on the logits the step left on the device and writes
+its picks into the step's own pick buffers, so launched-ahead steps are fed from them."""
+
+from __future__ import annotations
+
+from tvm.relax.frontend import nn
+from tvm.relax.frontend.nn import Tensor, op
+from tvm.target import Target
+
+from ..schedules import greedy, sample_pick
+from .vocab import VocabWidths
+
+F32 = "float32"
+
+
+def pick_workspaces(n, chunks: int = greedy.CHUNKS) -> list[Tensor]:
+    val, idx = greedy.workspace_shapes(n, chunks)
+    return [Tensor.placeholder(val, F32), Tensor.placeholder(idx, "int32")]
+
+
+class RowPicks(nn.Module):
+    widths: VocabWidths
+
+    def constrained_pick(
+        self, logits: Tensor, rows: Tensor, bitmask: Tensor, best_out: Tensor, logprob_out: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """The greedy pick of logits rows `rows` under their token bitmasks (xgrammar's
+        layout, decodable columns only), and its logprob in the masked distribution. Runs
+        after a decode or prefill on the logits it left on the device."""
+        w = self.widths
+        best, logprob, _, _ = op.tensor_ir_inplace_op(
+            greedy.greedy_pick(w.decodable, w.selection, Target.current(), masked=True),
+            "masked_greedy_pick",
+            [logits, rows, bitmask, best_out, logprob_out],
+            inplace_indices=[3, 4, -1, -1],
+            out=[best_out, logprob_out, *pick_workspaces(rows.shape[0])],
+        )
+        return best, logprob
+
+    def constrained_mask(self, logits: Tensor, rows: Tensor, bitmask: Tensor) -> Tensor:
+        """-inf, in place, over the decodable columns each row's bitmask forbids: constrained
+        rows the host samples are masked before they are copied."""
+        w = self.widths
+        return op.tensor_ir_inplace_op(
+            greedy.apply_token_bitmask(w.decodable, w.selection, Target.current()),
+            "apply_token_bitmask",
+            [logits, rows, bitmask],
+            inplace_indices=[0],
+            out=Tensor.placeholder(logits.shape, F32),
+        )
+
+    def sampled_pick(
+        self,
+        logits: Tensor,
+        rows: Tensor,
+        floats: Tensor,
+        ints: Tensor,
+        best_out: Tensor,
+        logprob_out: Tensor,
+    ) -> tuple[Tensor, Tensor]:
+        """Logits row rows[i] drawn with floats[i] (temperature, top_p) and ints[i] (top_k,
+        seed low, seed high, counter): its token and raw logprob into best_out[rows[i]] and
+        logprob_out[rows[i]], in place; the other rows' picks are left as they were."""
+        w = self.widths
+        v, i, t = sample_pick.workspace_shapes(rows.shape[0])
+        best, logprob, *_ = op.tensor_ir_inplace_op(
+            sample_pick.sample_pick(w.decodable, w.selection, Target.current()),
+            "sample_pick",
+            [logits, rows, floats, ints, best_out, logprob_out],
+            inplace_indices=[4, 5, -1, -1, -1],
+            out=[
+                best_out,
+                logprob_out,
+                Tensor.placeholder(v, F32),
+                Tensor.placeholder(i, "int32"),
+                Tensor.placeholder(t, F32),
+            ],
+        )
+        return best, logprob

@@ -1,0 +1,108 @@
+"""Sampled rows drawn on the device (the artifact's `sampled_pick`, schedules/sample_pick.py):
+after a step's forward, each row whose sequence samples there gets its token and logprob
+written into the step's own pick buffers, as a greedy row's pick is. So such a sequence's
+steps come back as 8 bytes a row and may be launched ahead, where the host's sampler would
+copy its 1 MB row and wait for the GPU every step.
+
+Which settings qualify (`drawn_on_device`): a temperature with top_k up to DEVICE_TOP_K (any
+top_p), or with neither top_k nor top_p (Gumbel-max over the whole row); no min_p, no
+alternatives reported, no grammar. Others stay with the host's sampler (runtime/sampler.py).
+A row's randomness is a hash of its request's seed and its token's position, so a seeded
+request draws the same tokens whatever else runs beside it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import tvm
+
+from .host_picks import UploadStaging
+from .sampler import SamplingParams, is_effectively_greedy
+
+# schedules/sample_pick.K_MAX (the runtime imports no compiler; a test holds them equal)
+DEVICE_TOP_K = 64
+
+
+def drawn_on_device(params: SamplingParams, decodable: int) -> bool:
+    """Whether the device's draw gives exactly the distribution these settings ask for."""
+    if is_effectively_greedy(params, decodable) or params.min_p > 0.0:
+        return False
+    return 1 <= params.top_k <= DEVICE_TOP_K or (params.top_k < 1 and params.top_p == 1.0)
+
+
+def seed_words(seed: int) -> tuple[int, int]:
+    """A seed as the kernel's two int32 words (low, high) of its 64 bits."""
+    u = seed & (2**64 - 1)
+    words = np.array([u & 0xFFFFFFFF, u >> 32], dtype=np.uint32).view(np.int32)
+    return int(words[0]), int(words[1])
+
+
+def prefill_draws(
+    slots: list[int], lengths: list[int], rows: np.ndarray, positions: np.ndarray
+) -> list[tuple[int, int, int]]:
+    """(logits row, slot, position of the token drawn) for a prefill's rows that end their
+    chunk: the token after a chunk's last one (dropped where the prompt goes on)."""
+    ends = np.cumsum(lengths)
+    chunk = np.searchsorted(ends, rows, side="right")
+    return [
+        (i, slots[c], int(positions[t]) + 1)
+        for i, (t, c) in enumerate(zip(rows, chunk, strict=True))
+        if t == ends[c] - 1
+    ]
+
+
+class DeviceDraws:
+    """The slots whose rows are drawn on the device, with their settings, and the artifact's
+    kernel with its inputs' fixed buffers (`rows` rows a call)."""
+
+    def __init__(self, vm: Any, rows: int, device: Any):
+        self._fn = vm["sampled_pick"]
+        self._rows = tvm.runtime.empty((rows,), "int32", device)
+        self._floats = tvm.runtime.empty((rows, 2), "float32", device)
+        self._ints = tvm.runtime.empty((rows, 4), "int32", device)
+        self._slots: dict[int, tuple[float, float, int, int, int]] = {}
+
+    def add(self, slot: int, params: SamplingParams, seed: int) -> None:
+        lo, hi = seed_words(seed)
+        self._slots[slot] = (params.temperature, params.top_p, params.top_k, lo, hi)
+
+    def remove(self, slot: int) -> None:
+        self._slots.pop(slot, None)
+
+    def __contains__(self, slot: int) -> bool:
+        return slot in self._slots
+
+    def draw(
+        self,
+        logits: tvm.runtime.Tensor,
+        best: tvm.runtime.Tensor,
+        logprob: tvm.runtime.Tensor,
+        rows: list[tuple[int, int, int]],
+        staging: UploadStaging,
+    ) -> None:
+        """Queue the draws of (logits row, slot, position of the token drawn) behind the step:
+        their tokens and logprobs land in `best` and `logprob` at those rows."""
+        rows = [r for r in rows if r[1] in self._slots]
+        n = len(rows)
+        if not n:
+            return
+        if n > self._rows.shape[0]:
+            raise ValueError(f"{n} sampled rows: at most {self._rows.shape[0]} a step")
+        settings = [self._slots[slot] for _, slot, _ in rows]
+        floats = np.array([s[:2] for s in settings], dtype=np.float32)
+        ints = np.array(
+            [(s[2], s[3], s[4], at) for s, (_, _, at) in zip(settings, rows, strict=True)],
+            dtype=np.int32,
+        )
+        views = []
+        for buf, host in (
+            (self._rows, np.array([r for r, _, _ in rows], dtype=np.int32)),
+            (self._floats, floats.view(np.int32)),
+            (self._ints, ints),
+        ):
+            shape = (n, *buf.shape[1:])
+            view = buf._create_view(tvm.runtime.ShapeTuple(shape))
+            view.copyfrom(staging.put(host.ravel(), shape, str(buf.dtype)))
+            views.append(view)
+        self._fn(logits, *views, best, logprob)
