@@ -302,16 +302,8 @@ class GatedDeltaNet(nn.Module):
             conv_pool, rec_pool, tickets, _, o = op.tensor_ir_inplace_op(
                 rule,
                 rule.attrs["global_symbol"],
-                [
-                    proj,
-                    *conv_and_gates,
-                    self.norm_weight,
-                    slots,
-                    conv_pool,
-                    rec_pool,
-                    tickets,
-                    layer,
-                ],  # fmt: skip
+                [proj, *conv_and_gates, self.norm_weight, slots, conv_pool, rec_pool, tickets,
+                 layer],  # fmt: skip
                 inplace_indices=[6, 7, 8, -1, -1],
                 out=[
                     conv_pool,
@@ -334,6 +326,7 @@ class GatedDeltaNet(nn.Module):
             out=[conv_pool, Tensor.placeholder((n_tok, cfg.value_dim), self.dtype)],
         )
         return self.out_proj(o), GDNState(conv_pool, rec_pool, tickets)
+
 
     def _wide_rule(self, proj, indptr, slots, conv_pool, rec_pool, layer, o=None) -> tuple:
         """(recurrent pool, o [n_tok, hv, dv]) from decode_wide's recurrent kernel, without the

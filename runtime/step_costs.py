@@ -43,7 +43,8 @@ class StepCosts:
         take (1 + share) decode steps, its rows rounded to whole `tile_rows`."""
         if share <= 0 or min_tokens < 1 or tile_rows < 1:
             raise ValueError(
-                f"share {share} must be > 0, min_tokens {min_tokens} and tile_rows {tile_rows} >= 1"
+                f"share {share} must be > 0, min_tokens {min_tokens} and tile_rows {tile_rows}"
+                " >= 1"
             )
         self.share = share
         self.rows_in_prefill = rows_in_prefill
