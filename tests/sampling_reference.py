@@ -54,7 +54,7 @@ def draw(row: np.ndarray, decodable: int, temperature: float, top_p: float, top_
     lse = float(np.float64(x.max()) + np.log(np.exp((x - x.max()).astype(np.float64)).sum()))
     if top_k < 1:
         u = column_uniforms(key, decodable)
-        noise = -np.log(-np.log(u))
+        noise = -np.log(-np.log1p(-u))
         score = np.where(np.isfinite(x), y + noise, y)
         token = int(np.argmax(score))
         return token, float(x[token]) - lse
