@@ -14,12 +14,13 @@ depends on its request's seed and its position only, never on the batch it ran i
 tests can recompute it (tests/sampling_reference.py).
 
 Two kernels. The first is a block a (row, chunk of the decodable columns): it keeps each
-column's score (y, or y + noise) in shared memory, then takes the chunk's `rounds` best in
-order, one block-wide argmax a round (`rounds` = k, or 1 for Gumbel-max), and the chunk's
-(max, sum of exp) of the raw logits for the logprob. The second is a block a row: a
-tournament over the chunks' sorted lists gives the row's `rounds` best in order, then the
-draw. Only decodable columns are read: pads never compete. The logprob reported is the raw
-distribution's (temperature 1, no filter), as the host's `Sampler.logprob` gives it.
+column's score (y, or y + noise) in shared memory; each warp lists the `rounds` best of its
+part in order (`rounds` = k, or 1 for Gumbel-max), one argmax by shuffles a round, and warp 0
+merges the warps' lists into the chunk's; it also leaves the chunk's (max, sum of exp) of the
+raw logits for the logprob. The second is a block a row: warp 0 runs a tournament over the
+chunks' sorted lists for the row's `rounds` best in order, then the draw. No round waits at a
+block barrier. Only decodable columns are read: pads never compete. The logprob reported is the
+raw distribution's (temperature 1, no filter), as the host's `Sampler.logprob` gives it.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from .pick_triples import FULL_MASK, merge, start, take, warp_merge
 
 K_MAX = 64  # the largest top_k sampled here: a chunk's list, the merge's shared memory
 THREADS = 256
+BIG = 1 << 30  # a position past every real one
 DRAW = 0x80000000  # the hash input of the inverse CDF's uniform: no column is this large
 MIX = (0x7FEB352D, 0x846CA68B)  # lowbias32's multipliers
 
@@ -99,19 +101,6 @@ def warp_best(v, j):
             j[0] = oj
 
 
-@T.macro
-def warps_best(v, at, wv, wj, warps: int):
-    """(v[0], at[0]) = the best of the warps' (wv[w, 0], wj[w]): largest, then lowest."""
-    v[0] = wv[0, 0]
-    at[0] = wj[0]
-    for w in T.serial(1, warps):
-        ov: T.let[T.float32] = wv[w, 0]
-        oj: T.let[T.int32] = wj[w]
-        better: T.let[T.bool] = tirx.Or(ov > v[0], tirx.And(ov == v[0], oj < at[0]))
-        at[0] = T.Select(better, oj, at[0])
-        v[0] = T.Select(better, ov, v[0])
-
-
 def sample_pick(decodable: int, selection: int, target: Target) -> PrimFunc:
     """`sample_pick(logits, rows, floats, ints, best, logprob, ws_v, ws_i, ws_t)`: for each
     i, row rows[i] of the logits [batch, selection] drawn with floats[i] = (temperature,
@@ -126,6 +115,10 @@ def sample_pick(decodable: int, selection: int, target: Target) -> PrimFunc:
     span = -(-decodable // CHUNKS)
     per_lane = -(-span // nt)
     per_merge = -(-CHUNKS // nt)
+    wl = 32 if gpu else 1  # lanes a warp: the CPU runs one lane a block
+    sub = per_lane * wl  # a warp's sub-chunk of scores
+    lists = CHUNKS // wl  # chunk lists a lane of the tournament holds
+    each_list = T.unroll if gpu else T.serial  # the GPU's 4 heads stay in registers
 
     @T.macro
     def chunk_lists(logits, rows_buf, floats, ints, ws_v, ws_i, ws_t, n):
@@ -134,11 +127,9 @@ def sample_pick(decodable: int, selection: int, target: Target) -> PrimFunc:
                 T.reads()
                 T.writes()
                 score = T.sblock_alloc_buffer((per_lane * nt,), "float32", scope=shared)
-                wv = T.sblock_alloc_buffer((warps, 2), "float32", scope=shared)
-                wj = T.sblock_alloc_buffer((warps,), "int32", scope=shared)
                 tw = T.sblock_alloc_buffer((warps, 2), "float32", scope=shared)
-                last_v = T.sblock_alloc_buffer((1,), "float32", scope=shared)
-                last_j = T.sblock_alloc_buffer((1,), "int32", scope=shared)
+                sub_v = T.sblock_alloc_buffer((warps, K_MAX), "float32", scope=shared)
+                sub_j = T.sblock_alloc_buffer((warps, K_MAX), "int32", scope=shared)
                 T.evaluate(wait_for_producers(gpu))  # first: schedules/pdl.py
                 T.evaluate(release_dependents(gpu))
                 b: T.let[T.int32] = bc // CHUNKS
@@ -175,9 +166,6 @@ def sample_pick(decodable: int, selection: int, target: Target) -> PrimFunc:
                         if tx % 32 == 0:
                             tw[tx // 32, 0] = run[0]
                             tw[tx // 32, 1] = run[1]
-                        if tx == 0:
-                            last_v[0] = T.float32("inf")
-                            last_j[0] = -1
                 for tx in lanes():
                     with T.sblock("triple"):
                         T.reads()
@@ -190,43 +178,64 @@ def sample_pick(decodable: int, selection: int, target: Target) -> PrimFunc:
                                 merge(run, arg, tw[w, 0], 0, tw[w, 1])
                             ws_t[b, bc % CHUNKS, 0] = run[0]
                             ws_t[b, bc % CHUNKS, 1] = run[1]
-                for rd in T.serial(rounds_of(ints, b)):
-                    for tx in lanes():
-                        with T.sblock("round"):
-                            T.reads()
-                            T.writes()
-                            v = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                            at = T.sblock_alloc_buffer((1,), "int32", scope="local")
-                            lv: T.let[T.float32] = last_v[0]
-                            lj: T.let[T.int32] = last_j[0]
+                k: T.let[T.int32] = rounds_of(ints, b)
+                for tx in lanes():
+                    with T.sblock("warp_lists"):
+                        T.reads()
+                        T.writes()
+                        # warp w lists the best k of its sub-chunk in order, by shuffles only
+                        v = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                        at = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                        last_v = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                        last_j = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                        w: T.let[T.int32] = tx // wl
+                        last_v[0] = T.float32("inf")
+                        last_j[0] = -1
+                        for rd in T.serial(k):
                             v[0] = T.float32("-inf")
-                            at[0] = span
+                            at[0] = BIG
                             for e in T.serial(per_lane):
-                                j: T.let[T.int32] = e * nt + tx
-                                s: T.let[T.float32] = score[T.min(j, per_lane * nt - 1)]
+                                j: T.let[T.int32] = w * sub + e * wl + tx % wl
+                                s: T.let[T.float32] = score[j]
+                                ok: T.let[T.bool] = _after(s, j, last_v[0], last_j[0])
                                 # Selects, not ifs: TVM's sync pass wants no shared loads in
                                 # a condition
-                                ok: T.let[T.bool] = tirx.all(j < span, _after(s, j, lv, lj))
                                 better: T.let[T.bool] = tirx.And(ok, s > v[0])
                                 at[0] = T.Select(better, j, at[0])
                                 v[0] = T.Select(better, s, v[0])
                             if gpu:
                                 warp_best(v, at)
-                            if tx % 32 == 0:
-                                wv[tx // 32, 0] = v[0]
-                                wj[tx // 32] = at[0]
-                    for tx in lanes():
-                        with T.sblock("winner"):
-                            T.reads()
-                            T.writes()
-                            v = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                            at = T.sblock_alloc_buffer((1,), "int32", scope="local")
-                            if tx == 0:
-                                warps_best(v, at, wv, wj, warps)
-                                last_v[0] = v[0]
-                                last_j[0] = at[0]
-                                ws_v[b, bc % CHUNKS, rd] = v[0]
-                                ws_i[b, bc % CHUNKS, rd] = c0 + at[0]
+                            last_v[0] = v[0]
+                            last_j[0] = at[0]
+                            if tx % wl == 0:
+                                sub_v[w, rd] = v[0]
+                                sub_j[w, rd] = at[0]
+                for tx in lanes():
+                    with T.sblock("chunk_list"):
+                        T.reads()
+                        T.writes()
+                        # warp 0 merges the warps' lists: lane l holds list l's next entry
+                        v = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                        at = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                        head = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                        if tx < wl:
+                            head[0] = 0
+                            mine: T.let[T.int32] = T.min(tx, warps - 1)
+                            for rd in T.serial(k):
+                                live: T.let[T.bool] = tirx.And(tx < warps, head[0] < k)
+                                at_head: T.let[T.int32] = T.min(head[0], K_MAX - 1)
+                                hv: T.let[T.float32] = sub_v[mine, at_head]
+                                hj: T.let[T.int32] = sub_j[mine, at_head]
+                                v[0] = T.Select(live, hv, T.float32("-inf"))
+                                at[0] = T.Select(live, hj, BIG)
+                                if gpu:  # ties: the lower position, so the lower id
+                                    warp_best(v, at)
+                                found: T.let[T.bool] = v[0] > T.float32("-inf")
+                                took: T.let[T.bool] = tirx.all(live, hj == at[0], found)
+                                head[0] = head[0] + T.Select(took, 1, 0)
+                                if tx == 0:
+                                    ws_v[b, bc % CHUNKS, rd] = v[0]
+                                    ws_i[b, bc % CHUNKS, rd] = c0 + at[0]
 
     @T.macro
     def row_draw(logits, rows_buf, floats, ints, best, logprob, ws_v, ws_i, ws_t, n):
@@ -235,13 +244,7 @@ def sample_pick(decodable: int, selection: int, target: Target) -> PrimFunc:
                 T.reads()
                 T.writes()
                 cand = T.sblock_alloc_buffer((CHUNKS, K_MAX), "float32", scope=shared)
-                # each list's next entry, ping-ponged between two rows a round as in
-                # pick_triples.reduce_shared: no lane reads what another writes
-                heads = T.sblock_alloc_buffer((2, CHUNKS), "int32", scope=shared)
-                won = T.sblock_alloc_buffer((1,), "int32", scope=shared)
                 pick = T.sblock_alloc_buffer((K_MAX,), "int32", scope=shared)
-                wv = T.sblock_alloc_buffer((warps, 2), "float32", scope=shared)
-                wj = T.sblock_alloc_buffer((warps,), "int32", scope=shared)
                 tw = T.sblock_alloc_buffer((warps, 2), "float32", scope=shared)
                 T.evaluate(wait_for_producers(gpu))  # first: schedules/pdl.py
                 T.evaluate(release_dependents(gpu))
@@ -256,7 +259,6 @@ def sample_pick(decodable: int, selection: int, target: Target) -> PrimFunc:
                         for e in T.serial(per_merge):
                             c: T.let[T.int32] = e * nt + tx
                             if c < CHUNKS:
-                                heads[0, c] = 0
                                 merge(run, arg, ws_t[b, c, 0], 0, ws_t[b, c, 1])
                                 for q in T.serial(k):
                                     cand[c, q] = ws_v[b, c, q]
@@ -265,46 +267,39 @@ def sample_pick(decodable: int, selection: int, target: Target) -> PrimFunc:
                         if tx % 32 == 0:
                             tw[tx // 32, 0] = run[0]
                             tw[tx // 32, 1] = run[1]
-                        if tx == 0:
-                            won[0] = CHUNKS
-                for rd in T.serial(k):
-                    for tx in lanes():
-                        with T.sblock("heads"):
-                            T.reads()
-                            T.writes()
-                            v = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                            at = T.sblock_alloc_buffer((1,), "int32", scope="local")
-                            v[0] = T.float32("-inf")
-                            at[0] = CHUNKS
-                            # lower chunks hold lower ids: ties go to the lower chunk
-                            for e in T.serial(per_merge):
-                                c: T.let[T.int32] = T.min(e * nt + tx, CHUNKS - 1)
-                                moved: T.let[T.int32] = T.Select(c == won[0], 1, 0)
-                                hd: T.let[T.int32] = heads[rd % 2, c] + moved
-                                heads[1 - rd % 2, c] = hd
-                                s: T.let[T.float32] = cand[c, T.min(hd, K_MAX - 1)]
-                                better: T.let[T.bool] = tirx.all(e * nt + tx < CHUNKS, hd < k,
-                                                                 s > v[0])  # fmt: skip
-                                at[0] = T.Select(better, c, at[0])
-                                v[0] = T.Select(better, s, v[0])
-                            if gpu:
-                                warp_best(v, at)
-                            if tx % 32 == 0:
-                                wj[tx // 32] = at[0]
-                                wv[tx // 32, 0] = v[0]
-                    for tx in lanes():
-                        with T.sblock("advance"):
-                            T.reads()
-                            T.writes()
-                            v = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                            at = T.sblock_alloc_buffer((1,), "int32", scope="local")
-                            if tx == 0:
-                                warps_best(v, at, wv, wj, warps)
-                                c: T.let[T.int32] = T.min(at[0], CHUNKS - 1)
+                for tx in lanes():
+                    with T.sblock("tournament"):
+                        T.reads()
+                        T.writes()
+                        # warp 0: lane l holds the next entries of lists l, l + 32, ...; an
+                        # entry's place c * K_MAX + head orders ties by chunk, so by id
+                        v = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                        at = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                        heads = T.sblock_alloc_buffer((lists,), "int32", scope="local")
+                        if tx < wl:
+                            for m in each_list(lists):
+                                heads[m] = 0
+                            for rd in T.serial(k):
+                                v[0] = T.float32("-inf")
+                                at[0] = BIG
+                                for m in each_list(lists):
+                                    c: T.let[T.int32] = m * wl + tx
+                                    hd: T.let[T.int32] = heads[m]
+                                    s: T.let[T.float32] = cand[c, T.min(hd, K_MAX - 1)]
+                                    better: T.let[T.bool] = tirx.And(hd < k, s > v[0])
+                                    at[0] = T.Select(better, c * K_MAX + hd, at[0])
+                                    v[0] = T.Select(better, s, v[0])
+                                if gpu:
+                                    warp_best(v, at)
                                 # -1: every list ran out (fewer decodable columns than k)
                                 found: T.let[T.bool] = v[0] > T.float32("-inf")
-                                pick[rd] = T.Select(found, c * K_MAX + heads[1 - rd % 2, c], -1)
-                                won[0] = T.Select(found, c, CHUNKS)  # its list moves on
+                                for m in each_list(lists):
+                                    took: T.let[T.bool] = tirx.And(
+                                        found, at[0] == (m * wl + tx) * K_MAX + heads[m]
+                                    )
+                                    heads[m] = heads[m] + T.Select(took, 1, 0)
+                                if tx == 0:
+                                    pick[rd] = T.Select(found, at[0], -1)
                 for tx in lanes():
                     with T.sblock("draw"):
                         T.reads()
