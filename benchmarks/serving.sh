@@ -10,7 +10,8 @@ port=${PORT:-8000}
 url=http://127.0.0.1:$port
 mkdir -p "$out"
 # SERVE_ARGS: more `serve` options (e.g. --mixed-step-share 0.5); LEVELS: the concurrencies;
-# PORT: the server's (default 8000)
+# PORT: the server's (default 8000); BENCH_ARGS: more `bench` options (e.g. sampled traffic:
+# --temperature 0.7 --top-p 0.8 --top-k 20)
 "${cli[@]}" serve "$art" --device "${DEVICE:-cuda}" --max-batch "$max_batch" --port "$port" ${SERVE_ARGS:-} >"$out/server.log" 2>&1 &
 server=$!
 trap 'kill $server 2>/dev/null' EXIT
@@ -23,7 +24,7 @@ bench() {  # NAME [extra args]
   local name=$1
   shift
   "${cli[@]}" bench --url $url --input-len "${INPUT_LEN:-1024}" --output-len "${OUTPUT_LEN:-256}" --num-prompts "$n" \
-    --logprobs --out "$out/$name.json" --plot "$out/$name.png" "$@"
+    --logprobs --out "$out/$name.json" --plot "$out/$name.png" ${BENCH_ARGS:-} "$@"
   local rc=$?
   # the server's step histograms so far (cumulative over the levels run before this one)
   curl -s "$url/metrics" >"$out/$name.metrics.txt" || true

@@ -4,8 +4,9 @@ A pure HTTP client: it never imports the runtime, the compiler or TVM, so it run
 machine that can reach the server. For each concurrency level it streams `num_prompts`
 completions of random token-id prompts (exactly `input_len` ids, uniform in [1000, 100000)
 from a seeded numpy RNG) with `max_tokens=output_len`, `ignore_eos` and `temperature: 0`
-(greedy: deterministic, and the sampler's cheapest path), at most `concurrency` in flight;
-with a finite `request_rate` the request starts also follow a Poisson process.
+(greedy: deterministic, and the sampler's cheapest path; `temperature`, `top_p` and `top_k`
+measure sampled traffic instead), at most `concurrency` in flight; with a finite
+`request_rate` the request starts also follow a Poisson process.
 
 Timing, per request, on the client's clock:
 - TTFT: send -> the first chunk that carries a token.
@@ -55,6 +56,9 @@ class BenchConfig:
     seed: int = 0
     logprobs: bool = False
     timeout: float = 300.0
+    temperature: float = 0.0
+    top_p: float | None = None  # None: the server's default
+    top_k: int | None = None
 
     def __post_init__(self) -> None:
         self.url = self.url.rstrip("/")
@@ -65,6 +69,12 @@ class BenchConfig:
             raise ValueError("every concurrency level must be >= 1")
         if not self.request_rate > 0:
             raise ValueError("request-rate must be > 0 (inf: all at once)")
+        if not self.temperature >= 0:
+            raise ValueError("temperature must be >= 0")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError("top-p must be in (0, 1]")
+        if self.top_k is not None and self.top_k < -1:
+            raise ValueError("top-k must be >= -1 (-1 or 0: off)")
 
 
 @dataclass
@@ -185,12 +195,13 @@ async def one_request(
         "prompt": prompt,
         "max_tokens": cfg.output_len,
         "ignore_eos": True,
-        "temperature": 0.0,
+        "temperature": cfg.temperature,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
     if model is not None:
         body["model"] = model
+    body |= {k: v for k, v in (("top_p", cfg.top_p), ("top_k", cfg.top_k)) if v is not None}
     if cfg.logprobs:
         body["logprobs"] = 0
     try:

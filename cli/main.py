@@ -144,6 +144,9 @@ def _bench(args: argparse.Namespace) -> None:
         seed=args.seed,
         logprobs=args.logprobs,
         timeout=args.timeout,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
     )
     failed = failed_requests(run(cfg, out=args.out, plot_path=args.plot))
     if failed:
@@ -277,6 +280,9 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--seed", type=int, default=0, help="seeds the prompts and arrival times")
     b.add_argument("--logprobs", action="store_true", help="a chunk per token: exact ITL")
     b.add_argument("--timeout", type=float, default=300.0, help="seconds to wait on a read")
+    b.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default)")
+    b.add_argument("--top-p", type=float, default=None, help="sent where given")
+    b.add_argument("--top-k", type=int, default=None, help="sent where given")
     b.add_argument("--out", default=None, help="write the results as JSON here")
     b.add_argument("--plot", default=None, help="draw throughput and latency to this PNG")
     b.set_defaults(func=_bench)

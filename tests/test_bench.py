@@ -83,6 +83,38 @@ def test_bench_with_a_request_rate_and_per_token_chunks(served: Served, tmp_path
         assert 0 < gaps.sum() <= r["e2e_ms"] - r["ttft_ms"] + 0.01  # [DONE] comes last
 
 
+def test_bench_sends_sampled_settings(served: Served, tmp_path: Path):
+    """Sampled traffic (Qwen3.5's suggested settings): every request completes, and the report
+    records the settings; a bad one is refused before any request."""
+    out = tmp_path / "sampled.json"
+    sampled = ["--temperature", "0.7", "--top-p", "0.8", "--top-k", "20"]
+    bench(served.url, "--api-key", KEY, "--concurrency", "2", *TINY, *sampled, "--out", str(out))
+    report = json.loads(out.read_text())
+    assert (report["config"]["temperature"], report["config"]["top_p"]) == (0.7, 0.8)
+    assert report["config"]["top_k"] == 20
+    check_all_completed(report["results"][0], 4, 4)
+    with pytest.raises(SystemExit, match="top-p must be in"):
+        bench(served.url, "--concurrency", "2", *TINY, "--top-p", "1.5")
+
+
+def test_the_request_body_carries_the_sampling_settings(monkeypatch):
+    import asyncio
+
+    from qwen35_tvm.cli import bench as client
+
+    sent = []
+
+    async def capture(_client, _cfg, _headers, body):
+        sent.append(body)
+
+    monkeypatch.setattr(client, "_stream", capture)
+    base = dict(url="u", concurrency=[1], input_len=2, output_len=2, num_prompts=1)
+    for cfg in (client.BenchConfig(**base), client.BenchConfig(**base, temperature=0.7, top_k=20)):
+        asyncio.run(client.one_request(None, cfg, None, {}, [5, 6]))
+    assert sent[0]["temperature"] == 0.0 and "top_k" not in sent[0] and "top_p" not in sent[0]
+    assert (sent[1]["temperature"], sent[1]["top_k"]) == (0.7, 20) and "top_p" not in sent[1]
+
+
 def test_a_wrong_api_key_fails_every_request_with_the_reason(served: Served, tmp_path, capsys):
     out = tmp_path / "denied.json"
     with pytest.raises(SystemExit) as exit_info:
