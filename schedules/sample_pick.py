@@ -101,6 +101,25 @@ def warp_best(v, j):
             j[0] = oj
 
 
+@T.macro
+def warps_triples(run, arg, tw, tx, gpu: bool):
+    """Each warp's (max, sum of exp) triple, merged by shuffles, into tw[warp] (the CPU's one
+    lane writes its own)."""
+    if gpu:
+        warp_merge(run, arg, 1, 5)
+    if tx % 32 == 0:
+        tw[tx // 32, 0] = run[0]
+        tw[tx // 32, 1] = run[1]
+
+
+@T.macro
+def merged_warps(run, arg, tw, warps: int):
+    """run = the merge of the warps' triples tw (one thread)."""
+    start(run, arg)
+    for w in T.serial(warps):
+        merge(run, arg, tw[w, 0], 0, tw[w, 1])
+
+
 def sample_pick(decodable: int, selection: int, target: Target) -> PrimFunc:
     """`sample_pick(logits, rows, floats, ints, best, logprob, ws_v, ws_i, ws_t)`: for each
     i, row rows[i] of the logits [batch, selection] drawn with floats[i] = (temperature,
@@ -161,11 +180,7 @@ def sample_pick(decodable: int, selection: int, target: Target) -> PrimFunc:
                             y: T.let[T.float32] = x / floats[b, 0]
                             plain: T.let[T.bool] = tirx.Or(ints[b, 0] >= 1, tirx.Not(live))
                             score[j] = T.Select(plain, y, y + noise)
-                        if gpu:
-                            warp_merge(run, arg, 1, 5)
-                        if tx % 32 == 0:
-                            tw[tx // 32, 0] = run[0]
-                            tw[tx // 32, 1] = run[1]
+                        warps_triples(run, arg, tw, tx, gpu)
                 for tx in lanes():
                     with T.sblock("triple"):
                         T.reads()
@@ -173,9 +188,7 @@ def sample_pick(decodable: int, selection: int, target: Target) -> PrimFunc:
                         run = T.sblock_alloc_buffer((2,), "float32", scope="local")
                         arg = T.sblock_alloc_buffer((1,), "int32", scope="local")
                         if tx == 0:
-                            start(run, arg)
-                            for w in T.serial(warps):
-                                merge(run, arg, tw[w, 0], 0, tw[w, 1])
+                            merged_warps(run, arg, tw, warps)
                             ws_t[b, bc % CHUNKS, 0] = run[0]
                             ws_t[b, bc % CHUNKS, 1] = run[1]
                 k: T.let[T.int32] = rounds_of(ints, b)
@@ -262,11 +275,7 @@ def sample_pick(decodable: int, selection: int, target: Target) -> PrimFunc:
                                 merge(run, arg, ws_t[b, c, 0], 0, ws_t[b, c, 1])
                                 for q in T.serial(k):
                                     cand[c, q] = ws_v[b, c, q]
-                        if gpu:
-                            warp_merge(run, arg, 1, 5)
-                        if tx % 32 == 0:
-                            tw[tx // 32, 0] = run[0]
-                            tw[tx // 32, 1] = run[1]
+                        warps_triples(run, arg, tw, tx, gpu)
                 for tx in lanes():
                     with T.sblock("tournament"):
                         T.reads()
@@ -310,9 +319,7 @@ def sample_pick(decodable: int, selection: int, target: Target) -> PrimFunc:
                         acc = T.sblock_alloc_buffer((3,), "float32", scope="local")
                         sel = T.sblock_alloc_buffer((2,), "int32", scope="local")
                         if tx == 0:
-                            start(run, arg)
-                            for w in T.serial(warps):
-                                merge(run, arg, tw[w, 0], 0, tw[w, 1])
+                            merged_warps(run, arg, tw, warps)
                             peak: T.let[T.float32] = listed(cand, pick, 0)
                             # acc: total weight, the nucleus's weight, the running sum
                             acc[0] = T.float32(0)
