@@ -68,12 +68,14 @@ def _reference_module(consts: dict):
 
 
 def _case(torch, tvm, lib, ref, consts, scale: float, n: int, setting: str, gen) -> dict:
+    from qwen35_tvm.runtime.device_sampling import seed_words
+
     t, p, k = SETTINGS[setting]
     logits = torch.randn((n, SELECTION), device="cuda", generator=gen) * scale
     logits[:, DECODABLE:] = 1e4  # a leak would win every draw
     rows = torch.arange(n, device="cuda", dtype=torch.int32).flip(0)
     seeds = [1000 * n + 17 * j for j in range(n)]
-    words = [ref.split_seed(s) for s in seeds]
+    words = [seed_words(s) for s in seeds]
     floats = torch.tensor([[t, p]] * n, device="cuda", dtype=torch.float32)
     ints = torch.tensor([[k, lo, hi, 1024 + j] for j, (lo, hi) in enumerate(words)],
                         device="cuda", dtype=torch.int32)  # fmt: skip

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import tvm
 
-from .host_picks import UploadStaging
+from .host_picks import DeviceInputs
 from .sampler import SamplingParams, is_effectively_greedy
 
 # schedules/sample_pick.K_MAX (the runtime imports no compiler; a test holds them equal)
@@ -54,13 +54,10 @@ def prefill_draws(
 
 class DeviceDraws:
     """The slots whose rows are drawn on the device, with their settings, and the artifact's
-    kernel with its inputs' fixed buffers (`rows` rows a call)."""
+    kernel; its inputs cross as a step's other int32 inputs do (`DeviceInputs`)."""
 
-    def __init__(self, vm: Any, rows: int, device: Any):
+    def __init__(self, vm: Any):
         self._fn = vm["sampled_pick"]
-        self._rows = tvm.runtime.empty((rows,), "int32", device)
-        self._floats = tvm.runtime.empty((rows, 2), "float32", device)
-        self._ints = tvm.runtime.empty((rows, 4), "int32", device)
         self._slots: dict[int, tuple[float, float, int, int, int]] = {}
 
     def add(self, slot: int, params: SamplingParams, seed: int) -> None:
@@ -70,8 +67,8 @@ class DeviceDraws:
     def remove(self, slot: int) -> None:
         self._slots.pop(slot, None)
 
-    def __contains__(self, slot: int) -> bool:
-        return slot in self._slots
+    def __len__(self) -> int:
+        return len(self._slots)
 
     def draw(
         self,
@@ -79,7 +76,7 @@ class DeviceDraws:
         best: tvm.runtime.Tensor,
         logprob: tvm.runtime.Tensor,
         rows: list[tuple[int, int, int]],
-        staging: UploadStaging,
+        inputs: DeviceInputs,
     ) -> None:
         """Queue the draws of (logits row, slot, position of the token drawn) behind the step:
         their tokens and logprobs land in `best` and `logprob` at those rows."""
@@ -87,22 +84,17 @@ class DeviceDraws:
         n = len(rows)
         if not n:
             return
-        if n > self._rows.shape[0]:
-            raise ValueError(f"{n} sampled rows: at most {self._rows.shape[0]} a step")
         settings = [self._slots[slot] for _, slot, _ in rows]
         floats = np.array([s[:2] for s in settings], dtype=np.float32)
-        ints = np.array(
-            [(s[2], s[3], s[4], at) for s, (_, _, at) in zip(settings, rows, strict=True)],
-            dtype=np.int32,
+        ints = [(s[2], s[3], s[4], at) for s, (_, _, at) in zip(settings, rows, strict=True)]
+        row_ids, float_bits, int_rows = inputs.upload(
+            draw_rows=[r for r, _, _ in rows], draw_floats=floats.view(np.int32), draw_ints=ints
         )
-        views = []
-        for buf, host in (
-            (self._rows, np.array([r for r, _, _ in rows], dtype=np.int32)),
-            (self._floats, floats.view(np.int32)),
-            (self._ints, ints),
-        ):
-            shape = (n, *buf.shape[1:])
-            view = buf._create_view(tvm.runtime.ShapeTuple(shape))
-            view.copyfrom(staging.put(host.ravel(), shape, str(buf.dtype)))
-            views.append(view)
-        self._fn(logits, *views, best, logprob)
+        self._fn(
+            logits,
+            row_ids,
+            float_bits._create_view(tvm.runtime.ShapeTuple((n, 2)), "float32"),
+            int_rows._create_view(tvm.runtime.ShapeTuple((n, 4)), "int32"),
+            best,
+            logprob,
+        )

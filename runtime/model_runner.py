@@ -134,7 +134,7 @@ class ModelRunner:
         # Artifacts built before `sampled_pick` lack it; their sampled rows go to the host.
         self.draws_on_device = vm.module.implements_function("sampled_pick")
         if self.draws_on_device:
-            self._draws = DeviceDraws(vm, max(n, self.num_slots), self.device)
+            self._draws = DeviceDraws(vm)
         # Artifacts built before the bitmask kernels lack these; the engine masks on the host.
         self.constrains_on_device = vm.module.implements_function("constrained_pick")
         if self.constrains_on_device:
@@ -296,9 +296,9 @@ class ModelRunner:
         prompts_only = all(len(t) > 1 for t in tokens)
         fn = self._prefill_prompts if prompts_only else self._prefill
         out = fn(*inputs, *self._state())
-        if self.draws_on_device and len(out) > 5:  # artifacts with prefill's picks
+        if self.draws_on_device and self._draws and len(out) > 5:  # prefill's picks
             drawn = prefill_draws(slots, [len(t) for t in tokens], rows, positions)
-            self._draws.draw(out[0], out[1], out[2], drawn, self._staging)
+            self._draws.draw(out[0], out[1], out[2], drawn, self._inputs)
         return out
 
     def decode(self, slots: list[int], tokens: list[int]) -> StepLogits:
@@ -373,9 +373,9 @@ class ModelRunner:
                 self._feed(step, picks)
         fn = self._decode_wide if batch >= WIDE_DECODE_FROM else self._decode
         fn(step, logits, best, logprob, *self._state())
-        if self.draws_on_device:  # the token drawn sits at the position after the input's
+        if self.draws_on_device and self._draws:  # drawn: the position after the input's
             drawn = [(j, slot, starts[j] + 1) for j, slot in enumerate(slots)]
-            self._draws.draw(logits, best, logprob, drawn, self._staging)
+            self._draws.draw(logits, best, logprob, drawn, self._inputs)
         return views
 
     def _views(self, batch: int) -> tuple:

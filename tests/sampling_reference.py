@@ -22,13 +22,6 @@ def mix(h):
     return h
 
 
-def split_seed(seed: int) -> tuple[int, int]:
-    """A 64-bit seed as the kernel's two int32 words (low, high)."""
-    u = seed & (2**64 - 1)
-    lo, hi = u & 0xFFFFFFFF, u >> 32
-    return int(np.array(lo, np.uint32).view(np.int32)), int(np.array(hi, np.uint32).view(np.int32))
-
-
 def row_key(seed_lo: int, seed_hi: int, counter: int) -> int:
     h = int(mix(seed_hi & 0xFFFFFFFF))
     h = int(mix(h ^ (seed_lo & 0xFFFFFFFF)))

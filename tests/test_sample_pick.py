@@ -9,8 +9,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tvm
-from sampling_reference import draw, split_seed
+from sampling_reference import draw
 
+from qwen35_tvm.runtime.device_sampling import seed_words
 from qwen35_tvm.schedules.sample_pick import K_MAX, sample_pick, workspace_shapes
 
 LLVM = tvm.target.Target("llvm")
@@ -26,7 +27,7 @@ def run_kernel(logits: np.ndarray, decodable: int, rows, settings) -> tuple[np.n
         _LIBS[key] = tvm.compile(tvm.IRModule({"main": func}), LLVM)
     n, dev = len(rows), tvm.cpu()
     floats = np.array([[t, p] for t, p, *_ in settings], np.float32)
-    ints = np.array([[k, *split_seed(s), c] for _, _, k, s, c in settings], np.int32)
+    ints = np.array([[k, *seed_words(s), c] for _, _, k, s, c in settings], np.int32)
     best = tvm.runtime.tensor(np.full(logits.shape[0], -7, np.int32), dev)
     logprob = tvm.runtime.tensor(np.zeros(logits.shape[0], np.float32), dev)
     ws = [tvm.runtime.empty(shape, dt, dev) for shape, dt in
@@ -37,7 +38,7 @@ def run_kernel(logits: np.ndarray, decodable: int, rows, settings) -> tuple[np.n
 
 
 def expect(logits, decodable, rows, settings):
-    out = [draw(logits[r], decodable, t, p, k, *split_seed(s), c)
+    out = [draw(logits[r], decodable, t, p, k, *seed_words(s), c)
            for r, (t, p, k, s, c) in zip(rows, settings, strict=True)]  # fmt: skip
     return np.array([o[0] for o in out]), np.array([o[1] for o in out])
 
