@@ -138,6 +138,7 @@ def sample_pick(decodable: int, selection: int, target: Target) -> PrimFunc:
     sub = per_lane * wl  # a warp's sub-chunk of scores
     lists = CHUNKS // wl  # chunk lists a lane of the tournament holds
     each_list = T.unroll if gpu else T.serial  # the GPU's 4 heads stay in registers
+    each_load = T.unroll if gpu else T.serial  # the GPU's loads all issued before their use
 
     @T.macro
     def chunk_lists(logits, rows_buf, floats, ints, ws_v, ws_i, ws_t, n):
@@ -164,22 +165,29 @@ def sample_pick(decodable: int, selection: int, target: Target) -> PrimFunc:
                         arg = T.sblock_alloc_buffer((1,), "int32", scope="local")
                         row_key(h, ints, b)
                         start(run, arg)
-                        for e in T.serial(per_lane):
+                        xs = T.sblock_alloc_buffer((per_lane,), "float32", scope="local")
+                        # every load first: one after another behind the hash and logs left
+                        # one L2 round trip in flight a lane
+                        for e in each_load(per_lane):
                             j: T.let[T.int32] = e * nt + tx
                             live: T.let[T.bool] = j < span and c0 + j < decodable
-                            x: T.let[T.float32] = T.if_then_else(
+                            xs[e] = T.if_then_else(
                                 live, logits[r, T.min(c0 + j, decodable - 1)], T.float32("-inf")
                             )
-                            take(run, arg, x, c0 + j)
-                            hc[0] = T.bitwise_xor(h[0], T.Cast("uint32", c0 + j))
-                            mix(hc)
-                            # Gumbel noise -log(E), E = -log1p(-v) exponential: the winners'
-                            # E is tiny, and log(1 - v) by a fast-math logf near 1 is off by
-                            # ~4e-7 absolute (6% at E = 6e-6); log1pf has no such intrinsic
-                            noise: T.let[T.float32] = -T.log(-T.log1p(-uniform(hc[0])))
-                            y: T.let[T.float32] = x / floats[b, 0]
-                            plain: T.let[T.bool] = tirx.Or(ints[b, 0] >= 1, tirx.Not(live))
-                            score[j] = T.Select(plain, y, y + noise)
+                        for e in each_load(per_lane):
+                            j: T.let[T.int32] = e * nt + tx
+                            take(run, arg, xs[e], c0 + j)
+                            y: T.let[T.float32] = xs[e] / floats[b, 0]
+                            if ints[b, 0] >= 1 or xs[e] == T.float32("-inf"):
+                                score[j] = y
+                            else:
+                                hc[0] = T.bitwise_xor(h[0], T.Cast("uint32", c0 + j))
+                                mix(hc)
+                                # Gumbel noise -log(E), E = -log1p(-v) exponential: the
+                                # winners' E is tiny, and log(1 - v) by a fast-math logf near
+                                # 1 is off by ~4e-7 absolute (6% at E = 6e-6); log1pf has no
+                                # such intrinsic
+                                score[j] = y - T.log(-T.log1p(-uniform(hc[0])))
                         warps_triples(run, arg, tw, tx, gpu)
                 for tx in lanes():
                     with T.sblock("triple"):
@@ -273,8 +281,11 @@ def sample_pick(decodable: int, selection: int, target: Target) -> PrimFunc:
                             c: T.let[T.int32] = e * nt + tx
                             if c < CHUNKS:
                                 merge(run, arg, ws_t[b, c, 0], 0, ws_t[b, c, 1])
-                                for q in T.serial(k):
-                                    cand[c, q] = ws_v[b, c, q]
+                        # the lists, every thread's loads at once (coalesced along the lists)
+                        for e in each_load(CHUNKS * K_MAX // nt):
+                            at: T.let[T.int32] = e * nt + tx
+                            if at % K_MAX < k:
+                                cand[at // K_MAX, at % K_MAX] = ws_v[b, at // K_MAX, at % K_MAX]
                         warps_triples(run, arg, tw, tx, gpu)
                 for tx in lanes():
                     with T.sblock("tournament"):
