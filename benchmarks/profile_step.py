@@ -243,7 +243,7 @@ def main() -> None:
 
         return call
 
-    runner._upload = named("runner._upload", runner._upload)
+    runner._inputs.upload = named("inputs.upload", runner._inputs.upload)
     runner._prefill = named("vm.prefill", runner._prefill)
     tokens = prompt()
 
