@@ -3,7 +3,8 @@
 `NAME:sync` runs library NAME with synchronous decode steps (no launch-ahead), `NAME:split` with
 a mixed step's decode and prefill as two forwards (runtime/engine.py), `NAME:sync:split` both;
 `NAME:sampled` samples with Qwen3.5's suggested settings (temperature 0.7, top_p 0.8, top_k 20)
-instead of greedy decoding, drawn on the device, `NAME:sampled:host` by the host's sampler.
+instead of greedy decoding, drawn on the device, `NAME:sampled:host` by the host's sampler;
+`NAME:sampled:top_p` with top_p 0.9 alone (temperature 1), as OpenAI clients send it.
 
   here:        python benchmarks/engine_throughput.py build DIR [--shape 4b]
   on the GPU:  python benchmarks/engine_throughput.py run DIR WORK [--shape 4b] [--constrained]
@@ -129,14 +130,14 @@ def step_bytes(artifact, batch: int, context: int) -> int:
 
 
 def run_level(
-    engine, prompts: list[list[int]], grammar: tuple | None = None, sampled: bool = False
+    engine, prompts: list[list[int]], grammar: tuple | None = None, sampled: tuple = ()
 ) -> dict:
     """One level; with `grammar` (a GrammarCompiler and a compiled grammar) every request is
     constrained, and the row says how long the engine waited for masks and applied them; with
-    `sampled`, Qwen3.5's suggested sampling instead of greedy decoding."""
+    `sampled` (temperature, top_p, top_k), sampling instead of greedy decoding."""
     from qwen35_tvm.runtime.sampler import SamplingParams
 
-    params = SamplingParams(0.7, 0.8, 20) if sampled else SamplingParams(temperature=0.0)
+    params = SamplingParams(*sampled) if sampled else SamplingParams(temperature=0.0)
     states = [grammar[0].state(grammar[1]) if grammar else None for _ in prompts]
     timers = _time_constraints(engine, states) if grammar else None
     start = time.perf_counter()
@@ -159,7 +160,7 @@ def run_level(
     row = dict(
         concurrency=len(prompts),
         constrained=grammar is not None,
-        sampled=sampled,
+        sampled=list(sampled) or False,
         ttft_ms_mean=1e3 * float(np.mean(ttft)),
         ttft_ms_max=1e3 * float(np.max(ttft)),
         tpot_ms_mean=1e3 * float(np.mean(tpot)),
@@ -319,7 +320,7 @@ def run(
             **chunk,
         )
         print(f"{name}: engine ready in {time.time() - t0:.1f} s: {engine.capacity()}", flush=True)
-        sampled = "sampled" in modes
+        sampled = (1.0, 0.9) if "top_p" in modes else (0.7, 0.8, 20) if "sampled" in modes else ()
         if "host" in modes:
             engine.runner.draws_on_device = False  # sampled rows go to the host's sampler
         grammar = _grammar(artifact) if constrained else None

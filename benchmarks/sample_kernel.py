@@ -7,9 +7,10 @@ sampler it replaces.
 
 For 1 and 16 rows of random logits (flat: std 1; peaked: std 4), pads holding the largest
 values, and each setting (Qwen3.5's suggested t0.7 / p0.8 / k20, its thinking t1.0 / p0.95 /
-k20, top_k 64, and Gumbel-max over the whole row): the GPU check (every token equal to
-tests/sampling_reference.py's draw on the same row, seed and position; never a pad; the
-logprob within 1e-4 of the row's log_softmax), then µs a call in a CUDA graph, and the host's
+k20, top_k 64, Gumbel-max over the whole row, and top_p alone at t1.0 / p0.9 and t0.7 / p0.95):
+the GPU check (every token equal to tests/sampling_reference.py's draw on the same row, seed
+and position; never a pad; the logprob within 1e-4 of the row's log_softmax; top_p rows'
+nucleus floors against the reference's, reported), then µs a call in a CUDA graph, and the host's
 path for one row on this machine's CPU: the row's copy to the host, Sampler.sample and
 Sampler.logprob (what a sampled row paid each step before; its step was synchronous too).
 """
@@ -31,6 +32,8 @@ SETTINGS = {  # name: (temperature, top_p, top_k)
     "thinking": (1.0, 0.95, 20),
     "top_k_64": (1.0, 1.0, 64),
     "gumbel": (1.0, 1.0, -1),
+    "top_p": (1.0, 0.9, -1),  # top_p alone, as OpenAI clients send it: the nucleus kernel
+    "top_p_t0.7": (0.7, 0.95, -1),
 }
 ROWS = (1, 16)
 MANIFEST = "manifest.json"
@@ -42,7 +45,7 @@ def build(out: Path) -> None:
     from qwen35_tvm.compile.cuda_toolchain import prepare_cuda_codegen
     from qwen35_tvm.compile.pipeline import tir_pipeline
     from qwen35_tvm.compile.targets import make_target
-    from qwen35_tvm.schedules import sample_pick
+    from qwen35_tvm.schedules import nucleus, sample_pick
 
     target, arches = make_target("cuda", "sm_90")
     prepare_cuda_codegen(arches)
@@ -53,7 +56,8 @@ def build(out: Path) -> None:
     lib.export_library(str(out / "sample_pick.so"))
     # the run side reads the kernel's constants here: it imports no compiler (tvm.script)
     consts = {"DRAW": sample_pick.DRAW, "K_MAX": sample_pick.K_MAX, "MIX": sample_pick.MIX,
-              "CHUNKS": sample_pick.CHUNKS}  # fmt: skip
+              "CHUNKS": sample_pick.CHUNKS, "FIXED": nucleus.FIXED,
+              "LOG2E": nucleus.LOG2E}  # fmt: skip
     (out / MANIFEST).write_text(json.dumps({"arch": arches, "constants": consts}))
     print(f"built {out / 'sample_pick.so'}")
 
@@ -61,6 +65,7 @@ def build(out: Path) -> None:
 def _reference_module(consts: dict):
     """tests/sampling_reference.py, its kernel constants from the manifest."""
     sys.modules["qwen35_tvm.schedules.sample_pick"] = types.SimpleNamespace(**consts)
+    sys.modules["qwen35_tvm.schedules.nucleus"] = types.SimpleNamespace(**consts)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     import sampling_reference
 
@@ -84,6 +89,7 @@ def _case(torch, tvm, lib, ref, consts, scale: float, n: int, setting: str, gen)
     ws = [torch.empty((n, consts["CHUNKS"], consts["K_MAX"]), device="cuda", dtype=dt)
           for dt in (torch.float32, torch.int32)]  # fmt: skip
     ws.append(torch.empty((n, consts["CHUNKS"], 2), device="cuda", dtype=torch.float32))
+    ws.append(torch.empty((n,), device="cuda", dtype=torch.float32))  # nucleus floors
     args = [tvm.runtime.from_dlpack(a) for a in (logits, rows, floats, ints, best, logprob, *ws)]
     fn = lib["sample_pick"]
     fn(*args)
@@ -91,14 +97,21 @@ def _case(torch, tvm, lib, ref, consts, scale: float, n: int, setting: str, gen)
     host = logits.cpu().numpy()
     got, got_lp = best.cpu().numpy(), logprob.cpu().numpy()
     lsm = torch.log_softmax(logits[:, :DECODABLE].double(), dim=1).cpu().numpy()
-    equal, lp_err = 0, 0.0
+    floors = ws[3].cpu().numpy()
+    equal, floors_equal, lp_err, kept = 0, 0, 0.0, []
     for j in range(n):
         r = n - 1 - j  # rows are listed in reverse
         want, _ = ref.draw(host[r], DECODABLE, t, p, k, *words[j], 1024 + j)
         equal += int(got[r] == want)
         lp_err = max(lp_err, abs(float(got_lp[r]) - float(lsm[r, got[r]])))
+        if k < 1 and p < 1:
+            floor = ref.nucleus_floor(host[r, :DECODABLE], t, p)
+            floors_equal += int(floors[j] == floor)
+            kept.append(int((host[r, :DECODABLE] >= floors[j]).sum()))
     row = {"setting": setting, "scale": scale, "rows": n, "tokens_equal": equal,
            "never_a_pad": bool((got < DECODABLE).all()), "logprob_max_err": lp_err}  # fmt: skip
+    if kept:
+        row |= {"floors_equal": floors_equal, "nucleus_columns_max": max(kept)}
     graph = torch.cuda.CUDAGraph()
     import tvm_ffi
 

@@ -64,18 +64,19 @@ class RowPicks(nn.Module):
         seed low, seed high, counter): its token and raw logprob into best_out[rows[i]] and
         logprob_out[rows[i]], in place; the other rows' picks are left as they were."""
         w = self.widths
-        v, i, t = sample_pick.workspace_shapes(rows.shape[0])
+        v, i, t, f = sample_pick.workspace_shapes(rows.shape[0])
         best, logprob, *_ = op.tensor_ir_inplace_op(
             sample_pick.sample_pick(w.decodable, w.selection, Target.current()),
             "sample_pick",
             [logits, rows, floats, ints, best_out, logprob_out],
-            inplace_indices=[4, 5, -1, -1, -1],
+            inplace_indices=[4, 5, -1, -1, -1, -1],
             out=[
                 best_out,
                 logprob_out,
                 Tensor.placeholder(v, F32),
                 Tensor.placeholder(i, "int32"),
                 Tensor.placeholder(t, F32),
+                Tensor.placeholder(f, F32),
             ],
         )
         return best, logprob

@@ -4,8 +4,8 @@ written into the step's own pick buffers, as a greedy row's pick is. So such a s
 steps come back as 8 bytes a row and may be launched ahead, where the host's sampler would
 copy its 1 MB row and wait for the GPU every step.
 
-Which settings qualify (`drawn_on_device`): a temperature with top_k up to DEVICE_TOP_K (any
-top_p), or with neither top_k nor top_p (Gumbel-max over the whole row); no min_p, no
+Which settings qualify (`drawn_on_device`): a temperature with top_k off or up to DEVICE_TOP_K,
+and any top_p (without top_k, a nucleus of any size: schedules/nucleus.py); no min_p, no
 alternatives reported, no grammar. Others stay with the host's sampler (runtime/sampler.py).
 A row's randomness is a hash of its request's seed and its token's position, so a seeded
 request draws the same tokens whatever else runs beside it."""
@@ -28,7 +28,7 @@ def drawn_on_device(params: SamplingParams, decodable: int) -> bool:
     """Whether the device's draw gives exactly the distribution these settings ask for."""
     if is_effectively_greedy(params, decodable) or params.min_p > 0.0:
         return False
-    return 1 <= params.top_k <= DEVICE_TOP_K or (params.top_k < 1 and params.top_p == 1.0)
+    return params.top_k <= DEVICE_TOP_K  # -1 / 0: off
 
 
 def seed_words(seed: int) -> tuple[int, int]:

@@ -5,19 +5,21 @@ launched ahead (runtime/launched.py) instead of waiting for the host to sample a
 Two ways, chosen a row by its top_k:
 - top_k in 1..K_MAX: the k largest of x / temperature (ties to the lower id, as the host's
   sampler), then top_p over them and a draw by inverse CDF with one uniform;
-- top_k off (top_p then 1): Gumbel-max, the argmax of x / temperature + Gumbel noise over
-  every decodable column, an exact draw from the whole tempered distribution.
-Other settings (top_p without top_k, min_p, top_k past K_MAX) stay with the host's sampler.
+- top_k off: Gumbel-max, the argmax of x / temperature + Gumbel noise over every decodable
+  column (with top_p, over the nucleus that schedules/nucleus.py finds first), an exact draw
+  from the tempered distribution (its nucleus).
+Other settings (min_p, top_k past K_MAX) stay with the host's sampler.
 
 Randomness is counter-based: a 32-bit hash of (seed, counter, column), so a row's draw
 depends on its request's seed and its position only, never on the batch it ran in, and
 tests can recompute it (tests/sampling_reference.py).
 
-Two kernels. The first is a block a (row, chunk of the decodable columns): it keeps each
+Three kernels. The first finds top_p rows' nucleus floors (a block a row; other rows' blocks
+end at once). The second is a block a (row, chunk of the decodable columns): it keeps each
 column's score (y, or y + noise) in shared memory; each warp lists the `rounds` best of its
 part in order (`rounds` = k, or 1 for Gumbel-max), one argmax by shuffles a round, and warp 0
 merges the warps' lists into the chunk's; it also leaves the chunk's (max, sum of exp) of the
-raw logits for the logprob. The second is a block a row: warp 0 runs a tournament over the
+raw logits for the logprob. The third is a block a row: warp 0 runs a tournament over the
 chunks' sorted lists for the row's `rounds` best in order, then the draw. No round waits at a
 block barrier. Only decodable columns are read: pads never compete. The logprob reported is the
 raw distribution's (temperature 1, no filter), as the host's `Sampler.logprob` gives it.
@@ -32,6 +34,7 @@ from tvm.tirx import PrimFunc
 
 from .greedy import CHUNKS
 from .loops import block_loop, thread_loop
+from .nucleus import nucleus_floors
 from .pdl import release_dependents, wait_for_producers
 from .pick_triples import FULL_MASK, merge, start, take, warp_merge
 
@@ -42,9 +45,10 @@ DRAW = 0x80000000  # the hash input of the inverse CDF's uniform: no column is t
 MIX = (0x7FEB352D, 0x846CA68B)  # lowbias32's multipliers
 
 
-def workspace_shapes(n) -> tuple[tuple, tuple, tuple]:
-    """The chunks' sorted lists (scores, column ids) and their raw (max, sum of exp)."""
-    return (n, CHUNKS, K_MAX), (n, CHUNKS, K_MAX), (n, CHUNKS, 2)
+def workspace_shapes(n) -> tuple[tuple, tuple, tuple, tuple]:
+    """The chunks' sorted lists (scores, column ids), their raw (max, sum of exp), and each
+    row's nucleus floor (schedules/nucleus.py)."""
+    return (n, CHUNKS, K_MAX), (n, CHUNKS, K_MAX), (n, CHUNKS, 2), (n,)
 
 
 @T.macro
@@ -121,7 +125,7 @@ def merged_warps(run, arg, tw, warps: int):
 
 
 def sample_pick(decodable: int, selection: int, target: Target) -> PrimFunc:
-    """`sample_pick(logits, rows, floats, ints, best, logprob, ws_v, ws_i, ws_t)`: for each
+    """`sample_pick(logits, rows, floats, ints, best, logprob, ws_v, ws_i, ws_t, ws_f)`: for each
     i, row rows[i] of the logits [batch, selection] drawn with floats[i] = (temperature,
     top_p) and ints[i] = (top_k, seed low, seed high, counter); its token and raw logprob are
     written to best[rows[i]] and logprob[rows[i]] (the step's own pick buffers, in place).
@@ -139,9 +143,10 @@ def sample_pick(decodable: int, selection: int, target: Target) -> PrimFunc:
     lists = CHUNKS // wl  # chunk lists a lane of the tournament holds
     each_list = T.unroll if gpu else T.serial  # the GPU's 4 heads stay in registers
     each_load = T.unroll if gpu else T.serial  # the GPU's loads all issued before their use
+    floors = nucleus_floors(decodable, gpu)
 
     @T.macro
-    def chunk_lists(logits, rows_buf, floats, ints, ws_v, ws_i, ws_t, n):
+    def chunk_lists(logits, rows_buf, floats, ints, ws_v, ws_i, ws_t, ws_f, n):
         for bc in grid(n * CHUNKS):
             with T.sblock("chunk"):
                 T.reads()
@@ -180,6 +185,8 @@ def sample_pick(decodable: int, selection: int, target: Target) -> PrimFunc:
                             y: T.let[T.float32] = xs[e] / floats[b, 0]
                             if ints[b, 0] >= 1 or xs[e] == T.float32("-inf"):
                                 score[j] = y
+                            elif xs[e] < ws_f[b]:  # out of a top_p row's nucleus
+                                score[j] = T.float32("-inf")
                             else:
                                 hc[0] = T.bitwise_xor(h[0], T.Cast("uint32", c0 + j))
                                 mix(hc)
@@ -376,6 +383,7 @@ def sample_pick(decodable: int, selection: int, target: Target) -> PrimFunc:
         ws_v_h: T.handle,
         ws_i_h: T.handle,
         ws_t_h: T.handle,
+        ws_f_h: T.handle,
     ):
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
         batch, n = T.int32(), T.int32()
@@ -388,7 +396,9 @@ def sample_pick(decodable: int, selection: int, target: Target) -> PrimFunc:
         ws_v = T.match_buffer(ws_v_h, (n, CHUNKS, K_MAX), "float32")
         ws_i = T.match_buffer(ws_i_h, (n, CHUNKS, K_MAX), "int32")
         ws_t = T.match_buffer(ws_t_h, (n, CHUNKS, 2), "float32")
-        chunk_lists(logits, rows_buf, floats, ints, ws_v, ws_i, ws_t, n)
+        ws_f = T.match_buffer(ws_f_h, (n,), "float32")
+        floors(logits, rows_buf, floats, ints, ws_f, n)
+        chunk_lists(logits, rows_buf, floats, ints, ws_v, ws_i, ws_t, ws_f, n)
         row_draw(logits, rows_buf, floats, ints, best, logprob, ws_v, ws_i, ws_t, n)
 
     return sample_pick

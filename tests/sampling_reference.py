@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from qwen35_tvm.schedules.nucleus import FIXED, LOG2E
 from qwen35_tvm.schedules.sample_pick import DRAW, K_MAX, MIX
 
 U32 = np.uint32
@@ -38,6 +39,18 @@ def column_uniforms(key: int, n: int) -> np.ndarray:
     return uniform(mix(np.uint32(key) ^ np.arange(n, dtype=np.uint32)))
 
 
+def nucleus_floor(x: np.ndarray, temperature: float, top_p: float) -> float:
+    """schedules/nucleus.py's floor of a row's decodable logits x: the least value of the
+    smallest most-likely set holding top_p of the fixed-point mass, every tie of it kept."""
+    x = x.astype(np.float32)
+    t = (x.max() - x) * (np.float32(LOG2E) / np.float32(temperature))
+    w = np.floor(np.exp2(-t).astype(np.float64) * FIXED)
+    target = np.float64(np.float32(top_p)) * w.sum()
+    values, at = np.unique(x[w > 0], return_inverse=True)  # ascending
+    from_top = np.cumsum(np.bincount(at, weights=w[w > 0])[::-1])  # integers: exact
+    return float(values[::-1][np.searchsorted(from_top, target, side="left")])
+
+
 def draw(row: np.ndarray, decodable: int, temperature: float, top_p: float, top_k: int,
          seed_lo: int, seed_hi: int, counter: int) -> tuple[int, float]:  # fmt: skip
     """The kernel's token and raw logprob for one row."""
@@ -49,6 +62,8 @@ def draw(row: np.ndarray, decodable: int, temperature: float, top_p: float, top_
         u = column_uniforms(key, decodable)
         noise = -np.log(-np.log1p(-u))
         score = np.where(np.isfinite(x), y + noise, y)
+        if top_p < 1.0:
+            score = np.where(x >= nucleus_floor(x, temperature, top_p), score, -np.inf)
         token = int(np.argmax(score))
         return token, float(x[token]) - lse
     k = min(top_k, K_MAX)

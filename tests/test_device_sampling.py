@@ -19,6 +19,7 @@ from qwen35_tvm.schedules.sample_pick import K_MAX
 
 SUGGESTED = SamplingParams(temperature=0.7, top_p=0.8, top_k=20, seed=5)  # Qwen3.5's
 GUMBEL = SamplingParams(temperature=1.2, seed=-9)  # no top_k, no top_p: the whole row
+NUCLEUS = SamplingParams(temperature=0.9, top_p=0.9, seed=3)  # top_p alone (OpenAI clients')
 
 
 def test_the_runtime_knows_the_kernels_top_k():
@@ -32,7 +33,7 @@ def test_the_runtime_knows_the_kernels_top_k():
         (GUMBEL, True),
         (SamplingParams(temperature=1.0, top_k=K_MAX), True),
         (SamplingParams(temperature=1.0, top_k=K_MAX + 1), False),
-        (SamplingParams(temperature=1.0, top_p=0.9), False),  # a nucleus of the whole row
+        (SamplingParams(temperature=1.0, top_p=0.9), True),  # a nucleus of the whole row
         (SamplingParams(temperature=1.0, top_k=20, min_p=0.1), False),
         (SamplingParams(temperature=0.0, top_k=20), False),  # greedy: the plain pick
         (SamplingParams(temperature=1.0, top_k=1), False),
@@ -66,11 +67,12 @@ def test_engine_draws_equal_the_reference_and_launch_ahead(tiny_compiled):
         Request(prompt(9, d, 1), SUGGESTED, 14, ignore_eos=True),
         Request(prompt(21, d, 2), GREEDY, 10, ignore_eos=True),
         Request(prompt(5, d, 3), GUMBEL, 14, ignore_eos=True),
+        Request(prompt(17, d, 7), NUCLEUS, 14, ignore_eos=True),
     ]
     want, _ = _run(art, {0: reqs}, overlap=False)
     got, launched = _run(art, {0: reqs}, overlap=True)
     assert {k: v[0] for k, v in got.items()} == {k: v[0] for k, v in want.items()}
-    for i in (0, 2):
+    for i in (0, 2, 3):
         assert got[i][0] == reference_tokens(art, reqs[i].prompt_ids, reqs[i].params, 14)
     # before, a sampled row made every step synchronous: now they chain, fed on the device
     assert launched.count(None) >= 8, launched
@@ -92,8 +94,8 @@ def test_a_seeded_request_draws_the_same_alone_or_beside_others(tiny_compiled):
 def test_settings_the_kernel_does_not_serve_stay_on_the_host(tiny_compiled):
     art, gen = loaded(tiny_compiled)
     d = gen.decodable
-    nucleus = SamplingParams(temperature=1.0, top_p=0.9, seed=3)
-    reqs = [Request(prompt(7, d, 6), nucleus, 8, ignore_eos=True)]
+    floor = SamplingParams(temperature=1.0, top_k=20, min_p=0.1, seed=3)
+    reqs = [Request(prompt(7, d, 6), floor, 8, ignore_eos=True)]
     got, launched = _run(art, {0: reqs}, overlap=True)
     assert len(got[0][0]) == 8 and all(0 <= t < d for t in got[0][0])
     assert None not in launched  # the host supplies every token: nothing fed on the device

@@ -18,9 +18,11 @@ LLVM = tvm.target.Target("llvm")
 _LIBS: dict[tuple[int, int], tvm.runtime.Module] = {}
 
 
-def run_kernel(logits: np.ndarray, decodable: int, rows, settings) -> tuple[np.ndarray, ...]:
+def run_kernel(logits: np.ndarray, decodable: int, rows, settings,
+               floors: bool = False) -> tuple[np.ndarray, ...]:  # fmt: skip
     """settings[i] = (temperature, top_p, top_k, seed, counter) for logits row rows[i];
-    returns (best, logprob) over the whole batch, -7 / 0 where no row was drawn."""
+    returns (best, logprob) over the whole batch, -7 / 0 where no row was drawn, and with
+    `floors` each listed row's nucleus floor (schedules/nucleus.py)."""
     key = (decodable, logits.shape[1])
     if key not in _LIBS:
         func = sample_pick(decodable, logits.shape[1], LLVM)
@@ -30,11 +32,12 @@ def run_kernel(logits: np.ndarray, decodable: int, rows, settings) -> tuple[np.n
     ints = np.array([[k, *seed_words(s), c] for _, _, k, s, c in settings], np.int32)
     best = tvm.runtime.tensor(np.full(logits.shape[0], -7, np.int32), dev)
     logprob = tvm.runtime.tensor(np.zeros(logits.shape[0], np.float32), dev)
-    ws = [tvm.runtime.empty(shape, dt, dev) for shape, dt in
-          zip(workspace_shapes(n), ("float32", "int32", "float32"), strict=True)]  # fmt: skip
+    dtypes = ("float32", "int32", "float32", "float32")
+    ws = [tvm.runtime.empty(shape, dt, dev)
+          for shape, dt in zip(workspace_shapes(n), dtypes, strict=True)]  # fmt: skip
     args = [logits, np.asarray(rows, np.int32), floats, ints]
     _LIBS[key]["sample_pick"](*(tvm.runtime.tensor(a, dev) for a in args), best, logprob, *ws)
-    return best.numpy(), logprob.numpy()
+    return (best.numpy(), logprob.numpy()) + ((ws[3].numpy(),) if floors else ())
 
 
 def expect(logits, decodable, rows, settings):
@@ -52,7 +55,7 @@ def _logits(rng, batch, selection, decodable, scale=3.0):
 @pytest.mark.parametrize("decodable, selection", [(1003, 1024), (50, 128), (300, 300)])
 def test_tokens_equal_the_reference(decodable, selection):
     rng = np.random.default_rng(decodable)
-    logits = _logits(rng, 7, selection, decodable)
+    logits = _logits(rng, 9, selection, decodable)
     settings = [
         (0.7, 0.8, 20, 1234, 0),  # Qwen3.5's suggested settings
         (1.0, 0.95, 20, 1234, 1),
@@ -61,8 +64,10 @@ def test_tokens_equal_the_reference(decodable, selection):
         (1.0, 1.0, -1, 99, 4),  # top_k off: Gumbel-max
         (0.6, 1.0, 0, 99, 5),
         (2.0, 1.0, 1, 7, 6),  # top_k 1: the argmax
+        (1.0, 0.9, -1, 8, 7),  # top_p alone: Gumbel-max over the nucleus
+        (0.7, 0.3, 0, 9, 8),
     ]
-    rows = [6, 0, 3, 2, 5, 1, 4]
+    rows = [6, 0, 3, 2, 5, 1, 4, 8, 7]
     best, logprob = run_kernel(logits, decodable, rows, settings)
     want, want_lp = expect(logits, decodable, rows, settings)
     np.testing.assert_array_equal(best[rows], want)
@@ -79,7 +84,6 @@ def test_many_counters_and_seeds():
                  int(rng.choice([-1, 1, 3, 20, 40, K_MAX])), int(rng.integers(-2**40, 2**40)),
                  int(rng.integers(0, 2**31)))
                 for _ in range(24)]  # fmt: skip
-    settings = [(t, 1.0 if k < 1 else p, k, s, c) for t, p, k, s, c in settings]
     rows = list(rng.permutation(24))
     best, _ = run_kernel(logits, decodable, rows, settings)
     want, _ = expect(logits, decodable, rows, settings)
@@ -129,7 +133,9 @@ def _target(x, t, p, k):
     return out
 
 
-@pytest.mark.parametrize("setting", [(0.8, 0.9, 6, 11), (1.3, 1.0, -1, 12), (1.0, 0.7, 20, 13)])
+@pytest.mark.parametrize(
+    "setting", [(0.8, 0.9, 6, 11), (1.3, 1.0, -1, 12), (1.0, 0.7, 20, 13), (1.2, 0.8, -1, 14)]
+)
 def test_draws_follow_the_distribution(setting):
     """Chi-square over 3,000 draws (counters 0..2,999): a wrong filter, a skewed draw or
     noise that is not Gumbel's moves it far past its 99.9% bound."""
