@@ -96,8 +96,8 @@ def nucleus_floors(decodable: int, gpu: bool):
             hi[d] = T.max(hi[d], key)
 
     @T.macro
-    def cleared(hist, lo, hi, tx):
-        for e in T.serial(-(-BUCKETS // nt)):
+    def cleared(hist, lo, hi, tx, on):
+        for e in T.serial(T.Select(on, -(-BUCKETS // nt), 0)):
             d: T.let[T.int32] = e * nt + tx
             if d < BUCKETS:
                 hist[d] = T.float64(0)
@@ -105,7 +105,7 @@ def nucleus_floors(decodable: int, gpu: bool):
                 hi[d] = T.uint32(0)
 
     @T.macro
-    def crossing(hist, lo, hi, sums, st, keys, found, found_keys):
+    def crossing(hist, lo, hi, sums, st, keys, found, found_keys, on):
         # the bucket where the running mass from bucket 0 reaches st[1] (top_p * total), st[0]
         # the mass above bucket 0: each lane sums its run of buckets, and the lane whose run
         # holds the crossing walks it, leaving the mass above the bucket and its keys' range
@@ -116,7 +116,7 @@ def nucleus_floors(decodable: int, gpu: bool):
                 acc = T.sblock_alloc_buffer((1,), "float64", scope="local")
                 if ln < wl:
                     acc[0] = T.float64(0)
-                    for i in T.serial(per_scan):
+                    for i in T.serial(T.Select(on, per_scan, 0)):
                         acc[0] = acc[0] + hist[ln * per_scan + i]
                     sums[ln] = acc[0]
         for ln in lanes():
@@ -192,7 +192,7 @@ def nucleus_floors(decodable: int, gpu: bool):
                                     0xFFFFFFFF, m[0], 1 << sh, 32, 32))  # fmt: skip
                         if tx % 32 == 0:
                             peaks[tx // 32] = m[0]
-                        cleared(hist, lo, hi, tx)
+                        cleared(hist, lo, hi, tx, on)
                 for tx in lanes():
                     with T.sblock("weigh"):
                         T.reads()
@@ -238,14 +238,14 @@ def nucleus_floors(decodable: int, gpu: bool):
                                 tot[0] = tot[0] + part[w]
                             st[0] = T.float64(0)
                             st[1] = T.Cast("float64", floats[b, 1]) * tot[0]
-                crossing(hist, lo, hi, part, st, keys, found, found_keys)
-                for _ in T.serial(KEY_ROUNDS):
+                crossing(hist, lo, hi, part, st, keys, found, found_keys, on)
+                for _ in T.serial(T.Select(on, KEY_ROUNDS, 0)):
                     # the bucket's keys, split from its largest (bucket 0) down
                     for tx in lanes():
                         with T.sblock("clear"):
                             T.reads()
                             T.writes()
-                            cleared(hist, lo, hi, tx)
+                            cleared(hist, lo, hi, tx, on)
                     for tx in lanes():
                         with T.sblock("split"):
                             T.reads()
@@ -269,7 +269,7 @@ def nucleus_floors(decodable: int, gpu: bool):
                                                 rng[1] - key, rng[2]))  # fmt: skip
                                             wt: T.let[T.float64] = weight((m[0] - xs[u]) * c)
                                             add(hist, lo, hi, d, wt, key)
-                    crossing(hist, lo, hi, part, st, keys, found, found_keys)
+                    crossing(hist, lo, hi, part, st, keys, found, found_keys, on)
                 for tx in lanes():
                     with T.sblock("floor"):
                         T.reads()
