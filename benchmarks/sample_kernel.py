@@ -45,7 +45,7 @@ def build(out: Path) -> None:
     from qwen35_tvm.compile.cuda_toolchain import prepare_cuda_codegen
     from qwen35_tvm.compile.pipeline import tir_pipeline
     from qwen35_tvm.compile.targets import make_target
-    from qwen35_tvm.schedules import nucleus, sample_pick
+    from qwen35_tvm.schedules import draw_hash, nucleus, sample_pick
 
     target, arches = make_target("cuda", "sm_90")
     prepare_cuda_codegen(arches)
@@ -55,7 +55,7 @@ def build(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     lib.export_library(str(out / "sample_pick.so"))
     # the run side reads the kernel's constants here: it imports no compiler (tvm.script)
-    consts = {"DRAW": sample_pick.DRAW, "K_MAX": sample_pick.K_MAX, "MIX": sample_pick.MIX,
+    consts = {"DRAW": draw_hash.DRAW, "K_MAX": sample_pick.K_MAX, "MIX": draw_hash.MIX,
               "CHUNKS": sample_pick.CHUNKS, "FIXED": nucleus.FIXED,
               "LOG2E": nucleus.LOG2E}  # fmt: skip
     (out / MANIFEST).write_text(json.dumps({"arch": arches, "constants": consts}))
@@ -66,6 +66,7 @@ def _reference_module(consts: dict):
     """tests/sampling_reference.py, its kernel constants from the manifest."""
     sys.modules["qwen35_tvm.schedules.sample_pick"] = types.SimpleNamespace(**consts)
     sys.modules["qwen35_tvm.schedules.nucleus"] = types.SimpleNamespace(**consts)
+    sys.modules["qwen35_tvm.schedules.draw_hash"] = types.SimpleNamespace(**consts)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     import sampling_reference
 

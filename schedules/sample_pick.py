@@ -10,9 +10,8 @@ Two ways, chosen a row by its top_k:
   from the tempered distribution (its nucleus).
 Other settings (min_p, top_k past K_MAX) stay with the host's sampler.
 
-Randomness is counter-based: a 32-bit hash of (seed, counter, column), so a row's draw
-depends on its request's seed and its position only, never on the batch it ran in, and
-tests can recompute it (tests/sampling_reference.py).
+Randomness is counter-based (schedules/draw_hash.py): a row's draw depends on its request's
+seed and its position only, never on the batch it ran in.
 
 Three kernels. The first finds top_p rows' nucleus floors (a block a row; other rows' blocks
 end at once). The second is a block a (row, chunk of the decodable columns): it keeps each
@@ -32,6 +31,7 @@ from tvm.script import tirx as T
 from tvm.target import Target
 from tvm.tirx import PrimFunc
 
+from .draw_hash import DRAW, mix, row_key, uniform
 from .greedy import CHUNKS
 from .loops import block_loop, thread_loop
 from .nucleus import nucleus_floors
@@ -41,41 +41,12 @@ from .pick_triples import FULL_MASK, merge, start, take, warp_merge
 K_MAX = 64  # the largest top_k sampled here: a chunk's list, the merge's shared memory
 THREADS = 256
 BIG = 1 << 30  # a position past every real one
-DRAW = 0x80000000  # the hash input of the inverse CDF's uniform: no column is this large
-MIX = (0x7FEB352D, 0x846CA68B)  # lowbias32's multipliers
 
 
 def workspace_shapes(n) -> tuple[tuple, tuple, tuple, tuple]:
     """The chunks' sorted lists (scores, column ids), their raw (max, sum of exp), and each
     row's nucleus floor (schedules/nucleus.py)."""
     return (n, CHUNKS, K_MAX), (n, CHUNKS, K_MAX), (n, CHUNKS, 2), (n,)
-
-
-@T.macro
-def mix(h):
-    """h[0] (a local uint32) through lowbias32's finaliser."""
-    h[0] = T.bitwise_xor(h[0], T.shift_right(h[0], T.uint32(16)))
-    h[0] = h[0] * T.uint32(MIX[0])
-    h[0] = T.bitwise_xor(h[0], T.shift_right(h[0], T.uint32(15)))
-    h[0] = h[0] * T.uint32(MIX[1])
-    h[0] = T.bitwise_xor(h[0], T.shift_right(h[0], T.uint32(16)))
-
-
-@T.macro
-def row_key(h, ints, b):
-    """h[0] = the hash of row b's (seed, counter), what every draw of its step starts from."""
-    h[0] = T.reinterpret("uint32", ints[b, 2])
-    mix(h)
-    h[0] = T.bitwise_xor(h[0], T.reinterpret("uint32", ints[b, 1]))
-    mix(h)
-    h[0] = T.bitwise_xor(h[0], T.reinterpret("uint32", ints[b, 3]))
-    mix(h)
-
-
-def uniform(h):
-    """A float32 in (0, 1) from a hash's top 24 bits."""
-    top = T.Cast("float32", T.shift_right(h, T.uint32(8)))
-    return (top + T.float32(0.5)) * T.float32(1.0 / (1 << 24))
 
 
 def rounds_of(ints, b):

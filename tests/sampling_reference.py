@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from qwen35_tvm.schedules.draw_hash import DRAW, MIX
 from qwen35_tvm.schedules.nucleus import FIXED, LOG2E
-from qwen35_tvm.schedules.sample_pick import DRAW, K_MAX, MIX
+from qwen35_tvm.schedules.sample_pick import K_MAX
 
 U32 = np.uint32
 
