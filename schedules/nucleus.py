@@ -27,6 +27,7 @@ from .loops import block_loop, thread_loop
 from .pdl import release_dependents, wait_for_producers
 
 THREADS = 1024
+UNROLL, VEC = 4, 4  # a thread's loads a step, of VEC columns each (16 bytes)
 BITS = 11
 BUCKETS = 1 << BITS
 FIXED = 2.0**32  # a weight's unit: 2^-32 of the peak's
@@ -51,7 +52,7 @@ def value_of(key):
     return T.reinterpret("float32", u)
 
 
-def nucleus_floors(decodable: int, gpu: bool):
+def nucleus_floors(decodable: int, selection: int, gpu: bool):
     """A macro (logits, rows, floats, ints, floor, n): floor[i] = the smallest logit in row
     rows[i]'s nucleus where its settings ask for top_p without top_k (ints[i, 0] < 1,
     floats[i, 1] < 1), else -inf."""
@@ -60,8 +61,9 @@ def nucleus_floors(decodable: int, gpu: bool):
     warps = nt // 32 if gpu else 1
     grid, lanes = block_loop(gpu), thread_loop(nt, gpu)
     shared = "shared" if gpu else "global"
-    unroll = 8
-    steps = -(-decodable // (nt * unroll))
+    vec = VEC if selection % VEC == 0 else 1  # a row's vectors then all lie inside it
+    per = UNROLL * vec  # a thread's columns a step
+    steps = -(-decodable // (nt * per))
     per_scan = BUCKETS // wl
 
     def weight(t):
@@ -78,11 +80,15 @@ def nucleus_floors(decodable: int, gpu: bool):
 
     @T.macro
     def load(logits, r, tx, s, xs):
-        # xs[u] = column (s * unroll + u) * nt + tx, -inf past the decodable: every load of a
-        # step issued before any is used
-        for u in T.unroll(unroll):
-            j: T.let[T.int32] = (s * unroll + u) * nt + tx
-            xs[u] = T.if_then_else(j < decodable, logits[r, T.min(j, decodable - 1)], NONE)
+        # xs[u * vec + v] = column ((s * UNROLL + u) * nt + tx) * vec + v, -inf past the
+        # decodable: a step's vectors all issued before any is used
+        for u in T.unroll(UNROLL):
+            c0: T.let[T.int32] = ((s * UNROLL + u) * nt + tx) * vec
+            for v in T.vectorized(vec):
+                xs[u * vec + v] = logits[r, T.min(c0, selection - vec) + v]
+        for e in T.unroll(per):
+            col: T.let[T.int32] = ((s * UNROLL + e // vec) * nt + tx) * vec + e % vec
+            xs[e] = T.Select(col < decodable, xs[e], NONE)
 
     @T.macro
     def add(hist, lo, hi, d, w, key):
@@ -179,12 +185,12 @@ def nucleus_floors(decodable: int, gpu: bool):
                     with T.sblock("peak"):
                         T.reads()
                         T.writes()
-                        xs = T.sblock_alloc_buffer((unroll,), "float32", scope="local")
+                        xs = T.sblock_alloc_buffer((per,), "float32", scope="local")
                         m = T.sblock_alloc_buffer((1,), "float32", scope="local")
                         m[0] = NONE
                         for s in T.serial(passes):
                             load(logits, r, tx, s, xs)
-                            for u in T.unroll(unroll):
+                            for u in T.unroll(per):
                                 m[0] = T.max(m[0], xs[u])
                         if gpu:
                             for sh in T.unroll(5):
@@ -198,7 +204,7 @@ def nucleus_floors(decodable: int, gpu: bool):
                         T.reads()
                         T.writes()
                         # bucket by t, the weights' total in every thread's part
-                        xs = T.sblock_alloc_buffer((unroll,), "float32", scope="local")
+                        xs = T.sblock_alloc_buffer((per,), "float32", scope="local")
                         m = T.sblock_alloc_buffer((1,), "float32", scope="local")
                         tot = T.sblock_alloc_buffer((1,), "float64", scope="local")
                         m[0] = NONE
@@ -207,7 +213,7 @@ def nucleus_floors(decodable: int, gpu: bool):
                         tot[0] = T.float64(0)
                         for s in T.serial(passes):
                             load(logits, r, tx, s, xs)
-                            for u in T.unroll(unroll):
+                            for u in T.unroll(per):
                                 t: T.let[T.float32] = (m[0] - xs[u]) * c
                                 wt: T.let[T.float64] = weight(t)
                                 if wt > T.float64(0):
@@ -250,7 +256,7 @@ def nucleus_floors(decodable: int, gpu: bool):
                         with T.sblock("split"):
                             T.reads()
                             T.writes()
-                            xs = T.sblock_alloc_buffer((unroll,), "float32", scope="local")
+                            xs = T.sblock_alloc_buffer((per,), "float32", scope="local")
                             rng = T.sblock_alloc_buffer((3,), "uint32", scope="local")
                             m = T.sblock_alloc_buffer((1,), "float32", scope="local")
                             m[0] = NONE
@@ -262,7 +268,7 @@ def nucleus_floors(decodable: int, gpu: bool):
                             if rng[0] < rng[1]:
                                 for s in T.serial(passes):
                                     load(logits, r, tx, s, xs)
-                                    for u in T.unroll(unroll):
+                                    for u in T.unroll(per):
                                         key: T.let[T.uint32] = key_of(xs[u])
                                         if key >= rng[0] and key <= rng[1]:
                                             d: T.let[T.int32] = T.Cast("int32", T.shift_right(

@@ -114,7 +114,7 @@ def sample_pick(decodable: int, selection: int, target: Target) -> PrimFunc:
     lists = CHUNKS // wl  # chunk lists a lane of the tournament holds
     each_list = T.unroll if gpu else T.serial  # the GPU's 4 heads stay in registers
     each_load = T.unroll if gpu else T.serial  # the GPU's loads all issued before their use
-    floors = nucleus_floors(decodable, gpu)
+    floors = nucleus_floors(decodable, selection, gpu)
 
     @T.macro
     def chunk_lists(logits, rows_buf, floats, ints, ws_v, ws_i, ws_t, ws_f, n):

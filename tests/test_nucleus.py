@@ -1,8 +1,9 @@
 """schedules/nucleus.py on the CPU (through sample_pick, whose first kernel it is): each top_p
 row's floor equals tests/sampling_reference.py's `nucleus_floor` exactly, at odd widths, for
 nuclei of one column up to nearly the whole row, for values too close for the first pass's
-buckets to part (the key passes must), ties at the cut, -inf columns and weights that round to 0.
-Rows with top_k, or top_p 1, get no floor."""
+buckets to part (the key passes must), ties at the cut, -inf columns and weights that round to 0,
+rows loaded as vectors and (a width not a multiple of VEC) one column at a time. Rows with
+top_k, or top_p 1, get no floor."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ def expected(logits, decodable, settings):
 
 @pytest.mark.parametrize(
     "decodable, selection, scale",
-    [(1003, 1024, 3.0), (1003, 1024, 0.5), (4099, 4224, 2.0), (37, 64, 1.0)],
+    [(1003, 1024, 3.0), (1003, 1024, 0.5), (4099, 4224, 2.0), (37, 64, 1.0), (37, 66, 1.0)],
 )
 def test_floors_equal_the_reference(decodable, selection, scale):
     rng = np.random.default_rng(decodable)
