@@ -94,6 +94,12 @@ def nucleus_floors(decodable: int, selection: int, gpu: bool):
             xs[e] = T.Select(col < decodable, xs[e], NONE)
 
     @T.macro
+    def row_peak(m, peaks):
+        m[0] = NONE
+        for w in T.serial(warps):
+            m[0] = T.max(m[0], peaks[w])
+
+    @T.macro
     def add(hist, lo, hi, d, w, key):
         if gpu:
             T.evaluate(T.cuda.atomic_add(T.address_of(hist[d]), w))
@@ -210,9 +216,7 @@ def nucleus_floors(decodable: int, selection: int, gpu: bool):
                         xs = T.sblock_alloc_buffer((per,), "float32", scope="local")
                         m = T.sblock_alloc_buffer((1,), "float32", scope="local")
                         tot = T.sblock_alloc_buffer((1,), "float64", scope="local")
-                        m[0] = NONE
-                        for w in T.serial(warps):
-                            m[0] = T.max(m[0], peaks[w])
+                        row_peak(m, peaks)
                         tot[0] = T.float64(0)
                         for s in T.serial(passes):
                             load(logits, r, tx, s, xs)
@@ -262,9 +266,7 @@ def nucleus_floors(decodable: int, selection: int, gpu: bool):
                             xs = T.sblock_alloc_buffer((per,), "float32", scope="local")
                             rng = T.sblock_alloc_buffer((3,), "uint32", scope="local")
                             m = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                            m[0] = NONE
-                            for w in T.serial(warps):
-                                m[0] = T.max(m[0], peaks[w])
+                            row_peak(m, peaks)
                             rng[0] = keys[0]
                             rng[1] = keys[1]
                             rng[2] = shift(rng[1] - rng[0])
