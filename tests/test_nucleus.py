@@ -85,6 +85,13 @@ def test_edges_one_column_ties_and_weights_that_round_to_zero():
     got = floors_of(logits, 80, settings)
     assert got[1] == 2.0 and got[2] == 10.0 and got[3] == 0.0
     np.testing.assert_array_equal(got[1:], expected(logits, 80, settings)[1:])
+    # a temperature near greedy's: columns 1e-4 apart weigh 2^-7 of each other
+    near = np.full((2, 96), -np.inf, np.float32)
+    near[:, :5] = np.float32(5.0) - np.arange(5, dtype=np.float32) * np.float32(1e-4)
+    settings = [(2e-5, 0.5, -1), (2e-5, 0.999, -1)]
+    got = floors_of(near, 80, settings)
+    assert list(got) == [near[0, 0], near[0, 1]]
+    np.testing.assert_array_equal(got, expected(near, 80, settings))
     # the top value's mass exactly top_p of the total: it alone is the nucleus
     logits[0, :2] = [0.0, -1e-9]  # both weigh 2^32
     assert floors_of(logits[:1], 2, [(1.0, 0.5, -1)])[0] == 0.0
