@@ -98,11 +98,9 @@ class UploadStaging:
         buf = tvm.runtime.empty((n,), "int32", self._host)
         return buf, _numpy_view(buf, ctypes.c_int32, n)
 
-    def put(
-        self, values: np.ndarray, shape: tuple[int, ...], dtype: str = "int32"
-    ) -> tvm.runtime.Tensor:
-        """`values` (int32, flat; a float32 tensor's bits for `dtype` float32) in host memory
-        that stays put until the turn after next, as a tensor of `shape` to copy from."""
+    def put(self, values: np.ndarray, shape: tuple[int, ...]) -> tvm.runtime.Tensor:
+        """`values` (int32, flat) in host memory that stays put until the turn after next, as a
+        tensor of `shape` to copy from."""
         n, t = values.size, self._turn
         buf, view = self._bufs[t]
         at = self._used[t]
@@ -111,7 +109,7 @@ class UploadStaging:
             buf, view = self._bufs[t] = self._alloc(max(2 * view.size, at + n))
         view[at : at + n] = values
         self._used[t] = at + n
-        return buf._create_view(tvm.runtime.ShapeTuple(shape), dtype, 4 * at)
+        return buf._create_view(tvm.runtime.ShapeTuple(shape), "int32", 4 * at)
 
     def next_turn(self) -> None:
         """A step was launched ahead: what follows goes to the other turn's memory, whose last
