@@ -49,15 +49,17 @@ def build(out: Path) -> None:
 
     target, arches = make_target("cuda", "sm_90")
     prepare_cuda_codegen(arches)
-    func = sample_pick.sample_pick(DECODABLE, SELECTION, target)
-    mod = tvm.IRModule({"sample_pick": func.with_attr("global_symbol", "sample_pick")})
+    funcs = {name: sample_pick.sample_pick(DECODABLE, SELECTION, target, nucleus_rows=rows)
+             for name, rows in (("sample_pick", True), ("sample_pick_plain", False))}  # fmt: skip
+    mod = tvm.IRModule({k: f.with_attr("global_symbol", k) for k, f in funcs.items()})
     lib = tvm.compile(mod, target=target, tir_pipeline=tir_pipeline(target))
     out.mkdir(parents=True, exist_ok=True)
     lib.export_library(str(out / "sample_pick.so"))
     # the run side reads the kernel's constants here: it imports no compiler (tvm.script)
     consts = {"DRAW": draw_hash.DRAW, "K_MAX": sample_pick.K_MAX, "MIX": draw_hash.MIX,
               "CHUNKS": sample_pick.CHUNKS, "FIXED": nucleus.FIXED,
-              "LOG2E": nucleus.LOG2E}  # fmt: skip
+              "LOG2E": nucleus.LOG2E,  # a row's workspaces: (shape past n, dtype)
+              "WORKSPACES": [(s[1:], dt) for s, dt in sample_pick.workspace_shapes(1)]}  # fmt: skip
     (out / MANIFEST).write_text(json.dumps({"arch": arches, "constants": consts}))
     print(f"built {out / 'sample_pick.so'}")
 
@@ -87,18 +89,18 @@ def _case(torch, tvm, lib, ref, consts, scale: float, n: int, setting: str, gen)
                         device="cuda", dtype=torch.int32)  # fmt: skip
     best = torch.full((n,), -1, device="cuda", dtype=torch.int32)
     logprob = torch.zeros((n,), device="cuda", dtype=torch.float32)
-    ws = [torch.empty((n, consts["CHUNKS"], consts["K_MAX"]), device="cuda", dtype=dt)
-          for dt in (torch.float32, torch.int32)]  # fmt: skip
-    ws.append(torch.empty((n, consts["CHUNKS"], 2), device="cuda", dtype=torch.float32))
-    ws.append(torch.empty((n,), device="cuda", dtype=torch.float32))  # nucleus floors
+    ws = [torch.empty((n, *shape), device="cuda", dtype=getattr(torch, dt))
+          for shape, dt in consts["WORKSPACES"]]  # fmt: skip
     args = [tvm.runtime.from_dlpack(a) for a in (logits, rows, floats, ints, best, logprob, *ws)]
-    fn = lib["sample_pick"]
+    # the function the runtime calls: the nucleus kernels only for a top_p-only row
+    floored = k < 1 and p < 1
+    fn = lib["sample_pick" if floored else "sample_pick_plain"]
     fn(*args)
     torch.cuda.synchronize()
     host = logits.cpu().numpy()
     got, got_lp = best.cpu().numpy(), logprob.cpu().numpy()
     lsm = torch.log_softmax(logits[:, :DECODABLE].double(), dim=1).cpu().numpy()
-    floors = ws[3].cpu().numpy()
+    floors = ws[3].cpu().numpy()  # the nucleus's first workspace
     equal, floors_equal, lp_err, kept = 0, 0, 0.0, []
     for j in range(n):
         r = n - 1 - j  # rows are listed in reverse
@@ -122,6 +124,12 @@ def _case(torch, tvm, lib, ref, consts, scale: float, n: int, setting: str, gen)
     from common import cuda_time
 
     row["device_us"] = cuda_time(torch, graph.replay, iters=20) / 10 * 1e6
+    if not floored:  # what the nucleus kernels' five launches would add to such a row
+        graph = torch.cuda.CUDAGraph()
+        with tvm_ffi.use_torch_stream(torch.cuda.graph(graph)):
+            for _ in range(10):
+                lib["sample_pick"](*args)
+        row["device_us_nucleus_form"] = cuda_time(torch, graph.replay, iters=20) / 10 * 1e6
     row |= _host_path(torch, logits[0], (t, p, k))
     print(json.dumps(row), flush=True)
     return row
@@ -160,11 +168,14 @@ def run(out: Path, results: Path | None) -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = [_case(torch, tvm, lib, ref, consts, scale, n, s, gen)
             for scale in (1.0, 4.0) for n in ROWS for s in SETTINGS]  # fmt: skip
-    print("| setting | logits std | rows | tokens equal | device µs | host µs a row |")
-    print("|---|---|---|---|---|---|")
+    print("| setting | logits std | rows | tokens equal | device µs | nucleus form µs |"
+          " host µs a row |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
+        other = r.get("device_us_nucleus_form")
         print(f"| {r['setting']} | {r['scale']:g} | {r['rows']} | {r['tokens_equal']}/{r['rows']}"
-              f" | {r['device_us']:.1f} | {r['host_row_us']:.0f} |")  # fmt: skip
+              f" | {r['device_us']:.1f} | {'' if other is None else f'{other:.1f}'}"
+              f" | {r['host_row_us']:.0f} |")  # fmt: skip
     result = {"device": torch.cuda.get_device_name(), "rows": rows}
     write_result("sample_kernel.json", result, out, results)
     bad = [r for r in rows if r["tokens_equal"] < r["rows"] or not r["never_a_pad"]

@@ -46,6 +46,15 @@ def export_spec(cfg: ModelConfig, widths: VocabWidths, dtype: str, prompts: bool
         "rows": nn.spec.Tensor(["n"], "int32"),
         "bitmask": nn.spec.Tensor(["n", greedy.mask_words(widths.decodable)], "int32"),
     }
+    sampled = {
+        "logits": nn.spec.Tensor(["batch", widths.selection], F32),
+        "rows": nn.spec.Tensor(["n"], "int32"),
+        "floats": nn.spec.Tensor(["n", 2], F32),
+        "ints": nn.spec.Tensor(["n", 4], "int32"),
+        "best_out": nn.spec.Tensor(["batch"], "int32"),
+        "logprob_out": nn.spec.Tensor(["batch"], F32),
+        **no_params,
+    }
     prefill = {
         "input_ids": nn.spec.Tensor(["n_tok"], "int32"),
         "indptr": nn.spec.Tensor(["n_ptr"], "int32"),
@@ -77,15 +86,8 @@ def export_spec(cfg: ModelConfig, widths: VocabWidths, dtype: str, prompts: bool
         },
         "constrained_mask": {**constrained, **no_params},
         # A step's sampled rows: (temperature, top_p) and (top_k, seed low, seed high, counter).
-        "sampled_pick": {
-            "logits": nn.spec.Tensor(["batch", widths.selection], F32),
-            "rows": nn.spec.Tensor(["n"], "int32"),
-            "floats": nn.spec.Tensor(["n", 2], F32),
-            "ints": nn.spec.Tensor(["n", 4], "int32"),
-            "best_out": nn.spec.Tensor(["batch"], "int32"),
-            "logprob_out": nn.spec.Tensor(["batch"], F32),
-            **no_params,
-        },
+        "sampled_pick": sampled,
+        "sampled_pick_nucleus": dict(sampled),  # export_tvm pops "$"
         "create_kv_pools": {"num_pages": int, "num_slots": int, "pages_per_seq": int, **no_params},
         "assign_pages": {
             "page_table": nn.spec.Tensor(list(table), "int32"),

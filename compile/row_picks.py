@@ -62,21 +62,33 @@ class RowPicks(nn.Module):
     ) -> tuple[Tensor, Tensor]:
         """Logits row rows[i] drawn with floats[i] (temperature, top_p) and ints[i] (top_k,
         seed low, seed high, counter): its token and raw logprob into best_out[rows[i]] and
-        logprob_out[rows[i]], in place; the other rows' picks are left as they were."""
+        logprob_out[rows[i]], in place; the other rows' picks are left as they were. No row
+        may ask for top_p without top_k: those take `sampled_pick_nucleus`."""
+        return self._sampled(logits, rows, floats, ints, best_out, logprob_out, False)
+
+    def sampled_pick_nucleus(
+        self,
+        logits: Tensor,
+        rows: Tensor,
+        floats: Tensor,
+        ints: Tensor,
+        best_out: Tensor,
+        logprob_out: Tensor,
+    ) -> tuple[Tensor, Tensor]:
+        """`sampled_pick` for any rows, top_p without top_k included: five more kernels find
+        those rows' nuclei first (schedules/nucleus.py)."""
+        return self._sampled(logits, rows, floats, ints, best_out, logprob_out, True)
+
+    def _sampled(self, logits, rows, floats, ints, best_out, logprob_out, nucleus_rows: bool):
         w = self.widths
-        v, i, t, f = sample_pick.workspace_shapes(rows.shape[0])
+        func = sample_pick.sample_pick(w.decodable, w.selection, Target.current(), nucleus_rows)
+        spaces = [Tensor.placeholder(shape, dt)
+                  for shape, dt in sample_pick.workspace_shapes(rows.shape[0])]  # fmt: skip
         best, logprob, *_ = op.tensor_ir_inplace_op(
-            sample_pick.sample_pick(w.decodable, w.selection, Target.current()),
-            "sample_pick",
+            func,
+            "sample_pick_nucleus" if nucleus_rows else "sample_pick",
             [logits, rows, floats, ints, best_out, logprob_out],
-            inplace_indices=[4, 5, -1, -1, -1, -1],
-            out=[
-                best_out,
-                logprob_out,
-                Tensor.placeholder(v, F32),
-                Tensor.placeholder(i, "int32"),
-                Tensor.placeholder(t, F32),
-                Tensor.placeholder(f, F32),
-            ],
+            inplace_indices=[4, 5] + [-1] * len(spaces),
+            out=[best_out, logprob_out, *spaces],
         )
         return best, logprob

@@ -1,4 +1,5 @@
-"""Sampled rows drawn on the device (the artifact's `sampled_pick`, schedules/sample_pick.py):
+"""Sampled rows drawn on the device (the artifact's `sampled_pick` and, where a row asks for top_p
+without top_k, `sampled_pick_nucleus`; schedules/sample_pick.py):
 after a step's forward, each row whose sequence samples there gets its token and logprob
 written into the step's own pick buffers, as a greedy row's pick is. So such a sequence's
 steps come back as 8 bytes a row and may be launched ahead, where the host's sampler would
@@ -24,9 +25,17 @@ from .sampler import SamplingParams, is_effectively_greedy
 DEVICE_TOP_K = 64
 
 
-def drawn_on_device(params: SamplingParams, decodable: int) -> bool:
-    """Whether the device's draw gives exactly the distribution these settings ask for."""
+def needs_nucleus(params: SamplingParams) -> bool:
+    """Whether a row's draw needs its nucleus found first (top_p without top_k)."""
+    return params.top_k < 1 and params.top_p < 1.0
+
+
+def drawn_on_device(params: SamplingParams, decodable: int, nucleus: bool) -> bool:
+    """Whether the device's draw gives exactly the distribution these settings ask for;
+    `nucleus`: whether the artifact finds nuclei (`sampled_pick_nucleus`)."""
     if is_effectively_greedy(params, decodable) or params.min_p > 0.0:
+        return False
+    if needs_nucleus(params) and not nucleus:
         return False
     return params.top_k <= DEVICE_TOP_K  # -1 / 0: off
 
@@ -58,14 +67,22 @@ class DeviceDraws:
 
     def __init__(self, vm: Any):
         self._fn = vm["sampled_pick"]
+        self.finds_nuclei = vm.module.implements_function("sampled_pick_nucleus")
+        self._nucleus_fn = vm["sampled_pick_nucleus"] if self.finds_nuclei else None
         self._slots: dict[int, tuple[float, float, int, int, int]] = {}
+        self._nucleus_slots: set[int] = set()
 
     def add(self, slot: int, params: SamplingParams, seed: int) -> None:
+        if needs_nucleus(params) and not self.finds_nuclei:
+            raise ValueError("this artifact cannot draw top_p without top_k on the device")
         lo, hi = seed_words(seed)
         self._slots[slot] = (params.temperature, params.top_p, params.top_k, lo, hi)
+        if needs_nucleus(params):
+            self._nucleus_slots.add(slot)
 
     def remove(self, slot: int) -> None:
         self._slots.pop(slot, None)
+        self._nucleus_slots.discard(slot)
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -90,7 +107,8 @@ class DeviceDraws:
         row_ids, float_bits, int_rows = inputs.upload(
             draw_rows=[r for r, _, _ in rows], draw_floats=floats.view(np.int32), draw_ints=ints
         )
-        self._fn(
+        nuclei = any(slot in self._nucleus_slots for _, slot, _ in rows)
+        (self._nucleus_fn if nuclei else self._fn)(
             logits,
             row_ids,
             float_bits._create_view(tvm.runtime.ShapeTuple((n, 2)), "float32"),

@@ -35,7 +35,7 @@ class StepSampler:
             self.runner.draws_on_device
             and not seq.top_logprobs
             and seq.grammar is None
-            and drawn_on_device(seq.params, self.decodable)
+            and drawn_on_device(seq.params, self.decodable, self.runner.finds_nuclei)
         ):
             seed = seq.params.seed
             if seed is None:

@@ -31,10 +31,10 @@ from tvm.script import tirx as T
 from tvm.target import Target
 from tvm.tirx import PrimFunc
 
+from . import nucleus
 from .draw_hash import DRAW, mix, row_key, uniform
 from .greedy import CHUNKS
 from .loops import block_loop, thread_loop
-from .nucleus import nucleus_floors
 from .pdl import release_dependents, wait_for_producers
 from .pick_triples import FULL_MASK, merge, start, take, warp_merge
 
@@ -43,10 +43,11 @@ THREADS = 256
 BIG = 1 << 30  # a position past every real one
 
 
-def workspace_shapes(n) -> tuple[tuple, tuple, tuple, tuple]:
-    """The chunks' sorted lists (scores, column ids), their raw (max, sum of exp), and each
-    row's nucleus floor (schedules/nucleus.py)."""
-    return (n, CHUNKS, K_MAX), (n, CHUNKS, K_MAX), (n, CHUNKS, 2), (n,)
+def workspace_shapes(n) -> list[tuple[tuple, str]]:
+    """(shape, dtype) of the chunks' sorted lists (scores, column ids) and their raw (max, sum
+    of exp), then schedules/nucleus.py's (the floors first)."""
+    lists = [((n, CHUNKS, K_MAX), "float32"), ((n, CHUNKS, K_MAX), "int32")]
+    return lists + [((n, CHUNKS, 2), "float32")] + nucleus.workspace_shapes(n)
 
 
 def rounds_of(ints, b):
@@ -95,12 +96,16 @@ def merged_warps(run, arg, tw, warps: int):
         merge(run, arg, tw[w, 0], 0, tw[w, 1])
 
 
-def sample_pick(decodable: int, selection: int, target: Target) -> PrimFunc:
-    """`sample_pick(logits, rows, floats, ints, best, logprob, ws_v, ws_i, ws_t, ws_f)`: for each
+def sample_pick(decodable: int, selection: int, target: Target, nucleus_rows: bool = True
+                ) -> PrimFunc:  # fmt: skip
+    """`sample_pick(logits, rows, floats, ints, best, logprob, ws_v, ws_i, ws_t, *ws_nucleus)`:
+    for each
     i, row rows[i] of the logits [batch, selection] drawn with floats[i] = (temperature,
     top_p) and ints[i] = (top_k, seed low, seed high, counter); its token and raw logprob are
     written to best[rows[i]] and logprob[rows[i]] (the step's own pick buffers, in place).
-    Workspaces: `workspace_shapes(n)`."""
+    Workspaces: `workspace_shapes(n)`. Without `nucleus_rows` the nucleus kernels are left out
+    and their workspaces untouched: no row may then ask for top_p without top_k (the runtime
+    calls this form for batches without such a row, five launches fewer)."""
     gpu = target.kind.name == "cuda"
     nt = THREADS if gpu else 1
     grid, lanes = block_loop(gpu), thread_loop(nt, gpu)
@@ -114,7 +119,10 @@ def sample_pick(decodable: int, selection: int, target: Target) -> PrimFunc:
     lists = CHUNKS // wl  # chunk lists a lane of the tournament holds
     each_list = T.unroll if gpu else T.serial  # the GPU's 4 heads stay in registers
     each_load = T.unroll if gpu else T.serial  # the GPU's loads all issued before their use
-    floors = nucleus_floors(decodable, selection, gpu)
+    floors = nucleus.nucleus_floors(decodable, selection, gpu)
+
+    def out_of_nucleus(x, ws_f, b):
+        return x < ws_f[b] if nucleus_rows else T.bool(False)
 
     @T.macro
     def chunk_lists(logits, rows_buf, floats, ints, ws_v, ws_i, ws_t, ws_f, n):
@@ -156,7 +164,7 @@ def sample_pick(decodable: int, selection: int, target: Target) -> PrimFunc:
                             y: T.let[T.float32] = xs[e] / floats[b, 0]
                             if ints[b, 0] >= 1 or xs[e] == T.float32("-inf"):
                                 score[j] = y
-                            elif xs[e] < ws_f[b]:  # out of a top_p row's nucleus
+                            elif out_of_nucleus(xs[e], ws_f, b):
                                 score[j] = T.float32("-inf")
                             else:
                                 hc[0] = T.bitwise_xor(h[0], T.Cast("uint32", c0 + j))
@@ -355,6 +363,10 @@ def sample_pick(decodable: int, selection: int, target: Target) -> PrimFunc:
         ws_i_h: T.handle,
         ws_t_h: T.handle,
         ws_f_h: T.handle,
+        ws_peak_h: T.handle,
+        ws_hist_h: T.handle,
+        ws_keys_h: T.handle,
+        ws_cut_h: T.handle,
     ):
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
         batch, n = T.int32(), T.int32()
@@ -368,8 +380,14 @@ def sample_pick(decodable: int, selection: int, target: Target) -> PrimFunc:
         ws_i = T.match_buffer(ws_i_h, (n, CHUNKS, K_MAX), "int32")
         ws_t = T.match_buffer(ws_t_h, (n, CHUNKS, 2), "float32")
         ws_f = T.match_buffer(ws_f_h, (n,), "float32")
-        floors(logits, rows_buf, floats, ints, ws_f, n)
+        ws_peak = T.match_buffer(ws_peak_h, (n, nucleus.SLICES), "float32")
+        ws_hist = T.match_buffer(ws_hist_h, (n, nucleus.ROUNDS, nucleus.BUCKETS), "float64")
+        ws_keys = T.match_buffer(ws_keys_h, (n, nucleus.ROUNDS, 2, nucleus.BUCKETS), "uint32")
+        ws_cut = T.match_buffer(ws_cut_h, (n, nucleus.ROUNDS, nucleus.CUT), "float64")
+        if nucleus_rows:
+            floors(logits, rows_buf, floats, ints, ws_f, ws_peak, ws_hist, ws_keys, ws_cut, n)
         chunk_lists(logits, rows_buf, floats, ints, ws_v, ws_i, ws_t, ws_f, n)
         row_draw(logits, rows_buf, floats, ints, best, logprob, ws_v, ws_i, ws_t, n)
 
-    return sample_pick
+    name = "sample_pick_nucleus" if nucleus_rows else "sample_pick"
+    return sample_pick.with_attr("global_symbol", name)

@@ -34,13 +34,17 @@ def test_the_runtime_knows_the_kernels_top_k():
         (SamplingParams(temperature=1.0, top_k=K_MAX), True),
         (SamplingParams(temperature=1.0, top_k=K_MAX + 1), False),
         (SamplingParams(temperature=1.0, top_p=0.9), True),  # a nucleus of the whole row
+        (SamplingParams(temperature=1.0, top_p=0.9, top_k=9), True),  # top_p over the top_k
         (SamplingParams(temperature=1.0, top_k=20, min_p=0.1), False),
         (SamplingParams(temperature=0.0, top_k=20), False),  # greedy: the plain pick
         (SamplingParams(temperature=1.0, top_k=1), False),
     ],
 )
 def test_which_settings_are_drawn_on_the_device(params, on_device):
-    assert drawn_on_device(params, 1000) is on_device
+    assert drawn_on_device(params, 1000, nucleus=True) is on_device
+    # an artifact without `sampled_pick_nucleus` leaves only top_p without top_k to the host
+    alone = params.top_p < 1.0 and params.top_k < 1
+    assert drawn_on_device(params, 1000, nucleus=False) is (on_device and not alone)
 
 
 def reference_tokens(art, prompt_ids: list[int], params: SamplingParams, n: int) -> list[int]:

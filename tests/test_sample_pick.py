@@ -18,25 +18,30 @@ LLVM = tvm.target.Target("llvm")
 _LIBS: dict[tuple[int, int], tvm.runtime.Module] = {}
 
 
-def run_kernel(logits: np.ndarray, decodable: int, rows, settings,
-               floors: bool = False) -> tuple[np.ndarray, ...]:  # fmt: skip
+def func_name(nucleus_rows: bool) -> str:
+    return "sample_pick_nucleus" if nucleus_rows else "sample_pick"
+
+
+def run_kernel(logits: np.ndarray, decodable: int, rows, settings, floors: bool = False,
+               nucleus_rows: bool = True) -> tuple[np.ndarray, ...]:  # fmt: skip
     """settings[i] = (temperature, top_p, top_k, seed, counter) for logits row rows[i];
     returns (best, logprob) over the whole batch, -7 / 0 where no row was drawn, and with
-    `floors` each listed row's nucleus floor (schedules/nucleus.py)."""
-    key = (decodable, logits.shape[1])
+    `floors` each listed row's nucleus floor (schedules/nucleus.py; the workspace starts at
+    -7). `nucleus_rows` False: the form without the nucleus kernels."""
+    key = (decodable, logits.shape[1], nucleus_rows)
     if key not in _LIBS:
-        func = sample_pick(decodable, logits.shape[1], LLVM)
+        func = sample_pick(decodable, logits.shape[1], LLVM, nucleus_rows)
         _LIBS[key] = tvm.compile(tvm.IRModule({"main": func}), LLVM)
     n, dev = len(rows), tvm.cpu()
     floats = np.array([[t, p] for t, p, *_ in settings], np.float32)
     ints = np.array([[k, *seed_words(s), c] for _, _, k, s, c in settings], np.int32)
     best = tvm.runtime.tensor(np.full(logits.shape[0], -7, np.int32), dev)
     logprob = tvm.runtime.tensor(np.zeros(logits.shape[0], np.float32), dev)
-    dtypes = ("float32", "int32", "float32", "float32")
-    ws = [tvm.runtime.empty(shape, dt, dev)
-          for shape, dt in zip(workspace_shapes(n), dtypes, strict=True)]  # fmt: skip
+    ws = [tvm.runtime.empty(shape, dt, dev) for shape, dt in workspace_shapes(n)]
+    ws[3].copyfrom(np.full(n, -7, np.float32))
     args = [logits, np.asarray(rows, np.int32), floats, ints]
-    _LIBS[key]["sample_pick"](*(tvm.runtime.tensor(a, dev) for a in args), best, logprob, *ws)
+    fn = _LIBS[key][func_name(nucleus_rows)]
+    fn(*(tvm.runtime.tensor(a, dev) for a in args), best, logprob, *ws)
     return (best.numpy(), logprob.numpy()) + ((ws[3].numpy(),) if floors else ())
 
 
@@ -94,6 +99,23 @@ def test_only_listed_rows_are_written():
     logits = _logits(np.random.default_rng(2), 5, 128, 100)
     best, logprob = run_kernel(logits, 100, [3, 1], [(1.0, 1.0, 10, 5, 0)] * 2)
     assert list(best[[0, 2, 4]]) == [-7, -7, -7] and not logprob[[0, 2, 4]].any()
+
+
+def test_the_form_without_nucleus_kernels_draws_the_same():
+    # the runtime's form for batches without a top_p-only row: the same draws, and the
+    # nucleus workspace left as it was (its five kernels are not there)
+    rng = np.random.default_rng(8)
+    logits = _logits(rng, 6, 1024, 1003)
+    settings = [(0.7, 0.8, 20, 11, 3), (1.3, 1.0, -1, 12, 4), (1.0, 0.5, 64, 13, 5),
+                (0.5, 1.0, 1, 14, 6), (2.0, 0.99, 7, 15, 7), (1.0, 1.0, 0, 16, 8)]  # fmt: skip
+    rows = [5, 0, 3, 2, 4, 1]
+    plain = run_kernel(logits, 1003, rows, settings, floors=True, nucleus_rows=False)
+    full = run_kernel(logits, 1003, rows, settings, floors=True)
+    np.testing.assert_array_equal(plain[0], full[0])
+    np.testing.assert_array_equal(plain[1], full[1])
+    assert (plain[2] == -7).all() and np.isneginf(full[2]).all()
+    want, _ = expect(logits, 1003, rows, settings)
+    np.testing.assert_array_equal(plain[0][rows], want)
 
 
 def test_ties_go_to_the_lower_id_and_minus_inf_never_wins():
