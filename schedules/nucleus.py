@@ -289,46 +289,11 @@ def nucleus_floors(decodable: int, selection: int, gpu: bool):
                             peak[b, s] = m[0]
 
     @T.macro
-    def weigh(logits, rows_buf, floats, ints, peak, hist, keys, n):
+    def histogram(logits, rows_buf, floats, ints, peak, hist, keys, cut, n, q):
+        # pass q into round q's histograms: 0 the weights by t, then round q - 1's crossing
+        # bucket split by its keys from its largest down
         for bs in grid(n * SLICES):
-            with T.sblock("nucleus_weigh"):
-                T.reads()
-                T.writes()
-                hs = T.sblock_alloc_buffer((BUCKETS,), "float64", scope=shared)
-                lo = T.sblock_alloc_buffer((BUCKETS,), "uint32", scope=shared)
-                hi = T.sblock_alloc_buffer((BUCKETS,), "uint32", scope=shared)
-                T.evaluate(wait_for_producers(gpu))
-                T.evaluate(release_dependents(gpu))
-                b: T.let[T.int32] = bs // SLICES
-                s: T.let[T.int32] = bs % SLICES
-                r: T.let[T.int32] = rows_buf[b]
-                c: T.let[T.float32] = T.float32(LOG2E) / floats[b, 0]
-                on: T.let[T.bool] = wants_floor(floats, ints, b)
-                cleared(hs, lo, hi, on)
-                for tx in lanes():
-                    with T.sblock("weigh"):
-                        T.reads()
-                        T.writes()
-                        xs = T.sblock_alloc_buffer((per,), "float32", scope="local")
-                        m = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                        row_peak(m, peak, b)
-                        for st in T.serial(T.Select(on, steps, 0)):
-                            load(logits, r, s * nt + tx, st, xs)
-                            for u in T.unroll(per):
-                                t: T.let[T.float32] = (m[0] - xs[u]) * c
-                                wt: T.let[T.float64] = weight(t)
-                                if wt > T.float64(0):
-                                    d: T.let[T.int32] = T.min(
-                                        T.Cast("int32", t * T.float32(PER_T)), BUCKETS - 1
-                                    )
-                                    add(hs, lo, hi, d, wt, key_of(xs[u]))
-                flush(hs, lo, hi, hist, keys, b, 0, on)
-
-    @T.macro
-    def split(logits, rows_buf, floats, ints, peak, hist, keys, cut, n, q):
-        # key pass q: round q - 1's crossing bucket, split by its keys from its largest down
-        for bs in grid(n * SLICES):
-            with T.sblock("nucleus_split"):
+            with T.sblock("nucleus_pass"):
                 T.reads()
                 T.writes()
                 hs = T.sblock_alloc_buffer((BUCKETS,), "float64", scope=shared)
@@ -344,32 +309,45 @@ def nucleus_floors(decodable: int, selection: int, gpu: bool):
                 r: T.let[T.int32] = rows_buf[b]
                 c: T.let[T.float32] = T.float32(LOG2E) / floats[b, 0]
                 on: T.let[T.bool] = wants_floor(floats, ints, b)
-                crossing(hist, keys, cut, floats, hs, sums, prev, found, b, q - 1, on)
+                if q > 0:
+                    crossing(hist, keys, cut, floats, hs, sums, prev, found, b, q - 1, on)
                 cleared(hs, lo, hi, on)
                 for tx in lanes():
-                    with T.sblock("split"):
+                    with T.sblock("pass"):
                         T.reads()
                         T.writes()
                         xs = T.sblock_alloc_buffer((per,), "float32", scope="local")
                         rng = T.sblock_alloc_buffer((3,), "uint32", scope="local")
                         m = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                        if s == 0 and tx == 0:  # the next kernel starts from this cut
-                            for i in T.serial(CUT):
-                                cut[b, q - 1, i] = found[i]
                         row_peak(m, peak, b)
-                        rng[0] = T.Cast("uint32", found[2])
-                        rng[1] = T.Cast("uint32", found[3])
-                        rng[2] = shift(rng[1] - rng[0])
-                        if rng[0] < rng[1]:
+                        if q == 0:
                             for st in T.serial(T.Select(on, steps, 0)):
                                 load(logits, r, s * nt + tx, st, xs)
                                 for u in T.unroll(per):
-                                    key: T.let[T.uint32] = key_of(xs[u])
-                                    if key >= rng[0] and key <= rng[1]:
-                                        d: T.let[T.int32] = T.Cast("int32", T.shift_right(
-                                            rng[1] - key, rng[2]))  # fmt: skip
-                                        wt: T.let[T.float64] = weight((m[0] - xs[u]) * c)
-                                        add(hs, lo, hi, d, wt, key)
+                                    t: T.let[T.float32] = (m[0] - xs[u]) * c
+                                    wt: T.let[T.float64] = weight(t)
+                                    if wt > T.float64(0):
+                                        d: T.let[T.int32] = T.min(
+                                            T.Cast("int32", t * T.float32(PER_T)), BUCKETS - 1
+                                        )
+                                        add(hs, lo, hi, d, wt, key_of(xs[u]))
+                        else:
+                            if s == 0 and tx == 0:  # the next kernel starts from this cut
+                                for i in T.serial(CUT):
+                                    cut[b, q - 1, i] = found[i]
+                            rng[0] = T.Cast("uint32", found[2])
+                            rng[1] = T.Cast("uint32", found[3])
+                            rng[2] = shift(rng[1] - rng[0])
+                            if rng[0] < rng[1]:
+                                for st in T.serial(T.Select(on, steps, 0)):
+                                    load(logits, r, s * nt + tx, st, xs)
+                                    for u in T.unroll(per):
+                                        key: T.let[T.uint32] = key_of(xs[u])
+                                        if key >= rng[0] and key <= rng[1]:
+                                            d: T.let[T.int32] = T.Cast("int32", T.shift_right(
+                                                rng[1] - key, rng[2]))  # fmt: skip
+                                            wt: T.let[T.float64] = weight((m[0] - xs[u]) * c)
+                                            add(hs, lo, hi, d, wt, key)
                 flush(hs, lo, hi, hist, keys, b, q, on)
 
     @T.macro
@@ -396,10 +374,10 @@ def nucleus_floors(decodable: int, selection: int, gpu: bool):
     @T.macro
     def floors(logits, rows_buf, floats, ints, floor, peak, hist, keys, cut, n):
         peaks(logits, rows_buf, floats, ints, peak, hist, keys, n)
-        weigh(logits, rows_buf, floats, ints, peak, hist, keys, n)
-        split(logits, rows_buf, floats, ints, peak, hist, keys, cut, n, 1)
-        split(logits, rows_buf, floats, ints, peak, hist, keys, cut, n, 2)
-        split(logits, rows_buf, floats, ints, peak, hist, keys, cut, n, 3)
+        histogram(logits, rows_buf, floats, ints, peak, hist, keys, cut, n, 0)
+        histogram(logits, rows_buf, floats, ints, peak, hist, keys, cut, n, 1)
+        histogram(logits, rows_buf, floats, ints, peak, hist, keys, cut, n, 2)
+        histogram(logits, rows_buf, floats, ints, peak, hist, keys, cut, n, 3)
         last_cut(floats, ints, floor, hist, keys, cut, n)
 
     return floors
