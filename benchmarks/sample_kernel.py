@@ -7,7 +7,8 @@ sampler it replaces.
 
 For 1 and 16 rows of random logits (flat: std 1; peaked: std 4), pads holding the largest
 values, and each setting (Qwen3.5's suggested t0.7 / p0.8 / k20, its thinking t1.0 / p0.95 /
-k20, top_k 64, Gumbel-max over the whole row, and top_p alone at t1.0 / p0.9 and t0.7 / p0.95):
+k20, top_k 64, Gumbel-max over the whole row, top_p alone at t1.0 / p0.9 and t0.7 / p0.95, and
+min_p 0.05 alone and 0.1 with the suggested settings):
 the GPU check (every token equal to tests/sampling_reference.py's draw on the same row, seed
 and position; never a pad; the logprob within 1e-4 of the row's log_softmax; top_p rows'
 nucleus floors against the reference's, reported), then µs a call in a CUDA graph, and the host's
@@ -27,13 +28,15 @@ from pathlib import Path
 from common import build_or_run, write_result
 
 DECODABLE, SELECTION = 248077, 248192
-SETTINGS = {  # name: (temperature, top_p, top_k)
+SETTINGS = {  # name: (temperature, top_p, top_k[, min_p])
     "suggested": (0.7, 0.8, 20),
     "thinking": (1.0, 0.95, 20),
     "top_k_64": (1.0, 1.0, 64),
     "gumbel": (1.0, 1.0, -1),
     "top_p": (1.0, 0.9, -1),  # top_p alone, as OpenAI clients send it: the nucleus kernel
     "top_p_t0.7": (0.7, 0.95, -1),
+    "min_p": (1.0, 1.0, -1, 0.05),  # min_p over the whole row: the nucleus form's peak
+    "top_k_min_p": (0.7, 0.8, 20, 0.1),
 }
 ROWS = (1, 16)
 MANIFEST = "manifest.json"
@@ -78,13 +81,13 @@ def _reference_module(consts: dict):
 def _case(torch, tvm, lib, ref, consts, scale: float, n: int, setting: str, gen) -> dict:
     from qwen35_tvm.runtime.device_sampling import seed_words
 
-    t, p, k = SETTINGS[setting]
+    t, p, k, min_p = (*SETTINGS[setting], 0.0)[:4]
     logits = torch.randn((n, SELECTION), device="cuda", generator=gen) * scale
     logits[:, DECODABLE:] = 1e4  # a leak would win every draw
     rows = torch.arange(n, device="cuda", dtype=torch.int32).flip(0)
     seeds = [1000 * n + 17 * j for j in range(n)]
     words = [seed_words(s) for s in seeds]
-    floats = torch.tensor([[t, p]] * n, device="cuda", dtype=torch.float32)
+    floats = torch.tensor([[t, p, min_p]] * n, device="cuda", dtype=torch.float32)
     ints = torch.tensor([[k, lo, hi, 1024 + j] for j, (lo, hi) in enumerate(words)],
                         device="cuda", dtype=torch.int32)  # fmt: skip
     best = torch.full((n,), -1, device="cuda", dtype=torch.int32)
@@ -92,8 +95,8 @@ def _case(torch, tvm, lib, ref, consts, scale: float, n: int, setting: str, gen)
     ws = [torch.empty((n, *shape), device="cuda", dtype=getattr(torch, dt))
           for shape, dt in consts["WORKSPACES"]]  # fmt: skip
     args = [tvm.runtime.from_dlpack(a) for a in (logits, rows, floats, ints, best, logprob, *ws)]
-    # the function the runtime calls: the nucleus kernels only for a top_p-only row
-    floored = k < 1 and p < 1
+    # the function the runtime calls: the nucleus kernels only for top_p or min_p, top_k off
+    floored = k < 1 and (p < 1 or min_p > 0)
     fn = lib["sample_pick" if floored else "sample_pick_plain"]
     fn(*args)
     torch.cuda.synchronize()
@@ -104,7 +107,7 @@ def _case(torch, tvm, lib, ref, consts, scale: float, n: int, setting: str, gen)
     equal, floors_equal, lp_err, kept = 0, 0, 0.0, []
     for j in range(n):
         r = n - 1 - j  # rows are listed in reverse
-        want, _ = ref.draw(host[r], DECODABLE, t, p, k, *words[j], 1024 + j)
+        want, _ = ref.draw(host[r], DECODABLE, t, p, k, *words[j], 1024 + j, min_p)
         equal += int(got[r] == want)
         lp_err = max(lp_err, abs(float(got_lp[r]) - float(lsm[r, got[r]])))
         if k < 1 and p < 1:
@@ -130,7 +133,7 @@ def _case(torch, tvm, lib, ref, consts, scale: float, n: int, setting: str, gen)
             for _ in range(10):
                 lib["sample_pick"](*args)
         row["device_us_nucleus_form"] = cuda_time(torch, graph.replay, iters=20) / 10 * 1e6
-    row |= _host_path(torch, logits[0], (t, p, k))
+    row |= _host_path(torch, logits[0], (t, p, k, min_p))
     print(json.dumps(row), flush=True)
     return row
 

@@ -49,7 +49,7 @@ def export_spec(cfg: ModelConfig, widths: VocabWidths, dtype: str, prompts: bool
     sampled = {
         "logits": nn.spec.Tensor(["batch", widths.selection], F32),
         "rows": nn.spec.Tensor(["n"], "int32"),
-        "floats": nn.spec.Tensor(["n", 2], F32),
+        "floats": nn.spec.Tensor(["n", 3], F32),
         "ints": nn.spec.Tensor(["n", 4], "int32"),
         "best_out": nn.spec.Tensor(["batch"], "int32"),
         "logprob_out": nn.spec.Tensor(["batch"], F32),
@@ -85,7 +85,7 @@ def export_spec(cfg: ModelConfig, widths: VocabWidths, dtype: str, prompts: bool
             **no_params,
         },
         "constrained_mask": {**constrained, **no_params},
-        # A step's sampled rows: (temperature, top_p) and (top_k, seed low, seed high, counter).
+        # A step's sampled rows: (temperature, top_p, min_p), (top_k, seed low, seed high, counter).
         "sampled_pick": sampled,
         "sampled_pick_nucleus": dict(sampled),  # export_tvm pops "$"
         "create_kv_pools": {"num_pages": int, "num_slots": int, "pages_per_seq": int, **no_params},

@@ -60,10 +60,10 @@ class RowPicks(nn.Module):
         best_out: Tensor,
         logprob_out: Tensor,
     ) -> tuple[Tensor, Tensor]:
-        """Logits row rows[i] drawn with floats[i] (temperature, top_p) and ints[i] (top_k,
-        seed low, seed high, counter): its token and raw logprob into best_out[rows[i]] and
-        logprob_out[rows[i]], in place; the other rows' picks are left as they were. No row
-        may ask for top_p without top_k: those take `sampled_pick_nucleus`."""
+        """Logits row rows[i] drawn with floats[i] (temperature, top_p, min_p) and ints[i]
+        (top_k, seed low, seed high, counter): its token and raw logprob into best_out[rows[i]]
+        and logprob_out[rows[i]], in place; the other rows' picks are left as they were. No
+        row may ask for top_p or min_p without top_k: those take `sampled_pick_nucleus`."""
         return self._sampled(logits, rows, floats, ints, best_out, logprob_out, False)
 
     def sampled_pick_nucleus(
@@ -75,8 +75,8 @@ class RowPicks(nn.Module):
         best_out: Tensor,
         logprob_out: Tensor,
     ) -> tuple[Tensor, Tensor]:
-        """`sampled_pick` for any rows, top_p without top_k included: five more kernels find
-        those rows' nuclei first (schedules/nucleus.py)."""
+        """`sampled_pick` for any rows, top_p or min_p without top_k included: five more
+        kernels find those rows' peaks and nuclei first (schedules/nucleus.py)."""
         return self._sampled(logits, rows, floats, ints, best_out, logprob_out, True)
 
     def _sampled(self, logits, rows, floats, ints, best_out, logprob_out, nucleus_rows: bool):

@@ -1,13 +1,15 @@
 """Sampled rows drawn on the device (the artifact's `sampled_pick` and, where a row asks for top_p
-without top_k, `sampled_pick_nucleus`; schedules/sample_pick.py):
+or min_p without top_k, `sampled_pick_nucleus`; schedules/sample_pick.py):
 after a step's forward, each row whose sequence samples there gets its token and logprob
 written into the step's own pick buffers, as a greedy row's pick is. So such a sequence's
 steps come back as 8 bytes a row and may be launched ahead, where the host's sampler would
 copy its 1 MB row and wait for the GPU every step.
 
 Which settings qualify (`drawn_on_device`): a temperature with top_k off or up to DEVICE_TOP_K,
-and any top_p (without top_k, a nucleus of any size: schedules/nucleus.py); no min_p, no
+any top_p (without top_k, a nucleus of any size: schedules/nucleus.py) and any min_p; no
 alternatives reported, no grammar. Others stay with the host's sampler (runtime/sampler.py).
+Artifacts built before `sampled_pick_nucleus` take (temperature, top_p) a row and draw neither
+top_p nor min_p without top_k, nor min_p at all.
 A row's randomness is a hash of its request's seed and its token's position, so a seeded
 request draws the same tokens whatever else runs beside it."""
 
@@ -26,16 +28,17 @@ DEVICE_TOP_K = 64
 
 
 def needs_nucleus(params: SamplingParams) -> bool:
-    """Whether a row's draw needs its nucleus found first (top_p without top_k)."""
-    return params.top_k < 1 and params.top_p < 1.0
+    """Whether a row's draw needs the nucleus kernels first: its peak or its nucleus (top_p or
+    min_p without top_k)."""
+    return params.top_k < 1 and (params.top_p < 1.0 or params.min_p > 0.0)
 
 
 def drawn_on_device(params: SamplingParams, decodable: int, nucleus: bool) -> bool:
     """Whether the device's draw gives exactly the distribution these settings ask for;
     `nucleus`: whether the artifact finds nuclei (`sampled_pick_nucleus`)."""
-    if is_effectively_greedy(params, decodable) or params.min_p > 0.0:
+    if is_effectively_greedy(params, decodable):
         return False
-    if needs_nucleus(params) and not nucleus:
+    if (needs_nucleus(params) or params.min_p > 0.0) and not nucleus:
         return False
     return params.top_k <= DEVICE_TOP_K  # -1 / 0: off
 
@@ -69,14 +72,16 @@ class DeviceDraws:
         self._fn = vm["sampled_pick"]
         self.finds_nuclei = vm.module.implements_function("sampled_pick_nucleus")
         self._nucleus_fn = vm["sampled_pick_nucleus"] if self.finds_nuclei else None
-        self._slots: dict[int, tuple[float, float, int, int, int]] = {}
+        self._floats = 3 if self.finds_nuclei else 2  # (temperature, top_p[, min_p]) a row
+        self._slots: dict[int, tuple[float, float, float, int, int, int]] = {}
         self._nucleus_slots: set[int] = set()
 
     def add(self, slot: int, params: SamplingParams, seed: int) -> None:
-        if needs_nucleus(params) and not self.finds_nuclei:
-            raise ValueError("this artifact cannot draw top_p without top_k on the device")
+        if (needs_nucleus(params) or params.min_p > 0.0) and not self.finds_nuclei:
+            raise ValueError("this artifact cannot draw these settings on the device")
         lo, hi = seed_words(seed)
-        self._slots[slot] = (params.temperature, params.top_p, params.top_k, lo, hi)
+        t, p, m = params.temperature, params.top_p, params.min_p
+        self._slots[slot] = (t, p, m, params.top_k, lo, hi)
         if needs_nucleus(params):
             self._nucleus_slots.add(slot)
 
@@ -102,8 +107,8 @@ class DeviceDraws:
         if not n:
             return
         settings = [self._slots[slot] for _, slot, _ in rows]
-        floats = np.array([s[:2] for s in settings], dtype=np.float32)
-        ints = [(s[2], s[3], s[4], at) for s, (_, _, at) in zip(settings, rows, strict=True)]
+        floats = np.array([s[: self._floats] for s in settings], dtype=np.float32)
+        ints = [(*s[3:], at) for s, (_, _, at) in zip(settings, rows, strict=True)]
         row_ids, float_bits, int_rows = inputs.upload(
             draw_rows=[r for r, _, _ in rows], draw_floats=floats.view(np.int32), draw_ints=ints
         )
@@ -111,7 +116,7 @@ class DeviceDraws:
         (self._nucleus_fn if nuclei else self._fn)(
             logits,
             row_ids,
-            float_bits._create_view(tvm.runtime.ShapeTuple((n, 2)), "float32"),
+            float_bits._create_view(tvm.runtime.ShapeTuple((n, self._floats)), "float32"),
             int_rows._create_view(tvm.runtime.ShapeTuple((n, 4)), "int32"),
             best,
             logprob,

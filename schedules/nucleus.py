@@ -75,6 +75,12 @@ def wants_floor(floats, ints, b):
     return tirx.And(ints[b, 0] < 1, floats[b, 1] < T.float32(1))
 
 
+def wants_peak(floats, ints, b):
+    """Whether row b's peak is needed: top_p or min_p without top_k."""
+    return tirx.And(ints[b, 0] < 1, tirx.Or(floats[b, 1] < T.float32(1),
+                                            floats[b, 2] > T.float32(0)))  # fmt: skip
+
+
 def weight(t):
     """A column's fixed-point weight (float64, an integer) at t."""
     return T.floor(T.Cast("float64", T.exp2(-t)) * T.float64(FIXED))
@@ -93,7 +99,8 @@ def nucleus_floors(decodable: int, selection: int, gpu: bool):
     """A macro (logits, rows, floats, ints, floor, peak, hist, keys, cut, n): floor[i] = the
     smallest logit in row rows[i]'s nucleus where its settings ask for top_p without top_k
     (ints[i, 0] < 1, floats[i, 1] < 1), else -inf. The other four are workspaces
-    (`workspace_shapes`)."""
+    (`workspace_shapes`); peak[i] holds the row's slices' peaks where it asks for top_p or
+    min_p (floats[i, 2] > 0) without top_k."""
     if decodable * FIXED >= 2.0**53:
         raise ValueError(f"{decodable} columns: their fixed-point sums would not be exact")
     nt = THREADS if gpu else 1
@@ -252,7 +259,7 @@ def nucleus_floors(decodable: int, selection: int, gpu: bool):
                 b: T.let[T.int32] = bs // SLICES
                 s: T.let[T.int32] = bs % SLICES
                 r: T.let[T.int32] = rows_buf[b]
-                on: T.let[T.bool] = wants_floor(floats, ints, b)
+                on: T.let[T.bool] = wants_peak(floats, ints, b)
                 for tx in lanes():
                     with T.sblock("slice_peak"):
                         T.reads()

@@ -4,11 +4,12 @@ launched ahead (runtime/launched.py) instead of waiting for the host to sample a
 
 Two ways, chosen a row by its top_k:
 - top_k in 1..K_MAX: the k largest of x / temperature (ties to the lower id, as the host's
-  sampler), then top_p over them and a draw by inverse CDF with one uniform;
+  sampler), then top_p and min_p over them and a draw by inverse CDF with one uniform;
 - top_k off: Gumbel-max, the argmax of x / temperature + Gumbel noise over every decodable
-  column (with top_p, over the nucleus that schedules/nucleus.py finds first), an exact draw
-  from the tempered distribution (its nucleus).
-Other settings (min_p, top_k past K_MAX) stay with the host's sampler.
+  column (with top_p, over the nucleus that schedules/nucleus.py finds first; with min_p, over
+  the columns of at least min_p times the peak's weight), an exact draw from the tempered,
+  filtered distribution.
+top_k past K_MAX stays with the host's sampler.
 
 Randomness is counter-based (schedules/draw_hash.py): a row's draw depends on its request's
 seed and its position only, never on the batch it ran in.
@@ -99,13 +100,13 @@ def merged_warps(run, arg, tw, warps: int):
 def sample_pick(decodable: int, selection: int, target: Target, nucleus_rows: bool = True
                 ) -> PrimFunc:  # fmt: skip
     """`sample_pick(logits, rows, floats, ints, best, logprob, ws_v, ws_i, ws_t, *ws_nucleus)`:
-    for each
-    i, row rows[i] of the logits [batch, selection] drawn with floats[i] = (temperature,
-    top_p) and ints[i] = (top_k, seed low, seed high, counter); its token and raw logprob are
-    written to best[rows[i]] and logprob[rows[i]] (the step's own pick buffers, in place).
-    Workspaces: `workspace_shapes(n)`. Without `nucleus_rows` the nucleus kernels are left out
-    and their workspaces untouched: no row may then ask for top_p without top_k (the runtime
-    calls this form for batches without such a row, five launches fewer)."""
+    for each i, row rows[i] of the logits [batch, selection] drawn with floats[i] =
+    (temperature, top_p, min_p) and ints[i] = (top_k, seed low, seed high, counter); its token
+    and raw logprob are written to best[rows[i]] and logprob[rows[i]] (the step's own pick
+    buffers, in place). Workspaces: `workspace_shapes(n)`. Without `nucleus_rows` the nucleus
+    kernels are left out and their workspaces untouched: no row may then ask for top_p or
+    min_p without top_k (the runtime calls this form for batches without such a row, five
+    launches fewer)."""
     gpu = target.kind.name == "cuda"
     nt = THREADS if gpu else 1
     grid, lanes = block_loop(gpu), thread_loop(nt, gpu)
@@ -121,11 +122,15 @@ def sample_pick(decodable: int, selection: int, target: Target, nucleus_rows: bo
     each_load = T.unroll if gpu else T.serial  # the GPU's loads all issued before their use
     floors = nucleus.nucleus_floors(decodable, selection, gpu)
 
-    def out_of_nucleus(x, ws_f, b):
-        return x < ws_f[b] if nucleus_rows else T.bool(False)
+    def filtered_out(x, y, top, ws_f, floats, b):
+        """Whether a top_k-off column is out of its row's nucleus or under its min_p (top: the
+        row's largest x / temperature); the form without nucleus kernels has no such rows."""
+        if not nucleus_rows:
+            return T.bool(False)
+        return tirx.Or(x < ws_f[b], T.exp(y - top) < floats[b, 2])
 
     @T.macro
-    def chunk_lists(logits, rows_buf, floats, ints, ws_v, ws_i, ws_t, ws_f, n):
+    def chunk_lists(logits, rows_buf, floats, ints, ws_v, ws_i, ws_t, ws_f, ws_peak, n):
         for bc in grid(n * CHUNKS):
             with T.sblock("chunk"):
                 T.reads()
@@ -150,6 +155,14 @@ def sample_pick(decodable: int, selection: int, target: Target, nucleus_rows: bo
                         row_key(h, ints, b)
                         start(run, arg)
                         xs = T.sblock_alloc_buffer((per_lane,), "float32", scope="local")
+                        top = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                        top[0] = T.float32("-inf")
+                        if nucleus_rows:  # a min_p row's peak, from the nucleus's first kernel
+                            for q in T.serial(
+                                T.Select(floats[b, 2] > T.float32(0), nucleus.SLICES, 0)
+                            ):
+                                top[0] = T.max(top[0], ws_peak[b, q])
+                        top[0] = top[0] / floats[b, 0]
                         # every load first: one after another behind the hash and logs left
                         # one L2 round trip in flight a lane
                         for e in each_load(per_lane):
@@ -164,7 +177,7 @@ def sample_pick(decodable: int, selection: int, target: Target, nucleus_rows: bo
                             y: T.let[T.float32] = xs[e] / floats[b, 0]
                             if ints[b, 0] >= 1 or xs[e] == T.float32("-inf"):
                                 score[j] = y
-                            elif out_of_nucleus(xs[e], ws_f, b):
+                            elif filtered_out(xs[e], y, top[0], ws_f, floats, b):
                                 score[j] = T.float32("-inf")
                             else:
                                 hc[0] = T.bitwise_xor(h[0], T.Cast("uint32", c0 + j))
@@ -325,11 +338,16 @@ def sample_pick(decodable: int, selection: int, target: Target, nucleus_rows: bo
                             sel[0] = k  # the nucleus's size: the shortest prefix with top_p
                             acc[1] = T.float32(0)
                             for q in T.serial(k):
+                                # then min_p, a prefix too: the list ends before its first
+                                # weight under min_p
                                 open_: T.let[T.bool] = sel[0] == k
                                 wq: T.let[T.float32] = T.exp(listed(cand, pick, q) - peak)
-                                acc[1] = acc[1] + T.Select(open_, wq, T.float32(0))
+                                under: T.let[T.bool] = tirx.And(open_, wq < floats[b, 2])
+                                sel[0] = T.Select(under, q, sel[0])
+                                kept: T.let[T.bool] = tirx.And(open_, tirx.Not(under))
+                                acc[1] = acc[1] + T.Select(kept, wq, T.float32(0))
                                 enough: T.let[T.bool] = acc[1] >= floats[b, 1] * acc[0]
-                                full: T.let[T.bool] = tirx.And(open_, enough)
+                                full: T.let[T.bool] = tirx.And(kept, enough)
                                 sel[0] = T.Select(full, q + 1, sel[0])
                             row_key(h, ints, b)
                             h[0] = T.bitwise_xor(h[0], T.uint32(DRAW))
@@ -372,7 +390,7 @@ def sample_pick(decodable: int, selection: int, target: Target, nucleus_rows: bo
         batch, n = T.int32(), T.int32()
         logits = T.match_buffer(logits_h, (batch, selection), "float32")
         rows_buf = T.match_buffer(rows_h, (n,), "int32")
-        floats = T.match_buffer(floats_h, (n, 2), "float32")
+        floats = T.match_buffer(floats_h, (n, 3), "float32")
         ints = T.match_buffer(ints_h, (n, 4), "int32")
         best = T.match_buffer(best_h, (batch,), "int32")
         logprob = T.match_buffer(logprob_h, (batch,), "float32")
@@ -386,7 +404,7 @@ def sample_pick(decodable: int, selection: int, target: Target, nucleus_rows: bo
         ws_cut = T.match_buffer(ws_cut_h, (n, nucleus.ROUNDS, nucleus.CUT), "float64")
         if nucleus_rows:
             floors(logits, rows_buf, floats, ints, ws_f, ws_peak, ws_hist, ws_keys, ws_cut, n)
-        chunk_lists(logits, rows_buf, floats, ints, ws_v, ws_i, ws_t, ws_f, n)
+        chunk_lists(logits, rows_buf, floats, ints, ws_v, ws_i, ws_t, ws_f, ws_peak, n)
         row_draw(logits, rows_buf, floats, ints, best, logprob, ws_v, ws_i, ws_t, n)
 
     name = "sample_pick_nucleus" if nucleus_rows else "sample_pick"

@@ -53,7 +53,8 @@ def nucleus_floor(x: np.ndarray, temperature: float, top_p: float) -> float:
 
 
 def draw(row: np.ndarray, decodable: int, temperature: float, top_p: float, top_k: int,
-         seed_lo: int, seed_hi: int, counter: int) -> tuple[int, float]:  # fmt: skip
+         seed_lo: int, seed_hi: int, counter: int, min_p: float = 0.0
+         ) -> tuple[int, float]:  # fmt: skip
     """The kernel's token and raw logprob for one row."""
     x = row[:decodable].astype(np.float32)
     key = row_key(seed_lo, seed_hi, counter)
@@ -65,6 +66,8 @@ def draw(row: np.ndarray, decodable: int, temperature: float, top_p: float, top_
         score = np.where(np.isfinite(x), y + noise, y)
         if top_p < 1.0:
             score = np.where(x >= nucleus_floor(x, temperature, top_p), score, -np.inf)
+        if min_p > 0.0:
+            score = np.where(np.exp(y - y.max()) < np.float32(min_p), -np.inf, score)
         token = int(np.argmax(score))
         return token, float(x[token]) - lse
     k = min(top_k, K_MAX)
@@ -80,6 +83,8 @@ def draw(row: np.ndarray, decodable: int, temperature: float, top_p: float, top_
         if run >= np.float32(top_p) * total:
             keep = q + 1
             break
+    under = np.flatnonzero(w < np.float32(min_p))  # min_p after top_p: a prefix of the list
+    keep = min(keep, int(under[0])) if len(under) else keep
     point = uniform(mix(key ^ DRAW)) * np.float32(w[:keep].sum(dtype=np.float32))
     acc, sel = np.float32(0), 0
     for q in range(keep):

@@ -20,6 +20,7 @@ from qwen35_tvm.schedules.sample_pick import K_MAX
 SUGGESTED = SamplingParams(temperature=0.7, top_p=0.8, top_k=20, seed=5)  # Qwen3.5's
 GUMBEL = SamplingParams(temperature=1.2, seed=-9)  # no top_k, no top_p: the whole row
 NUCLEUS = SamplingParams(temperature=0.9, top_p=0.9, seed=3)  # top_p alone (OpenAI clients')
+MIN_P = SamplingParams(temperature=1.1, min_p=0.1, seed=4)
 
 
 def test_the_runtime_knows_the_kernels_top_k():
@@ -35,16 +36,18 @@ def test_the_runtime_knows_the_kernels_top_k():
         (SamplingParams(temperature=1.0, top_k=K_MAX + 1), False),
         (SamplingParams(temperature=1.0, top_p=0.9), True),  # a nucleus of the whole row
         (SamplingParams(temperature=1.0, top_p=0.9, top_k=9), True),  # top_p over the top_k
-        (SamplingParams(temperature=1.0, top_k=20, min_p=0.1), False),
+        (SamplingParams(temperature=1.0, top_k=20, min_p=0.1), True),
+        (SamplingParams(temperature=0.8, min_p=0.05), True),  # min_p over the whole row
         (SamplingParams(temperature=0.0, top_k=20), False),  # greedy: the plain pick
         (SamplingParams(temperature=1.0, top_k=1), False),
     ],
 )
 def test_which_settings_are_drawn_on_the_device(params, on_device):
     assert drawn_on_device(params, 1000, nucleus=True) is on_device
-    # an artifact without `sampled_pick_nucleus` leaves only top_p without top_k to the host
-    alone = params.top_p < 1.0 and params.top_k < 1
-    assert drawn_on_device(params, 1000, nucleus=False) is (on_device and not alone)
+    # an artifact without `sampled_pick_nucleus` leaves top_p without top_k, and min_p, to the
+    # host
+    newer = (params.top_p < 1.0 and params.top_k < 1) or params.min_p > 0.0
+    assert drawn_on_device(params, 1000, nucleus=False) is (on_device and not newer)
 
 
 def reference_tokens(art, prompt_ids: list[int], params: SamplingParams, n: int) -> list[int]:
@@ -58,7 +61,7 @@ def reference_tokens(art, prompt_ids: list[int], params: SamplingParams, n: int)
     for _ in range(n):
         at = len(prompt_ids) + len(out)  # the position of the token drawn
         token, _ = draw(row, art.widths.decodable, params.temperature, params.top_p,
-                        params.top_k, lo, hi, at)  # fmt: skip
+                        params.top_k, lo, hi, at, params.min_p)  # fmt: skip
         out.append(token)
         row = runner.decode([0], [token]).rows()[0]
     return out
@@ -72,11 +75,12 @@ def test_engine_draws_equal_the_reference_and_launch_ahead(tiny_compiled):
         Request(prompt(21, d, 2), GREEDY, 10, ignore_eos=True),
         Request(prompt(5, d, 3), GUMBEL, 14, ignore_eos=True),
         Request(prompt(17, d, 7), NUCLEUS, 14, ignore_eos=True),
+        Request(prompt(11, d, 8), MIN_P, 14, ignore_eos=True),
     ]
     want, _ = _run(art, {0: reqs}, overlap=False)
     got, launched = _run(art, {0: reqs}, overlap=True)
     assert {k: v[0] for k, v in got.items()} == {k: v[0] for k, v in want.items()}
-    for i in (0, 2, 3):
+    for i in (0, 2, 3, 4):
         assert got[i][0] == reference_tokens(art, reqs[i].prompt_ids, reqs[i].params, 14)
     # before, a sampled row made every step synchronous: now they chain, fed on the device
     assert launched.count(None) >= 8, launched
@@ -98,8 +102,8 @@ def test_a_seeded_request_draws_the_same_alone_or_beside_others(tiny_compiled):
 def test_settings_the_kernel_does_not_serve_stay_on_the_host(tiny_compiled):
     art, gen = loaded(tiny_compiled)
     d = gen.decodable
-    floor = SamplingParams(temperature=1.0, top_k=20, min_p=0.1, seed=3)
-    reqs = [Request(prompt(7, d, 6), floor, 8, ignore_eos=True)]
+    wide = SamplingParams(temperature=1.0, top_k=K_MAX + 1, seed=3)
+    reqs = [Request(prompt(7, d, 6), wide, 8, ignore_eos=True)]
     got, launched = _run(art, {0: reqs}, overlap=True)
     assert len(got[0][0]) == 8 and all(0 <= t < d for t in got[0][0])
     assert None not in launched  # the host supplies every token: nothing fed on the device

@@ -24,7 +24,7 @@ def func_name(nucleus_rows: bool) -> str:
 
 def run_kernel(logits: np.ndarray, decodable: int, rows, settings, floors: bool = False,
                nucleus_rows: bool = True) -> tuple[np.ndarray, ...]:  # fmt: skip
-    """settings[i] = (temperature, top_p, top_k, seed, counter) for logits row rows[i];
+    """settings[i] = (temperature, top_p, top_k, seed, counter[, min_p]) for logits row rows[i];
     returns (best, logprob) over the whole batch, -7 / 0 where no row was drawn, and with
     `floors` each listed row's nucleus floor (schedules/nucleus.py; the workspace starts at
     -7). `nucleus_rows` False: the form without the nucleus kernels."""
@@ -33,8 +33,8 @@ def run_kernel(logits: np.ndarray, decodable: int, rows, settings, floors: bool 
         func = sample_pick(decodable, logits.shape[1], LLVM, nucleus_rows)
         _LIBS[key] = tvm.compile(tvm.IRModule({"main": func}), LLVM)
     n, dev = len(rows), tvm.cpu()
-    floats = np.array([[t, p] for t, p, *_ in settings], np.float32)
-    ints = np.array([[k, *seed_words(s), c] for _, _, k, s, c in settings], np.int32)
+    floats = np.array([[t, p, (m or [0.0])[0]] for t, p, _, _, _, *m in settings], np.float32)
+    ints = np.array([[k, *seed_words(s), c] for _, _, k, s, c, *_ in settings], np.int32)
     best = tvm.runtime.tensor(np.full(logits.shape[0], -7, np.int32), dev)
     logprob = tvm.runtime.tensor(np.zeros(logits.shape[0], np.float32), dev)
     ws = [tvm.runtime.empty(shape, dt, dev) for shape, dt in workspace_shapes(n)]
@@ -46,8 +46,8 @@ def run_kernel(logits: np.ndarray, decodable: int, rows, settings, floors: bool 
 
 
 def expect(logits, decodable, rows, settings):
-    out = [draw(logits[r], decodable, t, p, k, *seed_words(s), c)
-           for r, (t, p, k, s, c) in zip(rows, settings, strict=True)]  # fmt: skip
+    out = [draw(logits[r], decodable, t, p, k, *seed_words(s), c, *m)
+           for r, (t, p, k, s, c, *m) in zip(rows, settings, strict=True)]  # fmt: skip
     return np.array([o[0] for o in out]), np.array([o[1] for o in out])
 
 
@@ -79,6 +79,27 @@ def test_tokens_equal_the_reference(decodable, selection):
     assert (best[rows] < decodable).all()
     np.testing.assert_allclose(logprob[rows], want_lp, atol=2e-5)
     assert best[rows[6]] == np.argmax(logits[4, :decodable])
+
+
+def test_min_p_tokens_equal_the_reference():
+    # min_p after top_p, over the k best or (top_k off) every column at min_p of the peak's
+    # weight or more; min_p 1 leaves only the peak
+    decodable, selection = 1003, 1024
+    logits = _logits(np.random.default_rng(9), 8, selection, decodable, scale=1.0)
+    settings = [(1.0, 1.0, -1, 1, 0, 0.1), (0.7, 0.9, -1, 2, 1, 0.2), (1.0, 1.0, 20, 3, 2, 0.3),
+                (0.8, 0.5, 40, 4, 3, 0.05), (1.0, 1.0, -1, 5, 4, 1.0), (1.0, 1.0, 9, 6, 5, 1.0),
+                (2.0, 0.99, 0, 7, 6, 0.5), (1.0, 1.0, -1, 8, 7, 0.0)]  # fmt: skip
+    rows = [3, 0, 7, 1, 5, 2, 6, 4]
+    best, _ = run_kernel(logits, decodable, rows, settings)
+    want, _ = expect(logits, decodable, rows, settings)
+    np.testing.assert_array_equal(best[rows], want)
+    peaks = logits[:, :decodable].argmax(axis=1)
+    assert best[rows[4]] == peaks[rows[4]] and best[rows[5]] == peaks[rows[5]]
+    # the form without nucleus kernels serves min_p over the k best
+    k_rows = [i for i, st in enumerate(settings) if st[2] >= 1]
+    plain, _ = run_kernel(logits, decodable, [rows[i] for i in k_rows],
+                          [settings[i] for i in k_rows], nucleus_rows=False)  # fmt: skip
+    np.testing.assert_array_equal(plain[[rows[i] for i in k_rows]], want[k_rows])
 
 
 def test_many_counters_and_seeds():
@@ -135,29 +156,32 @@ def test_ties_go_to_the_lower_id_and_minus_inf_never_wins():
 
 
 def _frequencies(logits_row, decodable, setting, draws):
-    t, p, k, seed = setting
+    t, p, k, seed, *m = setting
     logits = np.repeat(logits_row[None], draws, axis=0)
     best, _ = run_kernel(logits, decodable, list(range(draws)),
-                         [(t, p, k, seed, c) for c in range(draws)])  # fmt: skip
+                         [(t, p, k, seed, c, *m) for c in range(draws)])  # fmt: skip
     return np.bincount(best, minlength=decodable) / draws
 
 
-def _target(x, t, p, k):
-    """The host sampler's distribution, in float64: temperature, top_k, top_p."""
+def _target(x, t, p, k, min_p=0.0):
+    """The host sampler's distribution, in float64: temperature, top_k, top_p, min_p."""
     y = x.astype(np.float64) / t
     order = np.lexsort((np.arange(len(y)), -y))
     if k >= 1:
         order = order[:k]
     w = np.exp(y[order] - y[order[0]])
     cut = int(np.searchsorted(np.cumsum(w), p * w.sum())) + 1
+    cut = min(cut, int((w >= min_p).sum()))
     out = np.zeros(len(y))
     out[order[:cut]] = w[:cut] / w[:cut].sum()
     return out
 
 
 @pytest.mark.parametrize(
-    "setting", [(0.8, 0.9, 6, 11), (1.3, 1.0, -1, 12), (1.0, 0.7, 20, 13), (1.2, 0.8, -1, 14)]
-)
+    "setting",
+    [(0.8, 0.9, 6, 11), (1.3, 1.0, -1, 12), (1.0, 0.7, 20, 13), (1.2, 0.8, -1, 14),
+     (1.0, 1.0, -1, 15, 0.2), (0.9, 0.95, 12, 16, 0.3)],
+)  # fmt: skip
 def test_draws_follow_the_distribution(setting):
     """Chi-square over 3,000 draws (counters 0..2,999): a wrong filter, a skewed draw or
     noise that is not Gumbel's moves it far past its 99.9% bound."""
@@ -165,7 +189,7 @@ def test_draws_follow_the_distribution(setting):
     x = np.random.default_rng(3).standard_normal(64).astype(np.float32)
     x[decodable:] = 30.0
     got = _frequencies(x, decodable, setting, draws)
-    want = _target(x[:decodable], *setting[:3])
+    want = _target(x[:decodable], *setting[:3], *setting[4:])
     live = want > 0
     assert got[~live].sum() == 0
     chi2 = draws * ((got[live] - want[live]) ** 2 / want[live]).sum()
