@@ -33,12 +33,18 @@ def needs_nucleus(params: SamplingParams) -> bool:
     return params.top_k < 1 and (params.top_p < 1.0 or params.min_p > 0.0)
 
 
+def needs_nucleus_artifact(params: SamplingParams) -> bool:
+    """Whether only an artifact with `sampled_pick_nucleus` draws these settings: the nucleus
+    kernels, or min_p (the third float a row)."""
+    return needs_nucleus(params) or params.min_p > 0.0
+
+
 def drawn_on_device(params: SamplingParams, decodable: int, nucleus: bool) -> bool:
     """Whether the device's draw gives exactly the distribution these settings ask for;
     `nucleus`: whether the artifact finds nuclei (`sampled_pick_nucleus`)."""
     if is_effectively_greedy(params, decodable):
         return False
-    if (needs_nucleus(params) or params.min_p > 0.0) and not nucleus:
+    if needs_nucleus_artifact(params) and not nucleus:
         return False
     return params.top_k <= DEVICE_TOP_K  # -1 / 0: off
 
@@ -77,7 +83,7 @@ class DeviceDraws:
         self._nucleus_slots: set[int] = set()
 
     def add(self, slot: int, params: SamplingParams, seed: int) -> None:
-        if (needs_nucleus(params) or params.min_p > 0.0) and not self.finds_nuclei:
+        if needs_nucleus_artifact(params) and not self.finds_nuclei:
             raise ValueError("this artifact cannot draw these settings on the device")
         lo, hi = seed_words(seed)
         t, p, m = params.temperature, params.top_p, params.min_p

@@ -135,7 +135,7 @@ class ModelRunner:
         self.draws_on_device = vm.module.implements_function("sampled_pick")
         if self.draws_on_device:
             self._draws = DeviceDraws(vm)
-        # ... and those built before `sampled_pick_nucleus`, their top_p-only rows
+        # ... and those before `sampled_pick_nucleus`, their min_p and top_k-off top_p rows
         self.finds_nuclei = self.draws_on_device and self._draws.finds_nuclei
         # Artifacts built before the bitmask kernels lack these; the engine masks on the host.
         self.constrains_on_device = vm.module.implements_function("constrained_pick")

@@ -14,12 +14,12 @@ top_k past K_MAX stays with the host's sampler.
 Randomness is counter-based (schedules/draw_hash.py): a row's draw depends on its request's
 seed and its position only, never on the batch it ran in.
 
-Three kernels. The first finds top_p rows' nucleus floors (a block a row; other rows' blocks
-end at once). The second is a block a (row, chunk of the decodable columns): it keeps each
-column's score (y, or y + noise) in shared memory; each warp lists the `rounds` best of its
-part in order (`rounds` = k, or 1 for Gumbel-max), one argmax by shuffles a round, and warp 0
-merges the warps' lists into the chunk's; it also leaves the chunk's (max, sum of exp) of the
-raw logits for the logprob. The third is a block a row: warp 0 runs a tournament over the
+Two kernels, after schedules/nucleus.py's in the form with nucleus rows (top_p or min_p
+without top_k: their peaks and floors; other rows' blocks end at once). The first is a block a
+(row, chunk of the decodable columns): it keeps each column's score (y, or y + noise) in shared
+memory; each warp lists the `rounds` best of its part in order (`rounds` = k, or 1 for
+Gumbel-max), one argmax by shuffles a round, and warp 0 merges the warps' lists into the
+chunk's; it also leaves the chunk's (max, sum of exp) of the raw logits for the logprob. The second is a block a row: warp 0 runs a tournament over the
 chunks' sorted lists for the row's `rounds` best in order, then the draw. No round waits at a
 block barrier. Only decodable columns are read: pads never compete. The logprob reported is the
 raw distribution's (temperature 1, no filter), as the host's `Sampler.logprob` gives it.
