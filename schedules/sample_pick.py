@@ -19,10 +19,11 @@ without top_k: their peaks and floors; other rows' blocks end at once). The firs
 (row, chunk of the decodable columns): it keeps each column's score (y, or y + noise) in shared
 memory; each warp lists the `rounds` best of its part in order (`rounds` = k, or 1 for
 Gumbel-max), one argmax by shuffles a round, and warp 0 merges the warps' lists into the
-chunk's; it also leaves the chunk's (max, sum of exp) of the raw logits for the logprob. The second is a block a row: warp 0 runs a tournament over the
-chunks' sorted lists for the row's `rounds` best in order, then the draw. No round waits at a
-block barrier. Only decodable columns are read: pads never compete. The logprob reported is the
-raw distribution's (temperature 1, no filter), as the host's `Sampler.logprob` gives it.
+chunk's; it also leaves the chunk's (max, sum of exp) of the raw logits for the logprob. The
+second is a block a row: warp 0 runs a tournament over the chunks' sorted lists for the row's
+`rounds` best in order, then the draw. No round waits at a block barrier. Only decodable
+columns are read: pads never compete. The logprob reported is the raw distribution's
+(temperature 1, no filter), as the host's `Sampler.logprob` gives it.
 """
 
 from __future__ import annotations
