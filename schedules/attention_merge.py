@@ -172,3 +172,59 @@ def merge_phase(
                                 )
 
     return merge
+
+
+FOLD_PIECES = 16  # a folded merge's pieces at most (attention_decode_mma's `fold`)
+FOLD_STEP = 2  # pieces whose P.V rows a lane loads at once in a folded merge
+
+
+def folded_merge(group: int, d: int, nt: int, gate_value, finish):
+    """The merge of one (token, kv head)'s pieces by the last of its blocks, a warp of `nt`
+    lanes (attention_decode_mma's `fold`), as a macro (o, ws_acc, ws_ml, gate, row0, t, kvh,
+    live, last, m_sh, l_sh, mx, den, num, lane): the group's (max, sum) of every piece into
+    shared memory, then each lane's d / nt columns of every head, FOLD_STEP pieces' rows of
+    all heads loaded at once. Loads past the `live` pieces are clamped to the last one and
+    weigh 0: rows of pieces without keys were never written. Its barriers are the block's
+    whatever `last` is (a barrier may not fall inside a condition)."""
+    cols, pairs, fp = d // nt, group * FOLD_PIECES, FOLD_PIECES
+    if d % nt:
+        raise ValueError(f"head_dim {d} does not split over {nt} lanes")
+
+    @T.macro
+    def merge_last(o, ws_acc, ws_ml, gate, row0, t, kvh, live, last, m_sh, l_sh, mx, den, num,
+                   lane):  # fmt: skip
+        for r in T.unroll((pairs + nt - 1) // nt):
+            p: T.let[T.int32] = r * nt + lane
+            if last and p < pairs:
+                sp: T.let[T.int32] = T.min(p % fp, live - 1)
+                m: T.let[T.float32] = ws_ml[row0 + sp, kvh * group + p // fp, 0]
+                m_sh[p] = T.Select(p % fp < live, m, T.float32("-inf"))
+                l_sh[p] = ws_ml[row0 + sp, kvh * group + p // fp, 1]
+        T.tvm_storage_sync("shared")
+        if last:
+            for g in T.unroll(group):
+                mx[g] = T.float32("-inf")
+                for s in T.unroll(fp):
+                    mx[g] = T.max(mx[g], m_sh[g * fp + s])
+                den[g] = T.float32(0)
+                for s in T.unroll(fp):
+                    den[g] = den[g] + T.exp2(m_sh[g * fp + s] - mx[g]) * l_sh[g * fp + s]
+                for e in T.unroll(cols):
+                    num[g * cols + e] = T.float32(0)
+            for c in T.serial((live + FOLD_STEP - 1) // FOLD_STEP):
+                for g in T.unroll(group):
+                    for j in T.unroll(FOLD_STEP):
+                        sp: T.let[T.int32] = c * FOLD_STEP + j  # < fp: live <= fp
+                        w: T.let[T.float32] = T.exp2(m_sh[g * fp + sp] - mx[g])
+                        for e in T.unroll(cols):
+                            num[g * cols + e] = num[g * cols + e] + w * ws_acc[
+                                row0 + T.min(sp, live - 1), kvh * group + g, e * nt + lane
+                            ]
+            for g in T.unroll(group):
+                for e in T.unroll(cols):
+                    hd: T.let[T.int32] = kvh * group + g
+                    o[t, hd, e * nt + lane] = finish(
+                        num[g * cols + e] / den[g], gate_value(gate, t, hd, e * nt + lane)
+                    )
+
+    return merge_last
