@@ -4,8 +4,8 @@ A pure HTTP client: it never imports the runtime, the compiler or TVM, so it run
 machine that can reach the server. For each concurrency level it streams `num_prompts`
 completions of random token-id prompts (exactly `input_len` ids, uniform in [1000, 100000)
 from a seeded numpy RNG) with `max_tokens=output_len`, `ignore_eos` and `temperature: 0`
-(greedy: deterministic, and the sampler's cheapest path; `temperature`, `top_p` and `top_k`
-measure sampled traffic instead), at most `concurrency` in flight; with a finite
+(greedy: deterministic, and the sampler's cheapest path; `temperature`, `top_p`, `top_k` and
+`min_p` measure sampled traffic instead), at most `concurrency` in flight; with a finite
 `request_rate` the request starts also follow a Poisson process.
 
 Timing, per request, on the client's clock:
@@ -59,6 +59,7 @@ class BenchConfig:
     temperature: float = 0.0
     top_p: float | None = None  # None: the server's default
     top_k: int | None = None
+    min_p: float | None = None
 
     def __post_init__(self) -> None:
         self.url = self.url.rstrip("/")
@@ -75,6 +76,8 @@ class BenchConfig:
             raise ValueError("top-p must be in (0, 1]")
         if self.top_k is not None and self.top_k < -1:
             raise ValueError("top-k must be >= -1 (-1 or 0: off)")
+        if self.min_p is not None and not 0 <= self.min_p < 1:
+            raise ValueError("min-p must be in [0, 1)")
 
 
 @dataclass
@@ -201,7 +204,8 @@ async def one_request(
     }
     if model is not None:
         body["model"] = model
-    body |= {k: v for k, v in (("top_p", cfg.top_p), ("top_k", cfg.top_k)) if v is not None}
+    knobs = (("top_p", cfg.top_p), ("top_k", cfg.top_k), ("min_p", cfg.min_p))
+    body |= {k: v for k, v in knobs if v is not None}
     if cfg.logprobs:
         body["logprobs"] = 0
     try:

@@ -64,7 +64,11 @@ def _sampling(args: argparse.Namespace):
     from qwen35_tvm.runtime.sampler import SamplingParams
 
     return SamplingParams(
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.seed,
     )
 
 
@@ -147,6 +151,7 @@ def _bench(args: argparse.Namespace) -> None:
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
+        min_p=args.min_p,
     )
     failed = failed_requests(run(cfg, out=args.out, plot_path=args.plot))
     if failed:
@@ -224,6 +229,7 @@ def _parser() -> argparse.ArgumentParser:
             g.add_argument("--temperature", type=float, default=0.0)
             g.add_argument("--top-p", type=float, default=1.0)
             g.add_argument("--top-k", type=int, default=-1)
+            g.add_argument("--min-p", type=float, default=0.0)
             g.add_argument("--seed", type=int, default=None)
         else:
             src = g.add_mutually_exclusive_group(required=True)
@@ -283,6 +289,7 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default)")
     b.add_argument("--top-p", type=float, default=None, help="sent where given")
     b.add_argument("--top-k", type=int, default=None, help="sent where given")
+    b.add_argument("--min-p", type=float, default=None, help="sent where given")
     b.add_argument("--out", default=None, help="write the results as JSON here")
     b.add_argument("--plot", default=None, help="draw throughput and latency to this PNG")
     b.set_defaults(func=_bench)

@@ -181,18 +181,19 @@ FOLD_STEP = 2  # pieces whose P.V rows a lane loads at once in a folded merge
 def folded_merge(group: int, d: int, nt: int, gate_value, finish):
     """The merge of one (token, kv head)'s pieces by the last of its blocks, a warp of `nt`
     lanes (attention_decode_mma's `fold`), as a macro (o, ws_acc, ws_ml, gate, row0, t, kvh,
-    live, last, m_sh, l_sh, mx, den, num, lane): the group's (max, sum) of every piece into
-    shared memory, then each lane's d / nt columns of every head, FOLD_STEP pieces' rows of
-    all heads loaded at once. Loads past the `live` pieces are clamped to the last one and
-    weigh 0: rows of pieces without keys were never written. Its barriers are the block's
-    whatever `last` is (a barrier may not fall inside a condition)."""
-    cols, pairs, fp = d // nt, group * FOLD_PIECES, FOLD_PIECES
+    live, last, m_sh, l_sh, run, den, num, xs, lane): the group's (max, sum) of every piece
+    into shared memory, then each lane's d / nt columns of every head, FOLD_STEP pieces' rows
+    of all heads loaded at once and taken in order with merge_pieces' arithmetic, so a token's
+    output equals the merge kernel's bit for bit. Loads past the `live` pieces are clamped to
+    the last one and skipped (-inf): rows of pieces without keys were never written. Its
+    barrier is the block's whatever `last` is (a barrier may not fall inside a condition)."""
+    cols, pairs, fp, fs = d // nt, group * FOLD_PIECES, FOLD_PIECES, FOLD_STEP
     if d % nt:
         raise ValueError(f"head_dim {d} does not split over {nt} lanes")
 
     @T.macro
-    def merge_last(o, ws_acc, ws_ml, gate, row0, t, kvh, live, last, m_sh, l_sh, mx, den, num,
-                   lane):  # fmt: skip
+    def merge_last(o, ws_acc, ws_ml, gate, row0, t, kvh, live, last, m_sh, l_sh, run, den, num,
+                   xs, lane):  # fmt: skip
         for r in T.unroll((pairs + nt - 1) // nt):
             p: T.let[T.int32] = r * nt + lane
             if last and p < pairs:
@@ -203,23 +204,31 @@ def folded_merge(group: int, d: int, nt: int, gate_value, finish):
         T.tvm_storage_sync("shared")
         if last:
             for g in T.unroll(group):
-                mx[g] = T.float32("-inf")
-                for s in T.unroll(fp):
-                    mx[g] = T.max(mx[g], m_sh[g * fp + s])
+                run[g] = T.float32("-inf")
                 den[g] = T.float32(0)
-                for s in T.unroll(fp):
-                    den[g] = den[g] + T.exp2(m_sh[g * fp + s] - mx[g]) * l_sh[g * fp + s]
                 for e in T.unroll(cols):
                     num[g * cols + e] = T.float32(0)
-            for c in T.serial((live + FOLD_STEP - 1) // FOLD_STEP):
+            for c in T.serial((live + fs - 1) // fs):
                 for g in T.unroll(group):
-                    for j in T.unroll(FOLD_STEP):
-                        sp: T.let[T.int32] = c * FOLD_STEP + j  # < fp: live <= fp
-                        w: T.let[T.float32] = T.exp2(m_sh[g * fp + sp] - mx[g])
+                    for j in T.unroll(fs):
                         for e in T.unroll(cols):
-                            num[g * cols + e] = num[g * cols + e] + w * ws_acc[
-                                row0 + T.min(sp, live - 1), kvh * group + g, e * nt + lane
+                            xs[(g * fs + j) * cols + e] = ws_acc[
+                                row0 + T.min(c * fs + j, live - 1), kvh * group + g, e * nt + lane
                             ]
+                for j in T.unroll(fs):
+                    for g in T.unroll(group):
+                        at: T.let[T.int32] = g * fp + c * fs + j  # piece < fp: live <= fp
+                        m: T.let[T.float32] = m_sh[at]  # (a shared load may not be a condition)
+                        if m > T.float32("-inf"):
+                            mn: T.let[T.float32] = T.max(run[g], m)
+                            ca: T.let[T.float32] = T.exp2(run[g] - mn)
+                            cb: T.let[T.float32] = T.exp2(m - mn)
+                            for e in T.unroll(cols):
+                                num[g * cols + e] = (
+                                    num[g * cols + e] * ca + cb * xs[(g * fs + j) * cols + e]
+                                )
+                            den[g] = den[g] * ca + cb * l_sh[at]
+                            run[g] = mn
             for g in T.unroll(group):
                 for e in T.unroll(cols):
                     hd: T.let[T.int32] = kvh * group + g

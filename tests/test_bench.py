@@ -109,10 +109,17 @@ def test_the_request_body_carries_the_sampling_settings(monkeypatch):
 
     monkeypatch.setattr(client, "_stream", capture)
     base = dict(url="u", concurrency=[1], input_len=2, output_len=2, num_prompts=1)
-    for cfg in (client.BenchConfig(**base), client.BenchConfig(**base, temperature=0.7, top_k=20)):
+    for cfg in (
+        client.BenchConfig(**base),
+        client.BenchConfig(**base, temperature=0.7, top_k=20),
+        client.BenchConfig(**base, temperature=1.0, min_p=0.05),
+    ):
         asyncio.run(client.one_request(None, cfg, None, {}, [5, 6]))
-    assert sent[0]["temperature"] == 0.0 and "top_k" not in sent[0] and "top_p" not in sent[0]
+    assert sent[0]["temperature"] == 0.0 and not {"top_k", "top_p", "min_p"} & set(sent[0])
     assert (sent[1]["temperature"], sent[1]["top_k"]) == (0.7, 20) and "top_p" not in sent[1]
+    assert sent[2]["min_p"] == 0.05 and "min_p" not in sent[1]
+    with pytest.raises(ValueError, match="min-p must be in"):
+        client.BenchConfig(**base, min_p=1.0)
 
 
 def test_a_wrong_api_key_fails_every_request_with_the_reason(served: Served, tmp_path, capsys):
