@@ -109,9 +109,7 @@ class KVCache(NamedTuple):
 
 class GDNState(NamedTuple):
     """The Gated DeltaNet layers' state pools, [slots, GDN layers, ...] (schedules/gdn.py),
-    and decode's tickets [slots, k heads + heads] int32, zero between kernels: counters of the
-    blocks of decode's GDN kernel (schedules/gdn_decode.py) and of decode_wide's attention
-    split kernel (schedules/attention_decode_mma.py `fold`, a kv head's column each)."""
+    and the fused decode kernel's tickets (schedules/gdn_decode.py, zero between kernels)."""
 
     conv_pool: Tensor
     rec_pool: Tensor
@@ -139,18 +137,14 @@ class GatedAttention(nn.Module):
         slots: Tensor,
         positions: Tensor,
         kv: KVCache,
-        tickets: Tensor,
         prefill: bool,
         mixed: bool = True,
-        wide: bool = False,
-    ) -> tuple[Tensor, KVCache, Tensor]:
+    ) -> tuple[Tensor, KVCache]:
         """`prefill` picks the tensor-core kernel where there is one (bf16 on CUDA): many query
         tokens share each K/V tile there, while decode's single tokens want split-KV. So a
         `mixed` prefill (decode rows among its sequences) leaves its one-token sequences to
         decode's tensor-core kernel in its ragged form, which runs beside it
-        (attention_decode_mma.MIXED_ROWS_SPLIT). `wide` (decode_wide's step) folds the split
-        kernel's merge into its last blocks, counted in decode's `tickets` (GDNState's), which
-        are returned."""
+        (attention_decode_mma.MIXED_ROWS_SPLIT)."""
         cfg = self.cfg
         n_tok = x.shape[0]
         nh, nkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -188,35 +182,29 @@ class GatedAttention(nn.Module):
             kernel = attention_prefill.paged_prefill_mma(nh, nkv, d, target, skip_single=rows_split)
             name = "attn_prefill_mixed" if rows_split else "attn_prefill"
         elif split_tc:
-            kernel = attention_decode_mma.paged_decode_mma(nh, nkv, d, target, fold=wide)
-            name = "attn_decode_fold" if wide else "attn_decode"
+            kernel, name = attention_decode_mma.paged_decode_mma(nh, nkv, d, target), "attn_decode"
         else:
             kernel, name = attention.paged_attention(nh, nkv, d, self.dtype, target), "attn_paged"
         # every kernel reads the output gate from proj and applies it where it stores o
         args = [q, indptr, slots, positions, kv.page_table, k_pool, v_pool, layer, proj]
-        if name.startswith("attn_decode"):  # decode's tensor-core kernel takes the tickets
-            args.append(tickets)
-        out = [
-            Tensor.placeholder((n_tok, nh, d), self.dtype),
-            Tensor.placeholder((attention.SPLIT_BUDGET, nh, d), F32),
-            Tensor.placeholder((attention.SPLIT_BUDGET, nh, 2), F32),
-        ]
-        if wide and split_tc:  # its last blocks count their pieces in the tickets, in place
-            *out, tickets = op.tensor_ir_inplace_op(
-                kernel, name, args, inplace_indices=[-1, -1, -1, len(args) - 1],
-                out=[*out, tickets],
-            )  # fmt: skip
-        else:
-            out = op.tensor_ir_op(kernel, name, args, out=out)
+        out = op.tensor_ir_op(
+            kernel,
+            name,
+            args,
+            out=[
+                Tensor.placeholder((n_tok, nh, d), self.dtype),
+                Tensor.placeholder((attention.SPLIT_BUDGET, nh, d), F32),
+                Tensor.placeholder((attention.SPLIT_BUDGET, nh, 2), F32),
+            ],
+        )
         if rows_split:  # the one-token sequences' rows of o, through the workspaces, in place
             ragged = attention_decode_mma.paged_decode_mma(nh, nkv, d, target, ragged=True)
-            args = [*args, tickets, *out]
             out = op.tensor_ir_inplace_op(
-                ragged, "attn_decode_ragged", args, inplace_indices=[10, 11, 12], out=list(out)
-            )
+                ragged, "attn_decode_ragged", [*args, *out], inplace_indices=[9, 10, 11],
+                out=list(out),
+            )  # fmt: skip
         o = out[0]
-        kv = KVCache(k_pool, v_pool, kv.page_table)
-        return self.o_proj(op.reshape(o, (n_tok, nh * d))), kv, tickets
+        return self.o_proj(op.reshape(o, (n_tok, nh * d))), KVCache(k_pool, v_pool, kv.page_table)
 
 
 class GatedDeltaNet(nn.Module):

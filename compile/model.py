@@ -270,10 +270,7 @@ class Qwen35LM(RowPicks, nn.Module):
         for layer in self.layers:
             h = layer.input_layernorm(x)
             if layer.kind == FULL:
-                h, kv, tickets = layer.self_attn(
-                    h, indptr, slots, positions, kv, gdn_state.tickets, chunked, mixed, wide
-                )
-                gdn_state = gdn_state._replace(tickets=tickets)
+                h, kv = layer.self_attn(h, indptr, slots, positions, kv, chunked, mixed)
             else:
                 h, gdn_state = layer.linear_attn(h, indptr, slots, gdn_state, chunked, wide, mixed)
             x = x + h
@@ -349,8 +346,6 @@ def gdn_pool_shapes(cfg: ModelConfig, num_slots) -> tuple[tuple, tuple, tuple]:
     tickets = gdn_decode.tickets_shape(
         cfg.linear_num_key_heads, cfg.linear_num_value_heads, num_slots
     )
-    if tickets[1] < cfg.num_key_value_heads:  # decode_wide's attention takes a column each
-        raise ValueError(f"decode's tickets {tickets} have fewer columns than kv heads")
     return conv, rec, tickets
 
 

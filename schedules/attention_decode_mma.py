@@ -21,14 +21,7 @@ from tvm.target import Target
 from tvm.tirx import PrimFunc
 
 from .attention import SPLIT_BUDGET, num_splits, output_gate
-from .attention_merge import (
-    FOLD_PIECES,
-    FOLD_STEP,
-    folded_merge,
-    key_pages,
-    merge_phase,
-    split_pages,
-)
+from .attention_merge import key_pages, merge_phase, split_pages
 from .attention_mma import DTYPE, fragment_sizes, lane_xor, swizzled, tile_ops
 from .kv_cache import PAGE_SIZE, seq_of_token
 from .matmul import acc_coords
@@ -64,19 +57,11 @@ def paged_decode_mma(
     stages: int = STAGES,
     split_budget: int = DECODE_SPLIT_BUDGET,
     ragged: bool = False,
-    fold: bool = False,
 ) -> PrimFunc:
     """paged_attention's function with the split kernel on tensor cores: (q, indptr, slots,
-    positions, page_table, k_pool, v_pool, layer, qkv_proj's output, tickets) -> (o, the
-    pieces' workspaces of SPLIT_BUDGET rows). Each token's keys are cut into num_splits(n_tok,
+    positions, page_table, k_pool, v_pool, layer, qkv_proj's output) -> (o, the pieces'
+    workspaces of SPLIT_BUDGET rows). Each token's keys are cut into num_splits(n_tok,
     split_budget) pieces (at most SPLIT_BUDGET).
-
-    `fold`: no merge kernel. A block that has stored its piece counts it in its (slot, kv
-    head)'s ticket, an int32 of decode's tickets ([slots, >= kv heads], zero between kernels:
-    compile/layers.py GDNState), and the last of a token's pieces merges them and zeroes the
-    ticket (attention_merge.folded_merge). Pieces are capped at FOLD_PIECES, one round of a
-    merge's loads: decode_wide's steps of 8-64 tokens cut at most 12, and lose a kernel a
-    layer. Without `fold` the tickets are not read.
 
     `ragged`: the same over a prefill's one-token sequences only (a mixed step's decode rows),
     whose other rows paged_prefill_mma(skip_single=True) writes: a block's unit is a sequence
@@ -91,8 +76,6 @@ def paged_decode_mma(
         raise ValueError("tensor-core decode: CUDA, head_dim a multiple of 64, <= 16 heads a group")
     if not 2 <= stages <= 8 or split_budget > SPLIT_BUDGET:
         raise ValueError(f"stages 2-8 and a split budget <= {SPLIT_BUDGET}")
-    if fold and ragged:
-        raise ValueError("the ragged form's pieces are merged by the merge kernel")
     keys, tp, nt = tile_pages * PAGE_SIZE, tile_pages, 32
     dch = d // 8
     q_copies = ROWS * dch // nt
@@ -104,8 +87,6 @@ def paged_decode_mma(
     gate_value, finish = output_gate(d, DTYPE)
 
     merge = merge_phase(heads, d, MERGE_THREADS, tp, ws_rows, True, gate_value, finish)
-    merge_last = folded_merge(group, d, nt, gate_value, finish)
-    cols = d // nt
 
     def units(n_tok, n_seq):
         return n_seq if ragged else n_tok  # a workspace row's owners
@@ -124,7 +105,6 @@ def paged_decode_mma(
         vp_h: T.handle,
         layer: T.int32,
         gate_h: T.handle,
-        tickets_h: T.handle,
         o_h: T.handle,
         ws_acc_h: T.handle,
         ws_ml_h: T.handle,
@@ -132,7 +112,6 @@ def paged_decode_mma(
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
         n_tok, n_ptr, n_seq = T.int32(), T.int32(), T.int32()
         n_slots, width_pt, g_width = T.int32(), T.int32(), T.int32()
-        t_slots, t_width = T.int32(), T.int32()
         n_layers, n_pages = T.int64(), T.int64()
         q = T.match_buffer(q_h, (n_tok, heads, d), DTYPE)
         indptr = T.match_buffer(indptr_h, (n_ptr,), "int32")
@@ -142,16 +121,11 @@ def paged_decode_mma(
         kp = T.match_buffer(kp_h, (n_layers, n_pages, kv_heads, PAGE_SIZE, d), DTYPE)
         vp = T.match_buffer(vp_h, (n_layers, n_pages, kv_heads, PAGE_SIZE, d), DTYPE)
         gate = T.match_buffer(gate_h, (n_tok, g_width), DTYPE)
-        tickets = T.match_buffer(tickets_h, (t_slots, t_width), "int32")
         o = T.match_buffer(o_h, (n_tok, heads, d), DTYPE)
         ws_acc = T.match_buffer(ws_acc_h, (ws_rows, heads, d), "float32")
         ws_ml = T.match_buffer(ws_ml_h, (ws_rows, heads, 2), "float32")
         n_units = T.meta_var(units(n_tok, n_seq))
-        splits: T.let[T.int32] = (
-            T.min(num_splits(n_units, split_budget), FOLD_PIECES)
-            if fold
-            else num_splits(n_units, split_budget)
-        )
+        splits: T.let[T.int32] = num_splits(n_units, split_budget)
         for blk in T.thread_binding(n_units * kv_heads * splits, thread="blockIdx.x"):
             for lane in T.thread_binding(nt, thread="threadIdx.x"):
                 with T.sblock("decode"):
@@ -172,17 +146,6 @@ def paged_decode_mma(
                     lo = T.sblock_alloc_buffer((1,), "int32", scope="local")
                     hi = T.sblock_alloc_buffer((1,), "int32", scope="local")
                     info = T.sblock_alloc_buffer((5,), "int32", scope="local")
-                    # the folded merge's: whether this block is its token's last piece, the
-                    # pieces' (max, sum), each head's running max and denominator, a lane's
-                    # numerators and loads
-                    last = T.sblock_alloc_buffer((1,), "int32", scope="shared")
-                    m_sh = T.sblock_alloc_buffer((group * FOLD_PIECES,), "float32", scope="shared")
-                    l_sh = T.sblock_alloc_buffer((group * FOLD_PIECES,), "float32", scope="shared")
-                    run = T.sblock_alloc_buffer((group,), "float32", scope="local")
-                    den = T.sblock_alloc_buffer((group,), "float32", scope="local")
-                    num = T.sblock_alloc_buffer((group * cols,), "float32", scope="local")
-                    xs = T.sblock_alloc_buffer((group * FOLD_STEP * cols,), "float32",
-                                               scope="local")  # fmt: skip
                     u: T.let[T.int32] = blk // (kv_heads * splits)
                     kvh: T.let[T.int32] = blk // splits % kv_heads
                     s: T.let[T.int32] = blk % splits
@@ -221,8 +184,7 @@ def paged_decode_mma(
                             load_kv(kp, vp, k_sh, v_sh, 0, p0, p1 - 1, lane, slot, table, kvh,
                                     layer64)  # fmt: skip
                         T.evaluate(wait_for_producers(True))
-                        if not fold:  # (the fold releases once its piece is stored: below)
-                            T.evaluate(release_dependents(True))
+                        T.evaluate(release_dependents(True))
                         if n_tiles > 0 and not early:
                             load_kv(kp, vp, k_sh, v_sh, 0, p0, p1 - 1, lane, slot, table, kvh,
                                     layer64)  # fmt: skip
@@ -288,35 +250,10 @@ def paged_decode_mma(
                                 hd: T.let[T.int32] = kvh * group + lane // 4 + hr * 8
                                 ws_ml[u * splits + s, hd, 0] = m_run[hr]
                                 ws_ml[u * splits + s, hd, 1] = l_run[hr]
-                    if fold:
-                        # o_proj's blocks are scheduled once every piece is stored, beside
-                        # the merges: released at the start, they take the SM slots that this
-                        # grid's later blocks need (B16 L1152: c16 TPOT +0.6% on the H100)
-                        T.evaluate(release_dependents(True))
-                        # every lane's piece stored before lane 0 counts it (a release, as
-                        # cooperative groups' grid barrier: block barrier, fence, atomic)
-                        T.tvm_storage_sync("shared")
-                        if lane == 0:
-                            last[0] = 0
-                            if splits > 1:
-                                T.evaluate(T.cuda.thread_fence())
-                                at = T.meta_var(T.address_of(tickets[slot, kvh]))
-                                if T.cuda.atomic_add(at, 1) == splits - 1:
-                                    last[0] = 1
-                                    tickets[slot, kvh] = 0  # every piece has counted
-                                    T.evaluate(T.cuda.thread_fence())  # acquire theirs
-                        T.tvm_storage_sync("shared")
-                        info[4] = last[0]  # a shared load may not sit in a condition
-                        merge_last(o, ws_acc, ws_ml, gate, u * splits, t, kvh,
-                                   split_pages(key_pages(positions[t]), splits, tp)[1],
-                                   info[4] > 0, m_sh, l_sh, run, den, num, xs, lane)  # fmt: skip
                     if ragged:  # beside the prefill kernel: see the docstring
                         wait_at_end(blk == 0 and lane == 0)
-        if not fold:
-            merge(o, ws_acc, ws_ml, positions, gate, splits, n_units, indptr if ragged else None)
+        merge(o, ws_acc, ws_ml, positions, gate, splits, n_units, indptr if ragged else None)
 
     if ragged:
         return attn_decode_mma.with_attr("global_symbol", "attn_decode_ragged")
-    if fold:
-        return attn_decode_mma.with_attr("global_symbol", "attn_decode_fold")
     return attn_decode_mma

@@ -229,10 +229,9 @@ def test_ragged_merge_writes_the_one_token_sequences_rows_only() -> None:
     np.testing.assert_allclose(args[0].numpy(), want, rtol=1e-5, atol=1e-6)
 
 
-def _prefill_kernels(dtype: str, target_kind: str) -> tuple[set, set, set, dict]:
-    """The attention kernels that prefill, decode and decode_wide call, for a head_dim-64
-    config, and prefill's and decode_wide's attention calls in order: (kernel, argument names,
-    in-place indices)."""
+def _prefill_kernels(dtype: str, target_kind: str) -> tuple[set, set, list]:
+    """The attention kernels that prefill and decode call, for a head_dim-64 config, and
+    prefill's attention calls in order: (kernel, argument names, in-place indices)."""
     from tir_calls import tir_calls
 
     from qwen35_tvm.compile.build import build_module
@@ -248,13 +247,10 @@ def _prefill_kernels(dtype: str, target_kind: str) -> tuple[set, set, set, dict]
     names = {
         fn: {gv.name_hint for gv, f in mod.functions_items() if gv.name_hint.startswith("attn_")
              and gv.name_hint in mod[fn].script()}
-        for fn in ("prefill", "decode", "decode_wide")
+        for fn in ("prefill", "decode")
     }  # fmt: skip
-    calls = {
-        fn: [c for c in tir_calls(mod[fn])[0] if c[0].startswith("attn_")]
-        for fn in ("prefill", "decode_wide")
-    }
-    return names["prefill"], names["decode"], names["decode_wide"], calls
+    calls = [c for c in tir_calls(mod["prefill"])[0] if c[0].startswith("attn_")]
+    return names["prefill"], names["decode"], calls
 
 
 def test_bf16_cuda_prefill_runs_on_tensor_cores_and_the_rest_on_the_split_kernel(monkeypatch):
@@ -265,30 +261,21 @@ def test_bf16_cuda_prefill_runs_on_tensor_cores_and_the_rest_on_the_split_kernel
 
     inputs = {"attn_append_kv_qk_norm_rope"}  # q/k norms, RoPE and the K/V append: every path
     monkeypatch.setattr(attention_decode_mma, "MIXED_ROWS_SPLIT", True)
-    prefill, decode, wide, calls = _prefill_kernels("bfloat16", "cuda")
+    prefill, decode, calls = _prefill_kernels("bfloat16", "cuda")
     assert prefill - inputs == {"attn_prefill_mma_mixed", "attn_decode_ragged"}, prefill
     assert decode - inputs == {"attn_decode_mma"}, decode
-    # decode_wide's split kernel merges its own pieces (no merge kernel), counting them in
-    # decode's tickets, in place, so the next layer's kernels see them zeroed again
-    assert wide - inputs == {"attn_decode_fold"}, wide
-    folds = [c for c in calls["decode_wide"] if c[0] == "attn_decode_fold"]
-    assert folds and all(inplace == [-1, -1, -1, 9] for _, _, inplace in folds), folds
-    assert folds[0][1][9] == "gdn_tickets", folds
     # each layer: the prefill kernel, then the ragged one on its o and workspaces, in place
-    pre = calls["prefill"]
-    pairs = [(a, b) for a, b in itertools.pairwise(pre) if b[0] == "attn_decode_ragged"]
-    assert pairs and len(pairs) == sum(c[0] == "attn_prefill_mma_mixed" for c in pre)
+    pairs = [(a, b) for a, b in itertools.pairwise(calls) if b[0] == "attn_decode_ragged"]
+    assert pairs and len(pairs) == sum(c[0] == "attn_prefill_mma_mixed" for c in calls)
     for (first, _, _), (_, args, inplace) in pairs:
-        assert first == "attn_prefill_mma_mixed" and inplace == [10, 11, 12], (first, inplace)
-        assert args[10:] == [f"attn_prefill_mixed_{i}" for i in range(3)], args
+        assert first == "attn_prefill_mma_mixed" and inplace == [9, 10, 11], (first, inplace)
+        assert args[9:] == [f"attn_prefill_mixed_{i}" for i in range(3)], args
     monkeypatch.setattr(attention_decode_mma, "MIXED_ROWS_SPLIT", False)
-    prefill, decode, wide, _ = _prefill_kernels("bfloat16", "cuda")
+    prefill, decode, _ = _prefill_kernels("bfloat16", "cuda")
     assert prefill - inputs == {"attn_prefill_mma"}, prefill
     assert decode - inputs == {"attn_decode_mma"}, decode
-    assert wide - inputs == {"attn_decode_fold"}, wide
     for dtype, kind in (("float32", "cuda"), ("float32", "llvm")):
-        prefill, decode, wide, _ = _prefill_kernels(dtype, kind)
-        assert "attn_paged" in wide and "attn_decode_fold" not in wide, (dtype, kind)
+        prefill, decode, _ = _prefill_kernels(dtype, kind)
         assert "attn_paged" in prefill and "attn_prefill_mma" not in prefill, (dtype, kind)
         assert "attn_paged" in decode and "attn_decode_mma" not in decode, (dtype, kind)
 
@@ -320,9 +307,8 @@ def test_tensor_core_decode_compiles_to_sass_for_each_arch(tmp_path):
 
     target, arches = make_target("cuda", "sm_80,sm_90")
     prepare_cuda_codegen(arches)
-    # and its form for a mixed step's decode rows, and decode_wide's with the merge folded in
-    for form in (dict(), dict(ragged=True), dict(fold=True)):
-        func = paged_decode_mma(16, 4, 256, target, **form)
+    for ragged in (False, True):  # and its form for a mixed step's decode rows
+        func = paged_decode_mma(16, 4, 256, target, ragged=ragged)
         tvm.compile(tvm.IRModule({"main": func}), target).export_library(str(tmp_path / "d.so"))
         assert fatbin_arches(tmp_path / "d.so")["sass"] == ["sm_80", "sm_90"]
     # Q's 16 rows (8 KB) and two stages of 2-page K and V tiles (64 KB): 3 blocks an SM
@@ -332,5 +318,3 @@ def test_tensor_core_decode_compiles_to_sass_for_each_arch(tmp_path):
             paged_decode_mma(target=target, **bad)
     with pytest.raises(ValueError, match="stages 2-8"):
         paged_decode_mma(16, 4, 256, target, stages=1)
-    with pytest.raises(ValueError, match="merged by the merge kernel"):
-        paged_decode_mma(16, 4, 256, target, ragged=True, fold=True)
