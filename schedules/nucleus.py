@@ -81,6 +81,14 @@ def wants_peak(floats, ints, b):
                                             floats[b, 2] > T.float32(0)))  # fmt: skip
 
 
+@T.macro
+def row_peak(m, peak, b):
+    """m[0] = row b's largest logit, from its slices' peaks (the first kernel's `peak`)."""
+    m[0] = NONE
+    for q in T.serial(SLICES):
+        m[0] = T.max(m[0], peak[b, q])
+
+
 def weight(t):
     """A column's fixed-point weight (float64, an integer) at t."""
     return T.floor(T.Cast("float64", T.exp2(-t)) * T.float64(FIXED))
@@ -129,12 +137,6 @@ def nucleus_floors(decodable: int, selection: int, gpu: bool):
         for e in T.unroll(per):
             col: T.let[T.int32] = ((s * UNROLL + e // vec) * span + g) * vec + e % vec
             xs[e] = T.Select(col < decodable, xs[e], NONE)
-
-    @T.macro
-    def row_peak(m, peak, b):
-        m[0] = NONE
-        for q in T.serial(SLICES):
-            m[0] = T.max(m[0], peak[b, q])
 
     @T.macro
     def add(hs, lo, hi, d, w, key):

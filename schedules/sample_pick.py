@@ -159,10 +159,8 @@ def sample_pick(decodable: int, selection: int, target: Target, nucleus_rows: bo
                         top = T.sblock_alloc_buffer((1,), "float32", scope="local")
                         top[0] = T.float32("-inf")
                         if nucleus_rows:  # a min_p row's peak, from the nucleus's first kernel
-                            for q in T.serial(
-                                T.Select(floats[b, 2] > T.float32(0), nucleus.SLICES, 0)
-                            ):
-                                top[0] = T.max(top[0], ws_peak[b, q])
+                            if floats[b, 2] > T.float32(0):
+                                nucleus.row_peak(top, ws_peak, b)
                         top[0] = top[0] / floats[b, 0]
                         # every load first: one after another behind the hash and logs left
                         # one L2 round trip in flight a lane
