@@ -61,7 +61,7 @@ def _kernels(small, rows: str, target, gate_up: bool = False) -> tuple[dict, dic
     """{name: PrimFunc}, {name: config}, {name: why it failed} of one shape and row class;
     `gate_up`: also the SwiGLU's kernels (benchmarks/gemv_swiglu.py)."""
     import gemv_swiglu
-    from gemv_variants import config_json, variants, wide_variants
+    from gemv_variants import config_json, small_ring_variants, variants, wide_variants
     from tvm.s_tir import dlight as dl
 
     from qwen35_tvm.schedules.gemm_match import match_gemm
@@ -83,7 +83,7 @@ def _kernels(small, rows: str, target, gate_up: bool = False) -> tuple[dict, dic
 
     if rows == "small":
         default = default_config(n, k)
-        configs = {"ours": default, **variants(default)}
+        configs = {"ours": default, **variants(default), **small_ring_variants(n, k, default)}
         makers = {"ours": lambda: rule(DecodeGemv())}
         if not match.extra_params:
             makers["ours_rms"] = lambda: gemv_for(func, target, rows="small", rms_eps=RMS_EPS)
@@ -164,7 +164,9 @@ def build(
         (model, shape) for model in ("4b", "9b") for shape in projections((model,))
     ]  # fmt: skip
     for model, shape in shapes:
-        if proj and not any(name.endswith(f".{proj}") for name in shape["names"]):
+        if proj and not any(
+            name.endswith(f".{p}") for name in shape["names"] for p in proj.split(",")
+        ):
             continue
         n, k, residual = shape["n"], shape["k"], shape["residual"]
         _, small = fused_pair(n, k, residual, target)
@@ -417,7 +419,7 @@ def main() -> None:
         "--only", default=None, help="build: these kernels only (names, *suffix; commas)"
     )
     p.add_argument(
-        "--proj", default="", help="build: these projections only (a name, e.g. gate_up_proj)"
+        "--proj", default="", help="build: these projections only (names, commas)"
     )
     p.add_argument(
         "--balance", action="store_true", help="build: the block-balance probe shapes instead"

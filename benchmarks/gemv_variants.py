@@ -44,6 +44,49 @@ def deeper_register_ring(n: int, k: int, cfg):
     return cfg
 
 
+def x_ring_variants(n: int, k: int, default) -> dict[str, object]:
+    """The 16-row bucket with an X ring as deep as the weight ring (X comes from L2, and a
+    2-step X ring bounds a warp to 2 steps in flight however deep its weight ring): in
+    registers 5 steps deep, or the weight in shared memory 6 or 8 steps deep with X 4-8; only
+    those that keep one wave. Other buckets as `default`."""
+    from dataclasses import replace
+
+    from qwen35_tvm.schedules.gemv_config import WIDE_SHARED_PER_SM, one_wave
+
+    out = {}
+    for name, change in (
+        ("xr5", {"stages": 5, "x_stages": 0, "w_smem": False}),
+        ("xs6", {"stages": 6, "x_stages": 6, "w_smem": True}),
+        ("xs8", {"stages": 8, "x_stages": 8, "w_smem": True}),
+        ("xs8x4", {"stages": 8, "x_stages": 4, "w_smem": True}),
+    ):
+        plan = []
+        for limit, cfg in default:
+            deep = replace(cfg, m_tiles=1, warps_k=8, unroll=1, dependent=False, **change)
+            ok = limit == 16 and one_wave(n, k, deep, WIDE_SHARED_PER_SM)
+            plan.append((limit, deep if ok else cfg))
+        if plan != list(default):
+            out[name] = tuple(plan)
+    return out
+
+
+def small_ring_variants(n: int, k: int, default) -> dict[str, object]:
+    """Decode's 1-7 rows with the weight ring in shared memory, deeper than registers allow
+    (6 steps of two 128-bit loads a lane or 8-12 of one, X 3-4 steps in registers), where one wave
+    still holds every row tile."""
+    from dataclasses import replace
+
+    from qwen35_tvm.schedules.gemv_config import one_wave
+
+    out = {}
+    for stages, x_stages, unroll in ((6, 3, 2), (8, 4, 1), (12, 4, 1)):
+        cfg = replace(default, stages=stages, x_stages=x_stages, unroll=unroll, w_smem=True,
+                      dependent=False)  # fmt: skip
+        if one_wave(n, k, cfg):
+            out[f"ss{stages}x{x_stages}u{unroll}"] = cfg
+    return out
+
+
 def wide_variants(n: int, k: int) -> dict[str, object]:
     """Bucket plans around the default: the weight ring in registers, the other m-tile count,
     half the shared ring, deeper register rings ("deep")."""
@@ -63,6 +106,7 @@ def wide_variants(n: int, k: int) -> dict[str, object]:
         f"m{other}": wide_buckets(n, k, m_tiles=other),
         "half": half,
         "deep": tuple((limit, deeper_register_ring(n, k, cfg)) for limit, cfg in default),
+        **x_ring_variants(n, k, default),
     }
 
 
