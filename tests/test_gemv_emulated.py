@@ -174,7 +174,11 @@ EMULATED = [
     (40, 200, 16, GemvConfig(m_tiles=1, warps_k=3, stages=5, n_tiles=2, x_stages=2, **SMEM)),
     (72, 136, 33, GemvConfig(m_tiles=2, warps_k=2, stages=3, n_tiles=8, x_stages=1, **SMEM)),
     (64, 96, 64, GemvConfig(m_tiles=4, warps_k=2, stages=2, n_tiles=4, x_stages=2, **SMEM)),
+    # an X ring as deep as the shared weight ring; decode's rows through a shared ring
+    (40, 200, 16, GemvConfig(m_tiles=1, warps_k=3, stages=4, n_tiles=2, x_stages=4, **SMEM)),
+    (40, 200, 5, GemvConfig(m_tiles=1, warps_k=3, stages=6, x_stages=3, **SMEM)),
 ]
+N_TILED = [case for case in EMULATED if case[3].n_tiles > 1]
 
 
 @pytest.mark.parametrize("n, k, batch, cfg", EMULATED)
@@ -193,13 +197,14 @@ def test_wrong_fragment_map_is_caught(monkeypatch) -> None:
 def test_early_read_of_the_shared_ring_is_caught(monkeypatch) -> None:
     # one more group left pending: each step reads its slot before the weights land
     monkeypatch.setattr(gemv_body, "groups_in_flight", lambda stages: stages)
-    assert not _check(*EMULATED[5])
+    for case in (EMULATED[5], *EMULATED[-2:]):  # X ring shallower, as deep, decode's rows
+        assert not _check(*case), case
 
 
 def test_wrong_column_mapping_is_caught(monkeypatch) -> None:
     # n-tile j loads X rows col + 8 g + j (a transposed map) while its sums go to col + 8 j + c
     monkeypatch.setattr(gemv_body, "x_row", lambda col, j, g: col + g * 8 + j)
-    for case in EMULATED[3:]:
+    for case in N_TILED:
         assert not _check(*case), case
 
 
@@ -209,7 +214,7 @@ def test_dropped_n_tile_is_caught(monkeypatch) -> None:
     monkeypatch.setattr(
         gemv_body, "acc_index", lambda m, j, e, nt: right(m, j % max(nt - 1, 1), e, nt)
     )
-    for case in EMULATED[3:]:
+    for case in N_TILED:
         assert not _check(*case), case
 
 
