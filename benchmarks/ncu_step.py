@@ -2,12 +2,14 @@
 
   here:        python benchmarks/engine_throughput.py build DIR --variants graphs
   on the GPU:  python benchmarks/ncu_step.py prepare DIR WORK   (the artifact, random weights)
-               ncu --profile-from-start off --clock-control none --launch-count N \
-                   --section ... --export REP python benchmarks/ncu_step.py step \
-                   WORK/art-4b-graphs --batch 16
+               ncu --profile-from-start off --clock-control none --launch-count N
+                   --section ... --export REP
+                   python benchmarks/ncu_step.py step WORK/art-4b-graphs --batch 16
                ncu --import REP.ncu-rep --page details --csv > DETAILS.csv
                ncu --import REP.ncu-rep --page raw --csv > RAW.csv
   anywhere:    python benchmarks/ncu_step.py summary DETAILS.csv RAW.csv [--out FILE.json]
+  GEMVs alone: ncu ... python benchmarks/ncu_step.py gemv DIR [--kernel ours] [--batch 16]
+               (DIR from benchmarks/gemv_kernel.py build: each shape's kernel called once)
 
 CUPTI through torch.profiler (profile_step.py) says how long each kernel takes in the step;
 this says why: DRAM throughput, achieved occupancy, and where warps stall. Each batch size
@@ -59,6 +61,36 @@ def step(artifact_dir: Path, batches: list[int], context: int) -> None:
         print(f"batch {b}: profiled one step", flush=True)
         for s in slots:
             runner.remove_sequence(s)
+
+
+def gemv(out: Path, kernel: str, batch: int) -> None:
+    """Call `kernel` of every shape of a gemv_kernel.py build once, on fresh random weights, and
+    print its error against torch: for ncu, each shape's kernel alone (e.g. the --balance
+    probes: whether a grid of one row tile an SM keeps its SMs busier than 160 tiles)."""
+    import json
+    import os
+
+    os.environ.setdefault("TVM_USE_RUNTIME_LIB", "1")
+    import torch
+    import tvm
+    from gemv_kernel import MANIFEST
+
+    from qwen35_tvm.runtime.artifact import device_of
+
+    device_of("cuda")  # loads TVM's CUDA runtime
+    dl = tvm.runtime.from_dlpack
+    for entry in json.loads((out / MANIFEST).read_text())["entries"]:
+        n, k, roles = entry["n"], entry["k"], entry["roles"]
+        lib = tvm.runtime.load_module(str(out / entry["file"]))
+        w = (torch.randn(n, k, device="cuda") * k**-0.5).bfloat16()
+        x = torch.randn(batch, k, device="cuda").bfloat16()
+        res = torch.randn(batch, n, device="cuda").bfloat16()
+        got = torch.empty(batch, n, device="cuda", dtype=getattr(torch, entry["out_dtype"]))
+        named = {"x": dl(x), "res": dl(res), "out": dl(got), "w": dl(w)}
+        lib[kernel](*[named[r] for r in sorted(roles, key=roles.get)])
+        want = x.float() @ w.float().T + (res.float() if "res" in roles else 0)
+        err = ((got.float() - want).abs().max() / want.abs().max()).item()
+        print(f"{entry['file']}: {kernel} at {batch} rows, max rel err {err:.1e}", flush=True)
 
 
 DETAILS = {
@@ -135,6 +167,10 @@ def main() -> None:
     st.add_argument("artifact", type=Path)
     st.add_argument("--batch", default="1,16")
     st.add_argument("--context", type=int, default=1024)
+    ge = sub.add_parser("gemv")
+    ge.add_argument("dir", type=Path)
+    ge.add_argument("--kernel", default="ours")
+    ge.add_argument("--batch", type=int, default=16)
     su = sub.add_parser("summary")
     su.add_argument("details", type=Path)
     su.add_argument("raw", type=Path)
@@ -144,6 +180,8 @@ def main() -> None:
         from engine_throughput import _artifacts
 
         print(_artifacts(args.libs, args.work, "4b", [args.variant]))
+    elif args.cmd == "gemv":
+        gemv(args.dir, args.kernel, args.batch)
     elif args.cmd == "summary":
         import json
 
