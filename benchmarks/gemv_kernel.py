@@ -123,22 +123,6 @@ def _picked(name: str, only: list[str]) -> bool:
     return any(name == o or (o[:1] == "*" and name.endswith(o[1:])) for o in only)
 
 
-# --balance: probe shapes around N = 2,560 (160 sixteen-row tiles on 132 SMs). If an SM streams
-# ~1/132 of the bandwidth however many blocks it holds, the time follows the most tiles any SM
-# holds: N = 2,112 (132 tiles, one each) and 4,224 (264, two each) should stream near the
-# bound, 2,560 and 2,640 (160 and 165: some SMs two) at ~61% of it. Decides whether split-K
-# across blocks is worth building (docs/performance.md, session 8).
-BALANCE_N, BALANCE_K = (2112, 2560, 2640, 4224), (4096, 9216)
-
-
-def _balance_probes() -> list[dict]:
-    return [
-        {"n": n, "k": k, "residual": True, "names": [f"probe.n{n}_k{k}"]}
-        for k in BALANCE_K
-        for n in BALANCE_N
-    ]
-
-
 def build(
     out: Path,
     arch: str,
@@ -150,6 +134,7 @@ def build(
     import tvm
     from gemm_variants import fused_pair, param_roles, projections
     from gemv_swiglu import is_gate_up
+    from gemv_variants import balance_probes
 
     from qwen35_tvm.compile.cuda_toolchain import prepare_cuda_codegen
     from qwen35_tvm.compile.targets import make_target
@@ -160,7 +145,7 @@ def build(
     out.mkdir(parents=True, exist_ok=True)
     entries = []
     classes = ("small", "wide") if rows == "both" else (rows,)
-    shapes = [("probe", shape) for shape in _balance_probes()] if balance else [
+    shapes = [("probe", shape) for shape in balance_probes()] if balance else [
         (model, shape) for model in ("4b", "9b") for shape in projections((model,))
     ]  # fmt: skip
     for model, shape in shapes:
@@ -418,9 +403,7 @@ def main() -> None:
     p.add_argument(
         "--only", default=None, help="build: these kernels only (names, *suffix; commas)"
     )
-    p.add_argument(
-        "--proj", default="", help="build: these projections only (names, commas)"
-    )
+    p.add_argument("--proj", default="", help="build: these projections only (names, commas)")
     p.add_argument(
         "--balance", action="store_true", help="build: the block-balance probe shapes instead"
     )

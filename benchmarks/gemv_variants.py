@@ -118,3 +118,19 @@ def config_json(cfg) -> object:
     if dataclasses.is_dataclass(cfg):
         return dataclasses.asdict(cfg)
     return [[limit, dataclasses.asdict(c)] for limit, c in cfg]  # buckets
+
+
+# --balance: probe shapes around N = 2,560 (160 sixteen-row tiles on 132 SMs). If an SM streams
+# ~1/132 of the bandwidth however many blocks it holds, the time follows the most tiles any SM
+# holds: N = 2,112 (132 tiles, one each) and 4,224 (264, two each) should stream near the
+# bound, 2,560 and 2,640 (160 and 165: some SMs two) at ~61% of it. Decides whether split-K
+# across blocks is worth building (docs/performance.md, session 8).
+BALANCE_N, BALANCE_K = (2112, 2560, 2640, 4224), (4096, 9216)
+
+
+def balance_probes() -> list[dict]:
+    return [
+        {"n": n, "k": k, "residual": True, "names": [f"probe.n{n}_k{k}"]}
+        for k in BALANCE_K
+        for n in BALANCE_N
+    ]
