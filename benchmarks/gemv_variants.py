@@ -47,14 +47,17 @@ def deeper_register_ring(n: int, k: int, cfg):
 def x_ring_variants(n: int, k: int, default) -> dict[str, object]:
     """The 16-row bucket with an X ring as deep as the weight ring (X comes from L2, and a
     2-step X ring bounds a warp to 2 steps in flight however deep its weight ring): in
-    registers 5 steps deep, or the weight in shared memory 6 or 8 steps deep with X 4-8; only
-    those that keep one wave. Other buckets as `default`."""
+    registers 2, 3 or 5 steps deep (decode's 1-row GEMV streams best 2 deep on the H200), or the
+    weight in shared memory 6 or 8 steps deep with X 4-8; only those that keep one wave. Other
+    buckets as `default`."""
     from dataclasses import replace
 
     from qwen35_tvm.schedules.gemv_config import WIDE_SHARED_PER_SM, one_wave
 
     out = {}
     for name, change in (
+        ("xr2", {"stages": 2, "x_stages": 0, "w_smem": False}),
+        ("xr3", {"stages": 3, "x_stages": 0, "w_smem": False}),
         ("xr5", {"stages": 5, "x_stages": 0, "w_smem": False}),
         ("xs6", {"stages": 6, "x_stages": 6, "w_smem": True}),
         ("xs8", {"stages": 8, "x_stages": 8, "w_smem": True}),
