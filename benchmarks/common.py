@@ -49,6 +49,18 @@ def copy_bandwidth(torch) -> float:
     return 2 * src.numel() * 2 / seconds
 
 
+def prefill_random(runner, slots: list[int], pages: int, context: int, rng) -> None:
+    """Give slot s pages [s * pages, (s + 1) * pages) and prefill it with a random
+    `context`-token prompt (ids uniform in [1000, 100000) from `rng`), a slot at a time: how
+    the decode-step benchmarks fill a batch."""
+    import numpy as np
+
+    for s in slots:
+        runner.add_sequence(s, list(range(s * pages, (s + 1) * pages)))
+        tokens = rng.integers(1000, 100000, context).tolist()
+        runner.prefill([s], [tokens], np.array([context - 1]))
+
+
 def cuda_time(torch, fn, iters: int = 20) -> float:
     """Best wall time of `fn` on the GPU, in seconds, by CUDA events."""
     for _ in range(3):

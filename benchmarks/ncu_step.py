@@ -34,6 +34,7 @@ import numpy as np
 
 def step(artifact_dir: Path, batches: list[int], context: int) -> None:
     import torch
+    from common import prefill_random
 
     from qwen35_tvm.runtime.artifact import Artifact
     from qwen35_tvm.runtime.model_runner import ModelRunner
@@ -47,10 +48,7 @@ def step(artifact_dir: Path, batches: list[int], context: int) -> None:
     cudart = torch.cuda.cudart()
     for b in batches:
         slots = list(range(b))
-        for s in slots:
-            runner.add_sequence(s, list(range(s * pages, (s + 1) * pages)))
-            tokens = rng.integers(1000, 100000, context).tolist()
-            runner.prefill([s], [tokens], np.array([context - 1]))
+        prefill_random(runner, slots, pages, context, rng)
         for _ in range(3):
             runner.decode(slots, [1] * b)
         torch.cuda.synchronize()

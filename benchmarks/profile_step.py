@@ -181,7 +181,7 @@ def main() -> None:
     args = p.parse_args()
 
     import torch
-    from common import copy_bandwidth, cuda_time
+    from common import copy_bandwidth, cuda_time, prefill_random
     from engine_throughput import step_bytes
 
     from qwen35_tvm.runtime.artifact import Artifact
@@ -203,9 +203,7 @@ def main() -> None:
 
     for b in batches:
         slots = list(range(b))
-        for s in slots:
-            runner.add_sequence(s, list(range(s * pages, (s + 1) * pages)))
-            runner.prefill([s], [prompt()], np.array([args.context - 1]))
+        prefill_random(runner, slots, pages, args.context, rng)
         runner.decode(slots, [1] * b)  # captures this batch size's graph
         step = lambda s=slots: runner.decode(s, [1] * len(s))  # noqa: E731
         rows, total, span, idle = kernel_table(torch, step, 3, host=True)
