@@ -118,14 +118,20 @@ def summary(details: Path, raw: Path) -> list[dict]:
     from collections import defaultdict
 
     calls: dict[tuple[int, str], dict[str, float]] = defaultdict(dict)
-    for r in list(csv.reader(details.open()))[1:]:
-        if len(r) > 14 and r[12] in DETAILS.values():
-            calls[(int(r[0]), r[4])][r[12]] = _number(r[14])
-    head, _units, *rows = list(csv.reader(raw.open()))
-    name, stalls = head.index("Kernel Name"), [c for c in head if c.startswith(STALL)]
+    with details.open() as f:
+        for r in list(csv.reader(f))[1:]:
+            if len(r) > 14 and r[12] in DETAILS.values():
+                calls[(int(r[0]), r[4])][r[12]] = _number(r[14])
+    with raw.open() as f:
+        head, _units, *rows = list(csv.reader(f))
+    name = head.index("Kernel Name")
+    # column -> the stall's reason, e.g. "long_scoreboard"
+    stalls = {
+        i: c[len(STALL) :].split("_per_")[0] for i, c in enumerate(head) if c.startswith(STALL)
+    }
     for i, r in enumerate(rows):
-        for c in stalls:
-            calls[(i, r[name])][c[len(STALL) :].split("_per_")[0]] = _number(r[head.index(c)])
+        for col, reason in stalls.items():
+            calls[(i, r[name])][reason] = _number(r[col])
     by_name: dict[str, list[dict[str, float]]] = defaultdict(list)
     for (_, kernel), m in sorted(calls.items()):
         by_name[kernel].append(m)
