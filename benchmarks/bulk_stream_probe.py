@@ -1,0 +1,205 @@
+"""Probe: does a decode GEMV's weight stream faster through the copy engine? One batch row,
+4B's projection shapes; the weight through shared memory by cp.async.bulk (a producer warp a
+block, S stages in flight across the block's tiles) or straight into registers (ld.global.nc,
+U chunks in flight), both persistent, beside cuBLAS (torch.nn.functional.linear) and the copy
+bandwidth of the same run. Each kernel is timed alone and chained by programmatic dependent
+launch (its producer streams before the wait, as decode's kernels prefetch). CUDA source:
+benchmarks/probes/bulk_stream.cu; not part of any library.
+
+  here (nvcc, no GPU):  python benchmarks/bulk_stream_probe.py build DIR
+  on the GPU server:    python benchmarks/bulk_stream_probe.py run DIR [--out docs/results]
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+import subprocess
+from pathlib import Path
+
+from common import build_or_run, copy_bandwidth, write_result
+
+SOURCE = Path(__file__).parent / "probes" / "bulk_stream.cu"
+CUBIN = "bulk_stream.cubin"
+SHAPES = {  # 4B, (N, K)
+    "o_proj": (2560, 4096),
+    "down": (2560, 9216),
+    "in_proj": (12352, 2560),
+    "gate_up": (18432, 2560),
+}
+SMS = 132
+SHARED_PER_SM = 227 * 1024
+CALLS = 24  # launches a timed graph
+
+
+def build(out: Path) -> None:
+    from qwen35_tvm.compile.cuda_toolchain import find_nvcc
+
+    out.mkdir(parents=True, exist_ok=True)
+    subprocess.run([str(find_nvcc()), "-cubin", "-arch=sm_90a", "-O3", "-o", str(out / CUBIN),
+                    str(SOURCE)], check=True)  # fmt: skip
+    print(f"built {out / CUBIN}")
+
+
+def kernels() -> list[dict]:
+    """The kernels the source instantiates, from their names."""
+    found = []
+    for m in re.finditer(r"^(BULK|LDG)\((\d+), (\d+), (\d+), (\d+)\)", SOURCE.read_text(), re.M):
+        kind, r, kc, depth, cw = m.group(1).lower(), *map(int, m.groups()[1:])
+        letter = "S" if kind == "bulk" else "U"
+        name = f"{kind}_R{r}_K{kc}_{letter}{depth}_W{cw}"
+        threads = (cw + 1) * 32 if kind == "bulk" else cw * 32
+        shared = depth * r * (kc + 8) * 2 + 16 * depth if kind == "bulk" else 0
+        found.append({"name": name, "kind": kind, "rows": r, "kc": kc, "depth": depth,
+                      "threads": threads, "shared": shared})  # fmt: skip
+    return found
+
+
+PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID
+
+
+class LaunchAttribute(ctypes.Structure):
+    """cuda.h's CUlaunchAttribute: an id, padding to 8 bytes, a 64-byte value union (here its
+    int member)."""
+
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int),
+                ("rest", ctypes.c_char * 60)]  # fmt: skip
+
+
+class LaunchConfig(ctypes.Structure):
+    """cuda.h's CUlaunchConfig."""
+
+    _fields_ = [
+        ("grid", ctypes.c_uint * 3),
+        ("block", ctypes.c_uint * 3),
+        ("shared", ctypes.c_uint),
+        ("stream", ctypes.c_void_p),
+        ("attrs", ctypes.POINTER(LaunchAttribute)),
+        ("num_attrs", ctypes.c_uint),
+    ]
+
+
+class Driver:
+    """The few driver calls the probe needs, through ctypes (torch owns the context)."""
+
+    def __init__(self, cubin: bytes):
+        self.cu = ctypes.CDLL("libcuda.so.1")
+        self.module = ctypes.c_void_p()
+        self._check(self.cu.cuModuleLoadData(ctypes.byref(self.module), cubin), "load")
+
+    def _check(self, rc: int, what: str) -> None:
+        if rc:
+            raise RuntimeError(f"CUDA driver error {rc} in {what}")
+
+    def function(self, name: str, shared: int) -> ctypes.c_void_p:
+        fn = ctypes.c_void_p()
+        self._check(self.cu.cuModuleGetFunction(ctypes.byref(fn), self.module, name.encode()),
+                    name)  # fmt: skip
+        if shared > 48 * 1024:
+            self._check(self.cu.cuFuncSetAttribute(fn, 8, shared), "max dynamic shared")
+        return fn
+
+    def launch(self, fn, grid: int, threads: int, shared: int, stream: int, args: list,
+               pdl: bool) -> None:  # fmt: skip
+        attr = LaunchAttribute(PROGRAMMATIC_STREAM_SERIALIZATION, b"", 1)
+        cfg = LaunchConfig((grid, 1, 1), (threads, 1, 1), shared, stream, ctypes.pointer(attr),
+                           1 if pdl else 0)  # fmt: skip
+        params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p)
+                                                 for a in args])  # fmt: skip
+        self._check(self.cu.cuLaunchKernelEx(ctypes.byref(cfg), fn, params, None), "launch")
+
+
+def _graph_us(torch, capture) -> float:
+    """µs a call of a CUDA graph of CALLS calls (best of 20 replays)."""
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        capture()
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(20):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        best = min(best, a.elapsed_time(b) * 1e3 / CALLS)
+    return best
+
+
+def _row(rows: list, bw: float, proj: str, n: int, k: int, kernel: str, grid: int, pdl: bool,
+         us: float, err: float) -> None:  # fmt: skip
+    mb = (n * k * 2 + k * 2 + n * 4) / 1e6
+    pct = round(100 * mb * 1e6 / (us * 1e-6) / bw, 1)
+    rows.append({"proj": proj, "n": n, "k": k, "kernel": kernel, "grid": grid, "pdl": pdl,
+                 "us": round(us, 2), "mb": round(mb, 2), "pct_copy_bw": pct,
+                 "max_rel_err": err})  # fmt: skip
+    print(f"| {proj} | {kernel} | {grid} | {pdl} | {us:.2f} | {pct}% | {err:.1e} |", flush=True)
+
+
+def _shape(torch, drv: Driver, bw: float, proj: str, n: int, k: int, rows: list) -> None:
+    """cuBLAS, then every kernel of the source at its grids, alone and chained."""
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    copies = max(2, -(-4 * l2 // (n * k * 2)))  # every call streams its weight from HBM
+    ws = [torch.randn(n, k, device="cuda").mul_(0.02).to(torch.bfloat16) for _ in range(copies)]
+    x = torch.randn(1, k, device="cuda").to(torch.bfloat16)
+    o = torch.empty(1, n, device="cuda", dtype=torch.float32)
+    o_bf = torch.empty(1, n, device="cuda", dtype=torch.bfloat16)
+    ref = (x.float() @ ws[0].float().T)[0]
+
+    def rel_err(got) -> float:
+        return ((got.float() - ref).abs().max() / ref.abs().max()).item()
+
+    torch.nn.functional.linear(x, ws[0], out=o_bf)
+    err = rel_err(o_bf[0])
+
+    def cublas():
+        for i in range(CALLS):
+            torch.nn.functional.linear(x, ws[i % copies], out=o_bf)
+
+    _row(rows, bw, proj, n, k, "cublas", 0, False, _graph_us(torch, cublas), err)
+    for kern in kernels():
+        if n % kern["rows"] or k % kern["kc"]:
+            continue
+        fn = drv.function(kern["name"], kern["shared"])
+        tiles = n // kern["rows"]
+        per_sm = max(1, min(SHARED_PER_SM // (kern["shared"] + 1024), 4))
+        grids = {min(g, tiles) for g in (tiles, *(SMS * m for m in range(1, per_sm + 1)))}
+        for grid in sorted(grids):
+
+            def call(i, pdl, fn=fn, kern=kern, grid=grid):
+                args = [ctypes.c_void_p(ws[i % copies].data_ptr()),
+                        ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(o.data_ptr()),
+                        ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(int(pdl))]  # fmt: skip
+                drv.launch(fn, grid, kern["threads"], kern["shared"],
+                           torch.cuda.current_stream().cuda_stream, args, pdl)  # fmt: skip
+
+            o.fill_(float("nan"))
+            call(0, False)
+            torch.cuda.synchronize()
+            err = rel_err(o[0])
+            for pdl in (False, True):
+                us = _graph_us(torch, lambda pdl=pdl, call=call: [call(i, pdl)
+                                                                  for i in range(CALLS)])
+                _row(rows, bw, proj, n, k, kern["name"], grid, pdl, us, err)
+
+
+def run(d: Path, out: Path | None) -> None:
+    import torch
+
+    bw = copy_bandwidth(torch)  # also makes torch's context current for the driver calls
+    drv = Driver((d / CUBIN).read_bytes())
+    print(f"copy bandwidth {bw / 1e12:.3f} TB/s")
+    print("| proj | kernel | grid | pdl | µs a call | of copy bw | max rel err |")
+    rows: list = []
+    for proj, (n, k) in SHAPES.items():
+        _shape(torch, drv, bw, proj, n, k, rows)
+        torch.cuda.empty_cache()
+    result = {"device": torch.cuda.get_device_name(0), "copy_bw_tbs": round(bw / 1e12, 3),
+              "calls_a_graph": CALLS, "rows": rows}  # fmt: skip
+    write_result("bulk_stream_probe.json", result, d, out)
+
+
+if __name__ == "__main__":
+    build_or_run(__doc__, build, run)

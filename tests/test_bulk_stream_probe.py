@@ -1,0 +1,77 @@
+"""benchmarks/bulk_stream_probe.py: its launch structs against cuda.h, and its kernel list
+against what the CUDA source instantiates (the probe finds kernels by name in the cubin).
+Needs nvcc and gcc, no GPU."""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).parents[1] / "benchmarks" / "bulk_stream_probe.py"
+LAYOUT_C = """
+#include <cuda.h>
+#include <stddef.h>
+#include <stdio.h>
+int main(void) {
+  printf("%zu %zu %zu %zu %zu %zu %d\\n", sizeof(CUlaunchAttribute),
+         offsetof(CUlaunchAttribute, value), sizeof(CUlaunchConfig),
+         offsetof(CUlaunchConfig, hStream), offsetof(CUlaunchConfig, attrs),
+         offsetof(CUlaunchConfig, numAttrs),
+         (int)CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION);
+  return 0;
+}
+"""
+
+
+def _module():
+    if str(SCRIPT.parent) not in sys.path:  # the benchmarks import their `common` module
+        sys.path.insert(0, str(SCRIPT.parent))
+    spec = importlib.util.spec_from_file_location("bulk_stream_probe", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _cuda_include() -> Path:
+    from qwen35_tvm.compile import cuda_toolchain
+
+    nvcc = Path(cuda_toolchain.find_nvcc()).resolve()
+    for include in (nvcc.parents[1] / "include", *Path("/usr/local").glob("cuda*/include")):
+        if (include / "cuda.h").exists():
+            return include
+    pytest.fail(f"no cuda.h beside {nvcc}")
+
+
+def test_launch_structs_match_cuda_h(tmp_path: Path) -> None:
+    probe = _module()
+    src, exe = tmp_path / "layout.c", tmp_path / "layout"
+    src.write_text(LAYOUT_C)
+    subprocess.run(["gcc", f"-I{_cuda_include()}", "-o", str(exe), str(src)], check=True)
+    want = [int(v) for v in subprocess.run([str(exe)], capture_output=True, text=True,
+                                           check=True).stdout.split()]  # fmt: skip
+    got = [ctypes.sizeof(probe.LaunchAttribute), probe.LaunchAttribute.value.offset,
+           ctypes.sizeof(probe.LaunchConfig), probe.LaunchConfig.stream.offset,
+           probe.LaunchConfig.attrs.offset, probe.LaunchConfig.num_attrs.offset,
+           probe.PROGRAMMATIC_STREAM_SERIALIZATION]  # fmt: skip
+    assert got == want
+
+
+def test_kernel_list_is_what_the_cubin_holds(tmp_path: Path) -> None:
+    probe = _module()
+    probe.build(tmp_path)
+    cubin = (tmp_path / probe.CUBIN).read_bytes()
+    entries = set(re.findall(rb"\.text\.((?:bulk|ldg)_R\d+_K\d+_[SU]\d+_W\d+)\x00", cubin))
+    names = [k["name"] for k in probe.kernels()]
+    assert names and {n.encode() for n in names} == entries
+    for k in probe.kernels():
+        consumers = int(k["name"].rsplit("W", 1)[1])
+        assert k["threads"] == 32 * (consumers + (k["kind"] == "bulk"))  # + the producer warp
+        # the bulk kernel's ring: S stages of R rows of KC + 8 bf16, then 2 S mbarriers
+        want = k["depth"] * k["rows"] * (k["kc"] + 8) * 2 + 16 * k["depth"]
+        assert k["shared"] == (want if k["kind"] == "bulk" else 0)
