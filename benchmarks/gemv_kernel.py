@@ -61,7 +61,7 @@ def _kernels(small, rows: str, target, gate_up: bool = False) -> tuple[dict, dic
     """{name: PrimFunc}, {name: config}, {name: why it failed} of one shape and row class;
     `gate_up`: also the SwiGLU's kernels (benchmarks/gemv_swiglu.py)."""
     import gemv_swiglu
-    from gemv_variants import config_json, small_ring_variants, variants, wide_variants
+    import gemv_variants as gv
     from tvm.s_tir import dlight as dl
 
     from qwen35_tvm.schedules.gemm_match import match_gemm
@@ -83,13 +83,14 @@ def _kernels(small, rows: str, target, gate_up: bool = False) -> tuple[dict, dic
 
     if rows == "small":
         default = default_config(n, k)
-        configs = {"ours": default, **variants(default), **small_ring_variants(n, k, default)}
+        configs = {"ours": default, **gv.variants(default), **gv.small_ring_variants(n, k, default),
+                   **gv.bulk_variants(n, k, default)}  # fmt: skip
         makers = {"ours": lambda: rule(DecodeGemv())}
         if not match.extra_params:
             makers["ours_rms"] = lambda: gemv_for(func, target, rows="small", rms_eps=RMS_EPS)
         baseline = {"dlight": lambda: rule(dl.gpu.GEMV(), dl.gpu.LowBatchGEMV(4))}
     else:
-        configs = {"ours": plan(n, k, "wide"), **wide_variants(n, k)}
+        configs = {"ours": plan(n, k, "wide"), **gv.wide_variants(n, k)}
         makers = {"ours": lambda: rule(DecodeGemv(rows="wide"))}
         if not match.extra_params:  # norm_fusion.FOLD_WIDE's kernels
             makers["ours_rms"] = lambda: gemv_for(func, target, rows="wide", rms_eps=RMS_EPS)
@@ -115,7 +116,7 @@ def _kernels(small, rows: str, target, gate_up: bool = False) -> tuple[dict, dic
                 kernels[name] = make().with_attr("tirx.is_scheduled", True)
         except Exception as err:  # noqa: BLE001  keep building the others
             errors[name] = f"{type(err).__name__}: {err}"
-    return kernels, {nm: config_json(configs.get(nm)) for nm in kernels}, errors
+    return kernels, {nm: gv.config_json(configs.get(nm)) for nm in kernels}, errors
 
 
 def _picked(name: str, only: list[str]) -> bool:

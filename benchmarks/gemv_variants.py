@@ -90,6 +90,24 @@ def small_ring_variants(n: int, k: int, default) -> dict[str, object]:
     return out
 
 
+def bulk_variants(n: int, k: int, default) -> dict[str, object]:
+    """Decode's 1-7 rows through sm_90's bulk ring (schedules/gemv_bulk.py): 16 rows a tile, 8
+    warps, `bulk` persistent blocks an SM; a stage one 64-k (unroll 2) or 128-k (unroll 4) step
+    a warp, 3-8 stages; only where k is whole chunks and the blocks fit in shared memory."""
+    from dataclasses import replace
+
+    from qwen35_tvm.schedules.gemv_config import SHARED_PER_SM
+
+    out = {}
+    for warps, unroll, stages, blocks in ((8, 2, 4, 2), (8, 2, 6, 2), (8, 4, 3, 2), (4, 4, 4, 3),
+                                          (4, 4, 6, 2), (4, 2, 8, 3)):  # fmt: skip
+        cfg = replace(default, m_tiles=1, warps_k=warps, unroll=unroll, stages=stages,
+                      x_stages=2, w_smem=False, bulk=blocks, dependent=True)  # fmt: skip
+        if k % cfg.chunk == 0 and blocks * (cfg.shared_bytes + 1024) <= SHARED_PER_SM:
+            out[f"bulk{blocks}w{warps}u{unroll}s{stages}"] = cfg
+    return out
+
+
 def wide_variants(n: int, k: int) -> dict[str, object]:
     """Bucket plans around the default: the weight ring in registers, the other m-tile count,
     half the shared ring, deeper register rings ("deep")."""
@@ -104,7 +122,14 @@ def wide_variants(n: int, k: int) -> dict[str, object]:
         (limit, replace(cfg, stages=max(2, cfg.stages // 2)) if cfg.w_smem else cfg)
         for limit, cfg in default
     )
+    bulk16 = {}
+    for unroll, stages in ((2, 6), (4, 3)):  # the 16-row bucket through sm_90's bulk ring
+        cfg = replace(default[1][1], m_tiles=1, warps_k=8, unroll=unroll, stages=stages,
+                      x_stages=2, w_smem=False, bulk=2, dependent=True)  # fmt: skip
+        if k % cfg.chunk == 0:
+            bulk16[f"bulk16u{unroll}s{stages}"] = (default[0], (16, cfg), *default[2:])
     return {
+        **bulk16,
         "regs": wide_buckets(n, k, w_smem=False),
         f"m{other}": wide_buckets(n, k, m_tiles=other),
         "half": half,

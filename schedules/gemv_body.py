@@ -8,7 +8,8 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from .gemm_match import DTYPE, Epilogue
-from .gemv_config import TILE_COLS, VEC, GemvConfig, cdiv, min_blocks_per_sm
+from .gemv_bulk import BodyParts, bulk_nest, bulk_ring_elems
+from .gemv_config import TILE_COLS, VEC, GemvConfig, bulk_grid, cdiv, min_blocks_per_sm
 
 # the kernel reads the index maps by these names, so tests can mutate them here
 from .gemv_layout import (
@@ -66,6 +67,8 @@ def pass_kernel(
     dependent = gpu and cfg.dependent
     lines = cdiv(step, LINE)  # L2 lines of a row's step
     rms = rms_eps is not None
+    bulk = gpu and cfg.bulk > 0  # the CPU runs a bulk config's sums as any other's
+    grid = bulk_grid(tiles, cfg) if bulk else tiles
 
     def in_k(k0):
         return k0 < k if k % step else True  # a load can fall past k only then
@@ -249,6 +252,24 @@ def pass_kernel(
                                   T.min(ks * step + c * LINE, k - 1)])))  # fmt: skip
 
     @T.macro
+    def finish(out, extras, acc, sq, early, part, sq_sh, wk, tx, tile, col, batch):
+        # a tile's epilogue: the warps' sums (and squares) meet in shared memory, then stores
+        if rms:  # a row's squares: over the 4 lanes that load it, then per warp
+            g, q = T.meta_var(lane_coords(tx))
+            for j in T.unroll(nt):
+                for b in T.unroll(2):
+                    sq[j] = sq[j] + T.tvm_warp_shuffle_xor(FULL_MASK, sq[j], 1 << b, 32, 32)
+                if q == 0:
+                    sq_sh[wk, j * TILE_COLS + g] = sq[j]
+        for t in T.unroll(nt):
+            to_part(acc, 0, part, wk, tx, t)
+            T.tvm_storage_sync("shared")
+            store(out, extras, part, wk, tx, tile, col, t, batch, sq_sh,
+                  early if load_early is not None else None)  # fmt: skip
+            if t + 1 < nt:
+                T.tvm_storage_sync("shared")  # before the next n-tile's writes
+
+    @T.macro
     def tile_gpu(x, w, out, extras, batch, tile, col, part, sq_sh):
         # one thread nest: the accumulators stay in registers while the n-tiles' sums go
         # through `part` one n-tile at a time (8 KB at most, whatever the batch)
@@ -275,22 +296,11 @@ def pass_kernel(
                     accumulate_gpu(w, x, acc, wk, tile, tx, col, batch, sq)
                     if cfg.w_smem:  # `part` may reuse the ring's memory: every warp done with it
                         T.tvm_storage_sync("shared")
-                    if rms:  # a row's squares: over the 4 lanes that load it, then per warp
-                        g, q = T.meta_var(lane_coords(tx))
-                        for j in T.unroll(nt):
-                            for b in T.unroll(2):
-                                sq[j] = sq[j] + T.tvm_warp_shuffle_xor(
-                                    FULL_MASK, sq[j], 1 << b, 32, 32
-                                )
-                            if q == 0:
-                                sq_sh[wk, j * TILE_COLS + g] = sq[j]
-                    for t in T.unroll(nt):
-                        to_part(acc, 0, part, wk, tx, t)
-                        T.tvm_storage_sync("shared")
-                        store(out, extras, part, wk, tx, tile, col, t, batch, sq_sh,
-                              early if load_early is not None else None)  # fmt: skip
-                        if t + 1 < nt:
-                            T.tvm_storage_sync("shared")  # before the next n-tile's writes
+                    finish(out, extras, acc, sq, early, part, sq_sh, wk, tx, tile, col, batch)
+
+    # sm_90's persistent blocks through the bulk ring (schedules/gemv_bulk.py)
+    parts = BodyParts(load, product, accumulate_regs, finish, load_early, early_size, warps, lanes)
+    tiles_bulk = bulk_nest(k, cfg, tiles, grid, weight_row, parts) if bulk else None
 
     @T.macro
     def squares_cpu(x, sq_sh, wk, tx, col, batch):
@@ -337,13 +347,14 @@ def pass_kernel(
     tile_body = tile_gpu if gpu else tile_cpu
 
     part_scope = "shared" if gpu else "global"
+    ring_size = bulk_ring_elems(cfg)
     sq_shape = (wks, cols) if rms else (1, 1)
 
     @T.macro
     def launch(x, w, out, extras, batch):
         # batches past cols take more blocks (a loop would let nvcc keep the first loads live)
         for p in passes(T.ceildiv(batch, cols)):
-            for tile in blocks(tiles):
+            for tile in blocks(grid):
                 with T.sblock("tile"):
                     T.reads()
                     T.writes()
@@ -353,6 +364,12 @@ def pass_kernel(
                     part = T.sblock_alloc_buffer((wks, TILE_COLS, rb), "float32", scope=part_scope)
                     # each warp's squares of each row of the pass (RMSNorm'd X only)
                     sq_sh = T.sblock_alloc_buffer(sq_shape, "float32", scope=part_scope)
-                    tile_body(x, w, out, extras, batch, tile, p * cols, part, sq_sh)
+                    if bulk:  # `tile` is a persistent block here
+                        ring = T.sblock_alloc_buffer((ring_size,), DTYPE, scope="shared.dyn")
+                        bars = T.sblock_alloc_buffer((2 * stages,), "uint64", scope="shared")
+                        tiles_bulk(x, w, out, extras, batch, tile, p * cols, part, sq_sh, ring,
+                                   bars)  # fmt: skip
+                    else:
+                        tile_body(x, w, out, extras, batch, tile, p * cols, part, sq_sh)
 
     return launch

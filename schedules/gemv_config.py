@@ -6,6 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 VEC = 8  # bf16 elements of one 128-bit load
+# bf16 after each row of a bulk stage: a row pitch of 64 bytes past a multiple of 128 puts the
+# two rows of a quarter-warp's 128-bit reads in different banks
+BULK_PAD = 32
 TILE_COLS = 8  # batch rows of one n-tile: mma's n8
 MAX_N_TILES = 8  # 64 batch rows a pass: decode_wide's largest batch reads the weight once
 # The GPU the grid is sized for: H100/H200 SXM (an A100 has 108 SMs); a library is built
@@ -50,6 +53,10 @@ class GemvConfig:
     # launched beside its producer, waiting inside (schedules/pdl.py); False: launched once
     # the producer has ended
     dependent: bool = True
+    # sm_90: the weight ring in shared memory, a stage of `stages` = a block's rows x one step
+    # a warp, filled by one cp.async.bulk a row (schedules/gemv_bulk.py), and the grid
+    # persistent, `bulk` blocks an SM, the ring running on across a block's row tiles (0: off)
+    bulk: int = 0
 
     @property
     def rows(self) -> int:
@@ -72,10 +79,17 @@ class GemvConfig:
         return self.x_stages or self.stages
 
     @property
+    def chunk(self) -> int:
+        """k of a bulk stage: one step of each warp."""
+        return self.warps_k * self.step
+
+    @property
     def shared_bytes(self) -> int:
-        """The partial sums of one n-tile, and the weight ring if it is in shared memory."""
+        """The partial sums of one n-tile, and the weight ring if it is in shared memory (a
+        bulk ring's stages, each row padded by BULK_PAD, and its 2 mbarriers a stage)."""
         ring = self.stages * self.unroll * 2 * self.m_tiles * 32 * 16 if self.w_smem else 0
-        return self.warps_k * (ring + TILE_COLS * self.rows * 4)
+        bulk = self.stages * (self.rows * (self.chunk + BULK_PAD) * 2 + 16) if self.bulk else 0
+        return self.warps_k * (ring + TILE_COLS * self.rows * 4) + bulk
 
     def check(self) -> None:
         """Raise ValueError if the kernel cannot be built with these numbers."""
@@ -90,8 +104,10 @@ class GemvConfig:
         # the X slot of a step must be known at compile time inside the unrolled ring
         if not 0 <= self.x_stages <= self.stages:
             raise ValueError(f"{self}: x_stages 0-stages")
-        if not self.w_smem and self.stages % self.x_ring:
+        if not (self.w_smem or self.bulk) and self.stages % self.x_ring:
             raise ValueError(f"{self}: x_stages must divide stages (weight ring in registers)")
+        if self.bulk and (self.w_smem or not 1 <= self.bulk <= 4 or self.stages < 2):
+            raise ValueError(f"{self}: bulk 1-4 blocks an SM, 2+ stages, not with w_smem")
 
 
 # (largest batch, config) pairs, ascending; the last also takes every larger batch
@@ -101,9 +117,10 @@ Buckets = tuple[tuple[int, GemvConfig], ...]
 def est_registers(cfg: GemvConfig) -> int:
     """Registers a lane needs (fitted to ptxas 13.0 on sm_90): the load rings and the
     accumulators plus ~24."""
-    w_ring = 1 if cfg.w_smem else cfg.stages  # in shared memory: one step in registers
+    shared = cfg.w_smem or cfg.bulk
+    w_ring = 1 if shared else cfg.stages  # in shared memory: one step in registers
     ring = (w_ring * 2 * cfg.m_tiles + cfg.x_ring * cfg.n_tiles) * cfg.unroll * 4
-    extra = 8 if cfg.w_smem else 0  # addresses of the shared ring
+    extra = 8 if shared else 0  # addresses of the shared ring
     return 24 + extra + cdiv(ring * 115, 100) + 4 * cfg.m_tiles * (cfg.n_tiles - 1)
 
 
@@ -115,11 +132,18 @@ def register_cap(threads: int, blocks: int) -> int:
     return min(255, REGISTERS_PER_SM // 4 // (warps * 32) // 8 * 8)
 
 
+def bulk_grid(tiles: int, cfg: GemvConfig) -> int:
+    """Blocks of a bulk config's persistent grid over `tiles` row tiles."""
+    return min(tiles, SMS * cfg.bulk)
+
+
 def min_blocks_per_sm(n: int, cfg: GemvConfig) -> int:
     """Blocks an SM must hold for every row tile to run in one wave on SMS multiprocessors
     (every block streams its rows' whole k, so a second wave would nearly double the time);
     passed to ptxas as __launch_bounds__' second argument, so registers cannot prevent it.
     Lowered where the register budget would fall below `est_registers` (spills cost more)."""
+    if cfg.bulk:
+        return cfg.bulk
     need = cdiv(cdiv(n, cfg.rows), SMS)
     most = min(MAX_THREADS_PER_SM // cfg.threads, 32, SHARED_PER_SM // (cfg.shared_bytes + 1024))
     while most > 1 and register_cap(cfg.threads, most) < est_registers(cfg):

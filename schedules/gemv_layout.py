@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from tvm import tirx
 
-from .gemv_config import TILE_COLS, VEC, GemvConfig
+from .gemv_config import BULK_PAD, TILE_COLS, VEC, GemvConfig
 
 Index = int | tirx.Expr
 
@@ -83,3 +83,28 @@ def paired_row(v: Index) -> tuple[Index, Index]:
 def pair_rows(c: Index) -> tuple[Index, Index]:
     """(gate, up) virtual rows of a block's output column c: paired_row's inverse."""
     return c // 8 * 16 + c % 8, c // 8 * 16 + c % 8 + 8
+
+
+def stage_offset(slot: Index, r: Index, kk: Index, cfg: GemvConfig) -> Index:
+    """Element offset in a bulk ring (schedules/gemv_bulk.py) of row r (of the block's tile)
+    at k kk of the chunk in stage `slot`: stages of rows x chunk, rows BULK_PAD apart."""
+    pitch = cfg.chunk + BULK_PAD
+    return (slot * cfg.rows + r) * pitch + kk
+
+
+def chunk_k(u: Index, q: Index, wk: Index, cfg: GemvConfig) -> Index:
+    """k within its chunk of load u of lane q of warp wk: the warp's step is the chunk's wk-th
+    (warp_step), laid out as load_k lays out a step."""
+    return wk * cfg.step + u * 4 * VEC + q * VEC
+
+
+def ring_step_tile(gs: Index, blk: Index, grid: Index, chunks: int) -> tuple[Index, Index]:
+    """(row tile, chunk) that ring step gs of persistent block blk holds: the block's tiles
+    blk, blk + grid, ..., each `chunks` steps."""
+    return blk + gs // chunks * grid, gs % chunks
+
+
+def ring_phase(gs: Index, stages: int) -> Index:
+    """The parity ring step gs waits for on its stage's mbarriers: the stage's
+    (gs // stages)-th phase, counting from 0."""
+    return gs // stages % 2

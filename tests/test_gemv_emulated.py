@@ -14,8 +14,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from qwen35_tvm.schedules import gemv_body, gemv_store
+from qwen35_tvm.schedules import gemv_body, gemv_bulk, gemv_config, gemv_store
 from qwen35_tvm.schedules.gemv_config import TILE_COLS, GemvConfig, cdiv
+from qwen35_tvm.schedules.gemv_layout import load_row
 from qwen35_tvm.schedules.matmul import acc_coords
 
 _LANES = np.arange(32)
@@ -130,23 +131,99 @@ class _Warp:
         return self.acc
 
 
+def _store(out: np.ndarray, accs: list, cfg: GemvConfig, tile: int, col: int) -> None:
+    """A tile's warps' accumulators through the partial sums into `out`, n-tile by n-tile."""
+    (batch, n), rb, nt = out.shape, cfg.rows, cfg.n_tiles
+    for t in range(nt):
+        part = np.full((cfg.warps_k, TILE_COLS, rb), np.nan)
+        for wk, lane, m, e in np.ndindex(cfg.warps_k, 32, cfg.m_tiles, 4):
+            er, ec = acc_coords(lane, e)
+            part[wk, ec, m * 16 + er] = accs[wk][lane, gemv_body.acc_index(m, t, e, nt)]
+        for o in range(rb * TILE_COLS):  # every thread's o in the store loop
+            r, b = o % rb, gemv_store.out_row(col, t, o // rb)
+            if tile * rb + r < n and b < batch:
+                out[b, tile * rb + r] = part[:, o // rb, r].sum()
+
+
 def _emulate_gpu(x: np.ndarray, w: np.ndarray, cfg: GemvConfig) -> np.ndarray:
-    """Every pass and row tile: its warps, then the partial sums and stores, n-tile by n-tile."""
+    """Every pass and row tile: its warps, then the partial sums and stores."""
+    if cfg.bulk:
+        return _emulate_bulk(x, w, cfg)
     (batch, _), n = x.shape, w.shape[0]
-    rb, nt = cfg.rows, cfg.n_tiles
     out = np.full((batch, n), np.nan)
     for p in range(cdiv(batch, cfg.cols)):
-        for tile in range(cdiv(n, rb)):
+        for tile in range(cdiv(n, cfg.rows)):
             accs = [_Warp(x, w, cfg, wk, tile, p * cfg.cols).run() for wk in range(cfg.warps_k)]
-            for t in range(nt):
-                part = np.full((cfg.warps_k, TILE_COLS, rb), np.nan)
-                for wk, lane, m, e in np.ndindex(cfg.warps_k, 32, cfg.m_tiles, 4):
-                    er, ec = acc_coords(lane, e)
-                    part[wk, ec, m * 16 + er] = accs[wk][lane, gemv_body.acc_index(m, t, e, nt)]
-                for o in range(rb * TILE_COLS):  # every thread's o in the store loop
-                    r, b = o % rb, gemv_store.out_row(p * cfg.cols, t, o // rb)
-                    if tile * rb + r < n and b < batch:
-                        out[b, tile * rb + r] = part[:, o // rb, r].sum()
+            _store(out, accs, cfg, tile, p * cfg.cols)
+    return out
+
+
+class _BulkRing:
+    """One persistent block's bulk ring (schedules/gemv_bulk.py): stages in shared memory that
+    thread 0 fills a chunk at a time, and the stages' mbarriers as phase counts. A wait passes
+    where the hardware's would (the phase's parity differs from the count's); one that would
+    block forever raises."""
+
+    def __init__(self, w: np.ndarray, cfg: GemvConfig, blk: int, grid: int, chunks: int):
+        self.w, self.cfg, self.blk, self.grid, self.chunks = w, cfg, blk, grid, chunks
+        self.ring = np.full(gemv_bulk.stage_offset(cfg.stages, 0, 0, cfg), np.nan)
+        self.full, self.empty = [0] * cfg.stages, [0] * cfg.stages  # completed phases
+
+    def fill(self, gs: int) -> None:
+        cfg, slot = self.cfg, gs % self.cfg.stages
+        tile, c = gemv_bulk.ring_step_tile(gs, self.blk, self.grid, self.chunks)
+        for r in range(cfg.rows):
+            at = gemv_bulk.stage_offset(slot, r, 0, cfg)
+            row = min(tile * cfg.rows + r, self.w.shape[0] - 1)
+            self.ring[at : at + cfg.chunk] = self.w[row, c * cfg.chunk : (c + 1) * cfg.chunk]
+        self.full[slot] += 1  # the copies land
+
+    def wait(self, phases: list[int], gs: int) -> None:
+        if phases[gs % self.cfg.stages] % 2 == gemv_bulk.ring_phase(gs, self.cfg.stages):
+            raise RuntimeError(f"ring step {gs}: the wait would never return")
+
+    def read(self, gs: int, wk: int) -> np.ndarray:
+        """Warp wk's weights of ring step gs as its lanes hold them: [32, unroll, 2 mt, 8]."""
+        cfg, slot = self.cfg, gs % self.cfg.stages
+        regs = np.empty((32, cfg.unroll, 2 * cfg.m_tiles, 8))
+        for lane, u, h in np.ndindex(*regs.shape[:3]):
+            g, q = gemv_bulk.lane_coords(lane)
+            at = gemv_bulk.stage_offset(slot, gemv_bulk.load_row(0, h, g, cfg.m_tiles),
+                                        gemv_bulk.chunk_k(u, q, wk, cfg), cfg)  # fmt: skip
+            regs[lane, u, h] = self.ring[at : at + 8]
+        return regs
+
+
+def _emulate_bulk(x: np.ndarray, w: np.ndarray, cfg: GemvConfig) -> np.ndarray:
+    """Every pass and persistent block: thread 0 fills the first stages, then each of the
+    block's tiles takes its chunks in ring order (all warps wait, read, mma and arrive; thread
+    0 refills the stage once every thread has), then its stores."""
+    (batch, k), n = x.shape, w.shape[0]
+    tiles, chunks, xr = cdiv(n, cfg.rows), k // cfg.chunk, cfg.x_ring
+    grid = gemv_config.bulk_grid(tiles, cfg)
+    out = np.full((batch, n), np.nan)
+    for p, blk in np.ndindex(cdiv(batch, cfg.cols), grid):
+        ring = _BulkRing(w, cfg, blk, grid, chunks)
+        total = cdiv(tiles - blk, grid) * chunks
+        for s in range(min(cfg.stages, total)):
+            ring.fill(s)
+        for i in range(cdiv(tiles - blk, grid)):
+            tile = blk + i * grid
+            warps = [_Warp(x, w, cfg, wk, tile, p * cfg.cols) for wk in range(cfg.warps_k)]
+            for warp in warps:
+                for d in range(xr):
+                    warp.load_x(d, warp.step(d))
+            for c in range(chunks):
+                gs, slot = i * chunks + c, (i * chunks + c) % cfg.stages
+                ring.wait(ring.full, gs)
+                for warp in warps:
+                    warp.product(ring.read(gs, warp.wk), c % xr, warp.step(c))
+                    warp.load_x(c % xr, warp.step(c + xr))
+                ring.empty[slot] += 1  # every thread has arrived
+                if gs + cfg.stages < total:
+                    ring.wait(ring.empty, gs)
+                    ring.fill(gs + cfg.stages)
+            _store(out, [warp.acc for warp in warps], cfg, tile, p * cfg.cols)
     return out
 
 
@@ -178,12 +255,57 @@ EMULATED = [
     (40, 200, 16, GemvConfig(m_tiles=1, warps_k=3, stages=4, n_tiles=2, x_stages=4, **SMEM)),
     (40, 200, 5, GemvConfig(m_tiles=1, warps_k=3, stages=6, x_stages=3, **SMEM)),
 ]
+# sm_90's bulk ring, on 3 SMs (few_sms) so that persistent blocks take several tiles: chunks
+# fewer and more than the stages, one step a warp each, a partial last tile, two passes
+BULK = [
+    (16 * 11, 192, 3, GemvConfig(m_tiles=1, warps_k=3, unroll=2, stages=4, x_stages=2, bulk=1)),
+    (16 * 8 - 5, 128, 1, GemvConfig(m_tiles=1, warps_k=1, unroll=2, stages=3, x_stages=2, bulk=2)),
+    (32 * 5, 128, 9, GemvConfig(m_tiles=2, warps_k=2, unroll=1, stages=2, x_stages=1, bulk=1)),
+]
 N_TILED = [case for case in EMULATED if case[3].n_tiles > 1]
 
 
 @pytest.mark.parametrize("n, k, batch, cfg", EMULATED)
 def test_emulated_gpu_kernel_computes_x_times_w_transposed(n, k, batch, cfg) -> None:
     assert _check(n, k, batch, cfg)
+
+
+@pytest.fixture
+def few_sms(monkeypatch):
+    monkeypatch.setattr(gemv_config, "SMS", 3)
+
+
+@pytest.mark.parametrize("n, k, batch, cfg", BULK)
+def test_emulated_bulk_ring_computes_x_times_w_transposed(few_sms, n, k, batch, cfg) -> None:
+    assert gemv_config.bulk_grid(cdiv(n, cfg.rows), cfg) < cdiv(n, cfg.rows)  # persistent
+    assert _check(n, k, batch, cfg)
+
+
+@pytest.mark.parametrize(
+    "module, name, wrong",
+    [
+        # a warp reads another warp's step of the chunk
+        (gemv_bulk, "chunk_k", lambda u, q, wk, cfg: (wk + 1) % cfg.warps_k * cfg.step
+         + u * 32 + q * 8),  # fmt: skip
+        # refills go to the block's next tile in the grid's order, not its own
+        (gemv_bulk, "ring_step_tile", lambda gs, blk, grid, chunks: (blk + gs // chunks,
+                                                                     gs % chunks)),  # fmt: skip
+        # the wait's parity one phase off: the first wait never returns
+        (gemv_bulk, "ring_phase", lambda gs, stages: (gs // stages + 1) % 2),
+        # the lanes read another row of the stage than the producer put there for them
+        (gemv_bulk, "load_row", lambda tile, h, g, mt: load_row(tile, h, (g + 1) % 8, mt)),
+    ],
+)
+def test_bulk_ring_mutations_are_caught(few_sms, monkeypatch, module, name, wrong) -> None:
+    monkeypatch.setattr(module, name, wrong)
+    caught = []
+    for case in BULK:
+        try:
+            caught.append(not _check(*case))
+        except RuntimeError:  # a wait that would never return
+            caught.append(True)
+    # every case but a one-warp block's, where no other warp's step exists
+    assert caught == [True, name != "chunk_k", True], name
 
 
 def test_wrong_fragment_map_is_caught(monkeypatch) -> None:

@@ -66,6 +66,9 @@ CASES = [
     (72, 200, 9, GemvConfig(m_tiles=2, warps_k=2, unroll=1)),  # two passes of 8 rows
     (16, 8, 1, GemvConfig(warps_k=4)),  # more warps than k steps
     (130, 512, 4, None),  # the default config
+    # sm_90's bulk ring: on the CPU the same nest as any config (its ring is emulated in
+    # tests/test_gemv_emulated.py)
+    (72, 384, 7, GemvConfig(m_tiles=1, warps_k=3, stages=4, x_stages=2, bulk=2)),
 ]
 
 
@@ -356,3 +359,42 @@ def test_wide_kernels_do_not_spill(tmp_path) -> None:
         regs = [int(r) for r in re.findall(r"Used (\d+) registers", info)]
         assert len(regs) == 4 and max(regs) <= 255, (n, k, kw, info)
         assert all(a == b == "0" for a, b in spills) and len(spills) == 4, (n, k, kw, info)
+
+
+BULK_CFG = GemvConfig(m_tiles=1, warps_k=8, unroll=2, stages=6, x_stages=2, bulk=2)
+
+
+def test_bulk_kernel_streams_its_first_stages_before_the_wait() -> None:
+    """The bulk ring's CUDA (4B's in_proj with its norm): sm_90a's path inits the mbarriers,
+    issues its first stages' row copies, then waits for its producer; the grid is persistent
+    (SMS x bulk blocks); a k that is not whole chunks is refused."""
+    func = gemv_kernel(12352, 2560, CUDA, BULK_CFG, out_dtype="bfloat16", rms_eps=1e-6)
+    lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "g")}), target=CUDA)
+    (cuda,) = [m for m in lib.mod.imports if m.kind == "cuda"]
+    src = cuda.inspect_source()
+    body = src[src.index("qwen35_sm90a()"):]
+    first_copy, wait = body.index("cp_async_bulk"), body.index("griddepcontrol_wait()")
+    assert body.index("mbarrier_init") < first_copy < wait
+    assert body[:wait].count("complete_tx__bytes(") == BULK_CFG.stages * BULK_CFG.rows
+    grid = gemv_config.bulk_grid(12352 // 16, BULK_CFG)
+    assert grid == gemv_config.SMS * 2 and f"/ {grid})" in src
+    with pytest.raises(ValueError, match="chunk"):
+        gemv_kernel(256, 520, CUDA, BULK_CFG)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_bulk_kernel_compiles_for_both_arches_without_spills(tmp_path) -> None:
+    """ptxas -v for sm_90a (the bulk ring) and sm_80 (its register-ring fallback): no spills."""
+    from qwen35_tvm.compile.cuda_toolchain import guard_sm90_asm
+    from qwen35_tvm.schedules.sm90a import SM90A_PRELUDE
+
+    func = gemv_kernel(18432, 2560, CUDA, BULK_CFG, out_dtype="bfloat16", rms_eps=1e-6,
+                       swiglu=True)  # fmt: skip
+    lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "g")}), target=CUDA)
+    (cuda,) = [m for m in lib.mod.imports if m.kind == "cuda"]
+    (tmp_path / "g.cu").write_text(SM90A_PRELUDE + guard_sm90_asm(cuda.inspect_source()))
+    for arch in ("sm_90a", "sm_80"):
+        cmd = ["nvcc", f"-arch={arch}", "-cubin", "-Xptxas", "-v", "-o",
+               str(tmp_path / f"{arch}.cubin"), str(tmp_path / "g.cu")]  # fmt: skip
+        info = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
+        assert re.findall(r"(\d+) bytes spill stores", info) == ["0"], (arch, info)
