@@ -22,6 +22,11 @@ lane reads back only what it copied and no barrier is needed. X takes a ring of 
 sums them and applies the epilogue: no workspace, no second pass. decode_wide's kernel holds
 one launch per batch bucket (8, 16, 32, 64 rows a pass), picked on the host by the batch.
 
+On sm_90 a config may take the bulk ring instead (`bulk`, schedules/gemv_bulk.py): a
+persistent grid whose blocks' thread 0 keeps stages of the block's rows in shared memory by
+cp.async.bulk, the first ones issued before the dependent wait; the lanes read from a stage
+what they would have loaded, so the fragments, X's ring and the sums stay as above.
+
 Decode's RMSNorm before a projection can be folded in (`rms_eps`, compile/norm_fusion.py):
 each lane also sums the squares of the X it loads; the warps' squares meet in shared memory
 beside the partial sums, and the epilogue scales each row's sum by its 1/rms. The norm has no

@@ -179,6 +179,22 @@ def default_config(n: int, k: int) -> GemvConfig:
     return GemvConfig(m_tiles=m_tiles, warps_k=1, dependent=dependent)
 
 
+def decode_bulk_config(n: int, k: int) -> GemvConfig | None:
+    """Decode's GEMV through sm_90's bulk ring, for the shapes it was measured on (4B; H100,
+    docs/performance.md session 36: c1 TPOT 3.369 -> 3.083 ms, a step's span 3,390 -> 3,082
+    µs): the hidden-width outputs (o_proj, out_proj, down: 160 one-tile blocks, 2 an SM, 3
+    stages of 128 k a warp) and the hidden-width inputs (in_proj, qkv, gate_up: 4 warps, 396
+    persistent blocks, 4 stages). None elsewhere. Grids of one-tile blocks suffer from their
+    dependents launching early (a register-ring gate_up behind a bulk out_proj: +450 µs a step),
+    so the two go together."""
+    base = dict(m_tiles=1, x_stages=2, dependent=True)
+    if n == 2560 and k in (4096, 9216):
+        return GemvConfig(warps_k=8, unroll=4, stages=3, bulk=2, **base)
+    if k == 2560 and n in (10240, 12352, 18432):
+        return GemvConfig(warps_k=4, unroll=4, stages=4, bulk=3, **base)
+    return None
+
+
 def wide_config(
     n: int, k: int, n_tiles: int, w_smem: bool = True, m_tiles: int | None = None
 ) -> GemvConfig:

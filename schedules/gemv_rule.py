@@ -9,14 +9,21 @@ from tvm.target import Target
 
 from .gemm_match import match_gemm
 from .gemv import gemv_kernel
-from .gemv_config import VEC, Buckets, GemvConfig, default_config, wide_buckets
+from .gemv_config import VEC, Buckets, GemvConfig, decode_bulk_config, default_config, wide_buckets
 from .matmul_config import ROWS_ATTR, has_tensor_cores
+
+# decode's 1-7 rows through sm_90's bulk ring where gemv_config.decode_bulk_config has a
+# config. Off until a GPU session has run parity and graphs-on/off identity on such a library
+# (its sums run in another order than the register ring's, so its greedy tokens differ).
+DECODE_BULK = False
 
 
 def plan(n: int, k: int, rows: str) -> GemvConfig | Buckets:
     """The pipeline's choice for a GEMM of the row class `rows`: one config for decode's 1-7
     rows, buckets up to 64 columns a pass for decode_wide."""
-    return wide_buckets(n, k) if rows == "wide" else default_config(n, k)
+    if rows == "wide":
+        return wide_buckets(n, k)
+    return (DECODE_BULK and decode_bulk_config(n, k)) or default_config(n, k)
 
 
 def gemv_for(

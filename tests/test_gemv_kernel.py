@@ -398,3 +398,27 @@ def test_bulk_kernel_compiles_for_both_arches_without_spills(tmp_path) -> None:
                str(tmp_path / f"{arch}.cubin"), str(tmp_path / "g.cu")]  # fmt: skip
         info = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
         assert re.findall(r"(\d+) bytes spill stores", info) == ["0"], (arch, info)
+
+
+def test_decode_bulk_configs_fit_and_are_switched(monkeypatch) -> None:
+    """decode_bulk_config: the 4B shapes it was measured on (and no 9B one) get a bulk config
+    whose k is whole chunks, whose blocks an SM fit the shared memory and the registers; the
+    pipeline's plan takes them only with gemv_rule.DECODE_BULK on."""
+    from qwen35_tvm.schedules import gemv_rule
+
+    bulk = {(n, k): gemv_config.decode_bulk_config(n, k) for n, k in SHAPES}
+    assert {s for s, c in bulk.items() if c} == set(SHAPES[:5])  # 4B's five
+    for (n, k), cfg in bulk.items():
+        if cfg is None:
+            continue
+        cfg.check()
+        assert k % cfg.chunk == 0 and cfg.dependent, (n, k, cfg)
+        assert cfg.bulk * (cfg.shared_bytes + 1024) <= gemv_config.SHARED_PER_SM, (n, k, cfg)
+        est = gemv_config.est_registers(cfg)
+        assert est <= gemv_config.register_cap(cfg.threads, cfg.bulk), (n, k, cfg)
+    for on in (False, True):
+        monkeypatch.setattr(gemv_rule, "DECODE_BULK", on)
+        for n, k in SHAPES:
+            want = (on and bulk[n, k]) or gemv_config.default_config(n, k)
+            assert plan(n, k, "small") == want, (on, n, k)
+            assert plan(n, k, "wide") == gemv_config.wide_buckets(n, k)

@@ -66,6 +66,18 @@ __device__ __forceinline__ float dot8(uint4 w, uint4 x, float acc) {
   return acc;
 }
 
+// a warp's RW row sums, each spread over its 32 lanes, to out[0, RW)
+template <int RW>
+__device__ __forceinline__ void store_rows(const float (&acc)[RW], float* out, int lane) {
+#pragma unroll
+  for (int r = 0; r < RW; ++r) {
+    float a = acc[r];
+#pragma unroll
+    for (int o = 16; o; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
+    if (lane == 0) out[r] = a;
+  }
+}
+
 constexpr int PAD = 8;  // bf16 between rows of a stage: ldmatrix-friendly later, harmless here
 
 // out[n] = sum_k W[n, k] X[k] (fp32). A block: CW consumer warps + 1 producer warp; R rows a
@@ -136,13 +148,7 @@ __device__ void bulk_gemv(const __nv_bfloat16* __restrict__ W, const __nv_bfloat
       __syncwarp();
       if (lane == 0) mbar_arrive(&empty[s]);
     }
-#pragma unroll
-    for (int r = 0; r < RW; ++r) {
-      float a = acc[r];
-#pragma unroll
-      for (int o = 16; o; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
-      if (lane == 0) out[t * R + warp * RW + r] = a;
-    }
+    store_rows<RW>(acc, out + t * R + warp * RW, lane);
   }
 }
 
@@ -185,13 +191,7 @@ __device__ void ldg_gemv(const __nv_bfloat16* __restrict__ W, const __nv_bfloat1
             for (int r = 0; r < RW; ++r) acc[r] = dot8(wv[u][r][v], xv, acc[r]);
           }
     }
-#pragma unroll
-    for (int r = 0; r < RW; ++r) {
-      float a = acc[r];
-#pragma unroll
-      for (int o = 16; o; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
-      if (lane == 0) out[t * R + warp * RW + r] = a;
-    }
+    store_rows<RW>(acc, out + t * R + warp * RW, lane);
   }
 }
 
