@@ -5,7 +5,7 @@ torch.matmul (cuBLAS).
 
 Two steps, because the GPU server has no compiler:
   here (nvcc, no GPU):  python benchmarks/gemv_kernel.py build DIR [--arch sm_90] [--rows wide]
-                        [--proj gate_up_proj] [--only ours,*_rms,...] [--balance]
+                        [--proj gate_up_proj] [--only ours,*_rms,...] [--balance] [--models 4b]
   on the GPU server:    python benchmarks/gemv_kernel.py run DIR [--out docs/results]
 
 `build` takes each projection the way the model has it (bf16 x [batch, K] times W [N, K]ᵀ, cast
@@ -131,6 +131,7 @@ def build(
     only: list[str] | None = None,
     proj: str = "",
     balance: bool = False,
+    models: tuple[str, ...] = ("4b", "9b"),
 ) -> None:
     import tvm
     from gemm_variants import fused_pair, param_roles, projections
@@ -147,7 +148,7 @@ def build(
     entries = []
     classes = ("small", "wide") if rows == "both" else (rows,)
     shapes = [("probe", shape) for shape in balance_probes()] if balance else [
-        (model, shape) for model in ("4b", "9b") for shape in projections((model,))
+        (model, shape) for model in models for shape in projections((model,))
     ]  # fmt: skip
     for model, shape in shapes:
         if proj and not any(
@@ -405,6 +406,7 @@ def main() -> None:
         "--only", default=None, help="build: these kernels only (names, *suffix; commas)"
     )
     p.add_argument("--proj", default="", help="build: these projections only (names, commas)")
+    p.add_argument("--models", default="4b,9b", help="build: these models' shapes (commas)")
     p.add_argument(
         "--balance", action="store_true", help="build: the block-balance probe shapes instead"
     )
@@ -413,7 +415,8 @@ def main() -> None:
     args = p.parse_args()
     if args.step == "build":
         only = args.only.split(",") if args.only else None
-        build(args.dir, args.arch, args.rows, only, args.proj, args.balance)
+        build(args.dir, args.arch, args.rows, only, args.proj, args.balance,
+              tuple(args.models.split(",")))  # fmt: skip
     elif args.step == "run":
         run(args.dir, args.out, args.timeout)
     else:
