@@ -91,9 +91,9 @@ def small_ring_variants(n: int, k: int, default) -> dict[str, object]:
 
 
 def bulk_variants(n: int, k: int, default) -> dict[str, object]:
-    """Decode's 1-7 rows through sm_90's bulk ring (schedules/gemv_bulk.py): 16 rows a tile, 8
-    warps, `bulk` persistent blocks an SM; a stage one 64-k (unroll 2) or 128-k (unroll 4) step
-    a warp, 3-8 stages; only where k is whole chunks and the blocks fit in shared memory."""
+    """Decode's 1-7 rows through sm_90's bulk ring (schedules/gemv_bulk.py): 16 rows a tile, 4
+    or 8 warps, `bulk` persistent blocks an SM; a stage one 64-k (unroll 2) or 128-k (unroll 4)
+    step a warp, 3-8 stages; only where k is whole chunks and the blocks fit in shared memory."""
     from dataclasses import replace
 
     from qwen35_tvm.schedules.gemv_config import SHARED_PER_SM

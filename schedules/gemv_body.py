@@ -347,7 +347,6 @@ def pass_kernel(
     tile_body = tile_gpu if gpu else tile_cpu
 
     part_scope = "shared" if gpu else "global"
-    ring_size = bulk_ring_elems(cfg)
     sq_shape = (wks, cols) if rms else (1, 1)
 
     @T.macro
@@ -365,7 +364,8 @@ def pass_kernel(
                     # each warp's squares of each row of the pass (RMSNorm'd X only)
                     sq_sh = T.sblock_alloc_buffer(sq_shape, "float32", scope=part_scope)
                     if bulk:  # `tile` is a persistent block here
-                        ring = T.sblock_alloc_buffer((ring_size,), DTYPE, scope="shared.dyn")
+                        ring = T.sblock_alloc_buffer((bulk_ring_elems(cfg),), DTYPE,
+                                                     scope="shared.dyn")  # fmt: skip
                         bars = T.sblock_alloc_buffer((2 * stages,), "uint64", scope="shared")
                         tiles_bulk(x, w, out, extras, batch, tile, p * cols, part, sq_sh, ring,
                                    bars)  # fmt: skip
