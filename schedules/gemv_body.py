@@ -300,7 +300,9 @@ def pass_kernel(
 
     # sm_90's persistent blocks through the bulk ring (schedules/gemv_bulk.py)
     parts = BodyParts(load, product, accumulate_regs, finish, load_early, early_size, warps, lanes)
-    tiles_bulk = bulk_nest(k, cfg, tiles, grid, weight_row, parts) if bulk else None
+    # a residual's or SwiGLU's GEMV feeds a GEMV (the next norm-folded projection, down)
+    release_early = load_early is not None or pair is not None
+    tiles_bulk = bulk_nest(k, cfg, tiles, grid, weight_row, parts, release_early) if bulk else None
 
     @T.macro
     def squares_cpu(x, sq_sh, wk, tx, col, batch):

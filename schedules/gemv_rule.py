@@ -13,9 +13,9 @@ from .gemv_config import VEC, Buckets, GemvConfig, decode_bulk_config, default_c
 from .matmul_config import ROWS_ATTR, has_tensor_cores
 
 # decode's 1-7 rows through sm_90's bulk ring where gemv_config.decode_bulk_config has a
-# config. Off until a GPU session has run parity and graphs-on/off identity on such a library
-# (its sums run in another order than the register ring's, so its greedy tokens differ).
-DECODE_BULK = False
+# config (its sums run in another order than the register ring's, so greedy tokens differ
+# from a library without it; they repeat run to run: docs/performance.md, session 37)
+DECODE_BULK = True
 
 
 def plan(n: int, k: int, rows: str) -> GemvConfig | Buckets:

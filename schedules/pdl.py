@@ -13,6 +13,7 @@ The contract, one statement each, at the top of every block's threads:
   after the wait, not before, so at most one kernel waits on SMs behind a running one. A
   producer of several waves whose dependent is one wave of long blocks releases at its end
   instead (gdn_chunk_prep): released early, those blocks pile onto the first SMs to free up.
+  So does a decode GEMV's persistent grid whose dependent is not a GEMV (gemv_bulk.bulk_nest).
 
 Two kernels of a mixed step may run beside their producer on purpose (switched:
 gdn_chunked.MIXED_ROWS_BESIDE_SCAN, attention_decode_mma.MIXED_ROWS_SPLIT): the ragged forms

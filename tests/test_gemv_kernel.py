@@ -366,20 +366,48 @@ BULK_CFG = GemvConfig(m_tiles=1, warps_k=8, unroll=2, stages=6, x_stages=2, bulk
 
 def test_bulk_kernel_streams_its_first_stages_before_the_wait() -> None:
     """The bulk ring's CUDA (4B's in_proj with its norm): sm_90a's path inits the mbarriers,
-    issues its first stages' row copies, then waits for its producer; the grid is persistent
-    (SMS x bulk blocks); a k that is not whole chunks is refused."""
+    fences the init for the copy engine, issues its first stages' row copies, then waits for
+    its producer; the grid is persistent (SMS x bulk blocks); a k that is not whole chunks is
+    refused."""
     func = gemv_kernel(12352, 2560, CUDA, BULK_CFG, out_dtype="bfloat16", rms_eps=1e-6)
     lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "g")}), target=CUDA)
     (cuda,) = [m for m in lib.mod.imports if m.kind == "cuda"]
     src = cuda.inspect_source()
-    body = src[src.index("qwen35_sm90a()"):]
+    body = src[src.index("qwen35_sm90a()") :]
     first_copy, wait = body.index("cp_async_bulk"), body.index("griddepcontrol_wait()")
-    assert body.index("mbarrier_init") < first_copy < wait
+    # the copy engine must see the barriers' init (a fence) before it completes bytes on them
+    last_init, fence = body.rindex("mbarrier_init_init_shared"), body.index("fence_mbarrier_init")
+    assert last_init < fence < body.index("fence_proxy_proxy_async") < first_copy < wait
     assert body[:wait].count("complete_tx__bytes(") == BULK_CFG.stages * BULK_CFG.rows
     grid = gemv_config.bulk_grid(12352 // 16, BULK_CFG)
     assert grid == gemv_config.SMS * 2 and f"/ {grid})" in src
     with pytest.raises(ValueError, match="chunk"):
         gemv_kernel(256, 520, CUDA, BULK_CFG)
+
+
+def test_bulk_kernel_releases_its_dependents_early_only_behind_a_gemv() -> None:
+    """A bulk GEMV whose epilogue adds the residual or applies SwiGLU (its dependent is another
+    GEMV) lets the next kernel start right after its wait; in_proj's and qkv's (GDN's decode
+    kernel and the attention's input kernel behind them) only after their last store."""
+    cases = {
+        "in_proj": (12352, 2560, dict(rms_eps=1e-6), False),
+        "gate_up": (18432, 2560, dict(rms_eps=1e-6, swiglu=True), True),
+        "down": (2560, 9216, dict(extra_shapes=("mn",), extra_dtypes=("bfloat16",),
+                                  epilogue=_residual), True),
+    }  # fmt: skip
+    for name, (n, k, kw, early) in cases.items():
+        cfg = gemv_config.decode_bulk_config(n, k)
+        func = gemv_kernel(n, k, CUDA, cfg, out_dtype="bfloat16", **kw)
+        lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "g")}), CUDA)
+        (cuda,) = [m for m in lib.mod.imports if m.kind == "cuda"]
+        src = cuda.inspect_source()
+        body = src[src.index("qwen35_sm90a()") :]
+        wait, release = body.index("griddepcontrol_wait()"), body.index("launch_dependents()")
+        assert body.count("launch_dependents()") == 1, name
+        if early:  # nothing between the wait and the release
+            assert body[wait:release].count(";") == 1, (name, body[wait:release])
+        else:
+            assert release > body.rindex("out_ptr["), name
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
