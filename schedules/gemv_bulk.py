@@ -127,7 +127,7 @@ def bulk_nest(k: int, cfg: GemvConfig, tiles: int, grid: int, weight_row: Callab
     `release_early`: the kernel behind may be scheduled once this one's wait returns (else at
     its end). Only where that kernel is another GEMV, whose early work is its weight's stages:
     with in_proj's and qkv's grids releasing GDN's decode kernel and the attention's input
-    kernel that early, an H100's c1 greedy tokens varied from run to run (3 runs, 3 digests);
+    kernel that early, an H100's c1 greedy tokens differed between any two runs of a library;
     released at the end, or never launched dependently, they repeat (3 of 3 each), and the
     rings alone, chained without dependent launch, are bit-exact (benchmarks/
     gemv_determinism.py). The race behind it is not yet located (docs/performance.md, session
