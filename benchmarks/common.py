@@ -49,6 +49,15 @@ def copy_bandwidth(torch) -> float:
     return 2 * src.numel() * 2 / seconds
 
 
+def weight_copies(torch, n: int, k: int, gen) -> list:
+    """Copies of a random bf16 [n, k] weight that fill the L2 4x: calls cycling through them
+    stream their weight from HBM, as in a decode step."""
+    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 60 << 20)
+    copies = max(2, -(-4 * l2 // (n * k * 2)))
+    return [(torch.randn(n, k, device="cuda", generator=gen) * k**-0.5).bfloat16()
+            for _ in range(copies)]  # fmt: skip
+
+
 def prefill_random(runner, slots: list[int], pages: int, context: int, rng) -> None:
     """Give slot s pages [s * pages, (s + 1) * pages) and prefill it with a random
     `context`-token prompt (ids uniform in [1000, 100000) from `rng`), a slot at a time: how

@@ -6,12 +6,12 @@ protocol is wrong).
 Every kernel of every shape in DIR is called over copies of its weight that fill the L2 4x
 (so each call streams its weight from HBM, and a stage's stale bytes differ from its new ones),
 the shapes interleaved, each call writing its own output; the chain is captured in one CUDA
-graph and replayed many times. Each
-call's output is compared bit for bit with the same call run alone before the graph. The sums'
-order is fixed, so any mismatch is a race. gemv_kernel.py builds its kernels without the
-dependent-launch tag (compile/pipeline.tag_dependent_launch), so the chain here runs them one
-after another: session 37's race, which needs the tag and GDN's or the attention's kernel
-behind in_proj or qkv, did not show here (docs/performance.md).
+graph and replayed many times. Each call's output is compared bit for bit with the same call
+run alone before the graph. The sums' order is fixed, so any mismatch is a race.
+gemv_kernel.py builds its kernels without the dependent-launch tag
+(compile/pipeline.tag_dependent_launch), so the chain here runs them one after another:
+session 37's race, which needs the tag and GDN's or the attention's kernel behind in_proj or
+qkv, did not show here (docs/performance.md).
 
   here:  python benchmarks/gemv_kernel.py build DIR --models 4b --only ours,ours_rms,*_swiglu
   GPU:   python benchmarks/gemv_determinism.py DIR [--replays 200] [--out FILE]
@@ -28,13 +28,11 @@ from pathlib import Path
 
 def _calls(torch, tvm, entry: dict, lib, batch: int, gen) -> list[tuple]:
     """(name, fn, args, out) of each kernel of one shape at `batch` rows, over weight copies."""
+    from common import weight_copies
     from gemv_swiglu import ALONE, out_cols
 
     n, k, roles = entry["n"], entry["k"], entry["roles"]
-    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 60 << 20)
-    copies = max(2, -(-4 * l2 // (n * k * 2)))
-    ws = [(torch.randn(n, k, device="cuda", generator=gen) * k**-0.5).bfloat16()
-          for _ in range(copies)]  # fmt: skip
+    ws = weight_copies(torch, n, k, gen)
     x = torch.randn(batch, k, device="cuda", generator=gen).bfloat16()
     res = torch.randn(batch, n, device="cuda", generator=gen).bfloat16()
     gate_up = torch.randn(batch, n, device="cuda", generator=gen).bfloat16()

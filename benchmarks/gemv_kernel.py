@@ -242,7 +242,7 @@ def _measure(out: Path, file: str) -> list[dict]:
     import torch
     import tvm
     import tvm_ffi
-    from common import copy_bandwidth
+    from common import copy_bandwidth, weight_copies
     from gemv_report import PREVIOUS
     from gemv_swiglu import ALONE, bytes_moved, is_rms, out_cols, reference
 
@@ -255,14 +255,10 @@ def _measure(out: Path, file: str) -> list[dict]:
     bw = copy_bandwidth(torch)
     torch.cuda.empty_cache()
     lib = tvm.runtime.load_module(str(out / file))
-    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 60 << 20)
-    copies = max(2, -(-4 * l2 // (n * k * 2)))
-    reps = -(-MIN_CALLS // copies)  # each graph: every copy `reps` times
     gen = torch.Generator(device="cuda").manual_seed(0)
-    ws = [
-        (torch.randn(n, k, device="cuda", generator=gen) * k**-0.5).bfloat16()
-        for _ in range(copies)
-    ]
+    ws = weight_copies(torch, n, k, gen)
+    copies = len(ws)
+    reps = -(-MIN_CALLS // copies)  # each graph: every copy `reps` times
     out_dtype = getattr(torch, entry["out_dtype"])
     dl = tvm.runtime.from_dlpack
     rows = []
