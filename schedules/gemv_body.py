@@ -59,7 +59,8 @@ def pass_kernel(
     n_steps = cdiv(k, step)
     per_warp = cdiv(n_steps, wks)
     iters = cdiv(per_warp, stages)
-    same = xr == stages  # both rings equally deep: a step's loads go together
+    xrr = cfg.x_ring_regs  # X's ring beside the weight's ring in registers
+    same = xrr == stages  # both rings equally deep: a step's loads go together
     ring_elems = cfg.warps_k * cfg.stages * cfg.unroll * 2 * cfg.m_tiles * 32 * VEC
     ring_scope = "shared" if cfg.shared_bytes <= 48 * 1024 else "shared.dyn"
     prefetched = min(cfg.prefetch_steps, per_warp)
@@ -142,7 +143,7 @@ def pass_kernel(
     @T.macro
     def accumulate_regs(w, x, acc, wk, tile, tx, col, batch, sq):
         w_reg = T.sblock_alloc_buffer((stages, unroll, 2 * mt, VEC), DTYPE, scope="local")
-        x_reg = T.sblock_alloc_buffer((xr, unroll, nt, VEC), DTYPE, scope="local")
+        x_reg = T.sblock_alloc_buffer((xrr, unroll, nt, VEC), DTYPE, scope="local")
         # mma operands are addressed by element offset: plain arrays the loads are copied into
         a_frag = T.sblock_alloc_buffer((mt, 2, 8), DTYPE, scope="local")
         b_frag = T.sblock_alloc_buffer((nt, VEC), DTYPE, scope="local")
@@ -151,19 +152,19 @@ def pass_kernel(
             load(w, x, w_reg, x_reg, d, d, warp_step(d, wk, wks), tile, g, q, col, batch, True,
                  same)  # fmt: skip
         if not same:
-            for d in T.unroll(xr):
+            for d in T.unroll(xrr):
                 load(w, x, w_reg, x_reg, d, d, warp_step(d, wk, wks), tile, g, q, col, batch,
                      False, True)  # fmt: skip
         # kept rolled: unrolled, ptxas hoists every step's loads and spills (255 registers)
         for it in T.serial(iters, annotations={"disable_unroll": 1}):
             for d in T.unroll(stages):
                 j: T.let[T.int32] = it * stages + d
-                product(w_reg, x_reg, a_frag, b_frag, acc, d, d % xr, warp_step(j, wk, wks), sq)
+                product(w_reg, x_reg, a_frag, b_frag, acc, d, d % xrr, warp_step(j, wk, wks), sq)
                 load(w, x, w_reg, x_reg, d, d, warp_step(j + stages, wk, wks), tile, g, q, col,
                      batch, True, same)  # fmt: skip
-                if not same:  # X slot d % xr is free again: the step xr ahead goes there
-                    load(w, x, w_reg, x_reg, d, d % xr, warp_step(j + xr, wk, wks), tile, g, q,
-                         col, batch, False, True)  # fmt: skip
+                if not same:  # X slot d % xrr is free again: the step xrr ahead goes there
+                    load(w, x, w_reg, x_reg, d, d % xrr, warp_step(j + xrr, wk, wks), tile, g,
+                         q, col, batch, False, True)  # fmt: skip
 
     @T.macro
     def copy_w(w, w_sh, d, ks, tile, wk, tx, g, q):

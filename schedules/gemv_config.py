@@ -79,6 +79,14 @@ class GemvConfig:
         return self.x_stages or self.stages
 
     @property
+    def x_ring_regs(self) -> int:
+        """X's ring beside a weight ring in registers: the deepest, up to x_ring, that divides
+        stages, since a step's X slot there is its weight slot mod the depth, fixed at compile
+        time. Only a bulk config's differs (4B's n = 2,560: 3 stages, 2 X): sm_90's bulk ring
+        takes x_ring, and its sm_80 code, the register ring, takes this."""
+        return max(d for d in range(1, self.x_ring + 1) if self.stages % d == 0)
+
+    @property
     def chunk(self) -> int:
         """k of a bulk stage: one step of each warp."""
         return self.warps_k * self.step

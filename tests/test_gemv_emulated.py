@@ -105,6 +105,7 @@ class _Warp:
         cfg, stages, xr = self.cfg, self.cfg.stages, self.cfg.x_ring
         per_warp = cdiv(self.n_steps, cfg.warps_k)
         if not cfg.w_smem:
+            xr = cfg.x_ring_regs
             for d in range(stages):
                 self.load_w(d, self.step(d))
             for d in range(xr):
@@ -145,9 +146,10 @@ def _store(out: np.ndarray, accs: list, cfg: GemvConfig, tile: int, col: int) ->
                 out[b, tile * rb + r] = part[:, o // rb, r].sum()
 
 
-def _emulate_gpu(x: np.ndarray, w: np.ndarray, cfg: GemvConfig) -> np.ndarray:
-    """Every pass and row tile: its warps, then the partial sums and stores."""
-    if cfg.bulk:
+def _emulate_gpu(x: np.ndarray, w: np.ndarray, cfg: GemvConfig, sm80: bool = False) -> np.ndarray:
+    """Every pass and row tile: its warps, then the partial sums and stores. `sm80`: a bulk
+    config's code for sm_80, the register ring a tile at a time."""
+    if cfg.bulk and not sm80:
         return _emulate_bulk(x, w, cfg)
     (batch, _), n = x.shape, w.shape[0]
     out = np.full((batch, n), np.nan)
@@ -232,11 +234,11 @@ def _exact(rng: np.random.Generator, shape) -> np.ndarray:
     return (rng.integers(-8, 9, shape) / 8).astype(ml_dtypes.bfloat16).astype(np.float64)
 
 
-def _check(n: int, k: int, batch: int, cfg: GemvConfig) -> bool:
+def _check(n: int, k: int, batch: int, cfg: GemvConfig, sm80: bool = False) -> bool:
     """Whether the emulated kernel gives x · wᵀ exactly."""
     rng = np.random.default_rng(n + k + batch)
     x, w = _exact(rng, (batch, k)), _exact(rng, (n, k))
-    return bool(np.array_equal(_emulate_gpu(x, w, cfg), x @ w.T))
+    return bool(np.array_equal(_emulate_gpu(x, w, cfg, sm80), x @ w.T))
 
 
 SMEM = dict(w_smem=True, unroll=1)
@@ -279,6 +281,20 @@ def few_sms(monkeypatch):
 def test_emulated_bulk_ring_computes_x_times_w_transposed(few_sms, n, k, batch, cfg) -> None:
     assert gemv_config.bulk_grid(cdiv(n, cfg.rows), cfg) < cdiv(n, cfg.rows)  # persistent
     assert _check(n, k, batch, cfg)
+
+
+# sm_80's code of a bulk config (its register ring) at 4B's shapes' configs: n = 2,560's has
+# 3 weight stages and 2 of X, which once put two steps' X in one slot (session 38's sm_80 parity)
+SM80_OF_BULK = [*BULK] + [
+    (40, k, batch, gemv_config.decode_bulk_config(n, k))
+    for n, k in ((2560, 4096), (12352, 2560))
+    for batch in (1, 5)
+]
+
+
+@pytest.mark.parametrize("n, k, batch, cfg", SM80_OF_BULK)
+def test_emulated_sm80_code_of_a_bulk_config(n, k, batch, cfg) -> None:
+    assert cfg.bulk and _check(n, k, batch, cfg, sm80=True)
 
 
 @pytest.mark.parametrize(
