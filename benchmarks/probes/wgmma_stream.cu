@@ -1,0 +1,151 @@
+// Probe: decode_wide's GEMV as a swapped tensor-core GEMM on sm_90a. out[b, n] = X[b, :] . W[n, :]
+// computed as (W . X^T)^T: the weight is wgmma's A (m64 a warpgroup, straight from shared
+// memory), the batch its N (BN columns), so nothing of the weight passes through registers.
+// One producer warp streams (weight tile, X tile) pairs by TMA (128-byte swizzle) through a
+// STAGES-deep ring of mbarriers; the grid is persistent over (row tile, k split) work items.
+// With KSPLIT > 1 the partial sums are added by red.global.add.f32 (fp32 out, zeroed first).
+// Not part of any library: benchmarks/wgmma_stream_probe.py builds and times it.
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void bar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count));
+}
+__device__ __forceinline__ void bar_expect(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void bar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void bar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n .reg .pred p;\n W: mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      " @!p bra W;\n}" ::"r"(bar), "r"(parity) : "memory");
+}
+__device__ __forceinline__ void tma_2d(uint32_t dst, const CUtensorMap* map, int c0, int c1,
+                                       uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3}], [%4];" ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(bar)
+      : "memory");
+}
+__device__ __forceinline__ uint64_t desc_sw128(uint32_t addr) {
+  return (uint64_t(1) << 62) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 16) |
+         uint64_t((addr >> 4) & 0x3FFF);
+}
+
+template <int BN> struct Wgmma;
+template <> struct Wgmma<16> {
+  __device__ static void mma(float* d, uint64_t a, uint64_t b) {
+    asm volatile(
+        "{\n .reg .pred p;\n setp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 "
+        "{%0,%1,%2,%3,%4,%5,%6,%7}, %8, %9, p, 1, 1, 0, 0;\n}"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+          "+f"(d[7])
+        : "l"(a), "l"(b));
+  }
+};
+template <> struct Wgmma<32> {
+  __device__ static void mma(float* d, uint64_t a, uint64_t b) {
+    asm volatile(
+        "{\n .reg .pred p;\n setp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, %16, %17, p, 1, 1, 0, 0;\n}"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]),
+          "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "l"(a), "l"(b));
+  }
+};
+
+// WG consumer warpgroups (64 weight rows each) and one producer warp a block
+template <int WG, int BN, int STAGES, int KSPLIT>
+__device__ void wgmma_stream(const CUtensorMap* wmap, const CUtensorMap* xmap, void* out, int n,
+                             int k, int batch) {
+  constexpr int ROWS = 64 * WG, A_BYTES = ROWS * 128, B_BYTES = BN * 128;
+  constexpr int STAGE = A_BYTES + B_BYTES;
+  extern __shared__ __align__(1024) uint8_t raw[];
+  uint8_t* ring = raw + ((1024 - smem_u32(raw) % 1024) % 1024);
+  uint64_t* bars = reinterpret_cast<uint64_t*>(ring + STAGES * STAGE);
+  const int tid = threadIdx.x;
+  const int tiles = (n + ROWS - 1) / ROWS, ksteps = k / 64, per = ksteps / KSPLIT;
+  const int items = tiles * KSPLIT;
+  const int mine = items > (int)blockIdx.x ? (items - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
+  const int iters = mine * per;
+  if (tid == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      bar_init(smem_u32(&bars[s]), 1);
+      bar_init(smem_u32(&bars[STAGES + s]), WG * 4);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n fence.proxy.async.shared::cta;");
+  }
+  __syncthreads();
+  if (tid == WG * 128) {  // the producer
+    for (int g = 0; g < iters; ++g) {
+      const int s = g % STAGES, item = blockIdx.x + g / per * gridDim.x;
+      const int tile = item / KSPLIT, kt = item % KSPLIT * per + g % per;
+      if (g >= STAGES) bar_wait(smem_u32(&bars[STAGES + s]), (g / STAGES - 1) & 1);
+      const uint32_t full = smem_u32(&bars[s]), dst = smem_u32(ring + s * STAGE);
+      bar_expect(full, STAGE);
+      tma_2d(dst, wmap, kt * 64, tile * ROWS, full);
+      tma_2d(dst + A_BYTES, xmap, kt * 64, 0, full);
+    }
+    return;
+  }
+  if (tid >= WG * 128) return;
+  const int wg = tid / 128, warp = tid % 128 / 32, lane = tid % 32;
+  float acc[BN / 2];
+  for (int g = 0; g < iters; ++g) {
+    const int s = g % STAGES;
+    if (g % per == 0)
+      for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
+    bar_wait(smem_u32(&bars[s]), (g / STAGES) & 1);
+    const uint32_t a0 = smem_u32(ring + s * STAGE) + wg * 64 * 128, b0 = a0 - wg * 64 * 128 + A_BYTES;
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) Wgmma<BN>::mma(acc, desc_sw128(a0 + kk * 32), desc_sw128(b0 + kk * 32));
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+    __syncwarp();
+    if (lane == 0) bar_arrive(smem_u32(&bars[STAGES + s]));
+    if (g % per == per - 1) {
+      const int item = blockIdx.x + g / per * gridDim.x, tile = item / KSPLIT;
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int row = tile * ROWS + wg * 64 + warp * 16 + lane / 4 + e / 2 * 8;
+          const int col = j * 8 + lane % 4 * 2 + e % 2;
+          if (row < n && col < batch) {
+            if (KSPLIT == 1)
+              reinterpret_cast<__nv_bfloat16*>(out)[(size_t)col * n + row] =
+                  __float2bfloat16(acc[j * 4 + e]);
+            else
+              atomicAdd(reinterpret_cast<float*>(out) + (size_t)col * n + row, acc[j * 4 + e]);
+          }
+        }
+    }
+  }
+}
+
+#define PROBE(WG, BN, STAGES, KSPLIT)                                                        \
+  extern "C" __global__ void __launch_bounds__(WG * 128 + 32)                                \
+      wg##WG##_n##BN##_s##STAGES##_k##KSPLIT(const __grid_constant__ CUtensorMap wmap,      \
+                                             const __grid_constant__ CUtensorMap xmap,      \
+                                             void* out, int n, int k, int batch) {           \
+    wgmma_stream<WG, BN, STAGES, KSPLIT>(&wmap, &xmap, out, n, k, batch);                   \
+  }
+
+PROBE(1, 16, 8, 1)
+PROBE(1, 16, 12, 1)
+PROBE(2, 16, 6, 1)
+PROBE(1, 32, 8, 1)
+PROBE(1, 16, 8, 2)
+PROBE(1, 16, 8, 4)
+PROBE(2, 16, 6, 4)

@@ -1,0 +1,148 @@
+"""Probe: decode_wide's GEMV as a swapped tensor-core GEMM on sm_90a. out = X · Wᵀ for a batch
+of 16 (or 32) rows computed as (W · Xᵀ)ᵀ: the weight is wgmma's A, m64 a warpgroup straight
+from shared memory, the batch its N, so no weight byte passes through registers (decode_wide's
+GEMV loads every weight fragment into registers and streams at 62-74% of copy bandwidth at 16
+rows: docs/performance.md, session 35). A producer warp streams (weight tile, X tile) pairs by
+TMA through a ring of mbarriers; the grid is persistent over (row tile, k split) items, the k
+splits' partial sums added by fp32 atomics. Timed beside cuBLAS (torch.nn.functional.linear)
+and the copy bandwidth of the same run. CUDA source: benchmarks/probes/wgmma_stream.cu; not
+part of any library.
+
+  here (nvcc, no GPU):  python benchmarks/wgmma_stream_probe.py build DIR
+  on the GPU server:    python benchmarks/wgmma_stream_probe.py run DIR [--out docs/results]
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+import subprocess
+from pathlib import Path
+
+from bulk_stream_probe import CALLS, SHARED_PER_SM, SMS, Driver, _graph_us
+from common import build_or_run, copy_bandwidth, write_result
+
+SOURCE = Path(__file__).parent / "probes" / "wgmma_stream.cu"
+CUBIN = "wgmma_stream.cubin"
+SHAPES = {  # 4B, (N, K)
+    "in_proj": (12352, 2560),
+    "qkv": (10240, 2560),
+    "gate_up": (18432, 2560),
+    "o_proj": (2560, 4096),
+    "down": (2560, 9216),
+}
+BF16, SWIZZLE_128B, L2_256B = 9, 3, 3  # cuda.h's CUtensorMap enums
+
+
+def build(out: Path) -> None:
+    from qwen35_tvm.compile.cuda_toolchain import find_nvcc
+
+    out.mkdir(parents=True, exist_ok=True)
+    subprocess.run([str(find_nvcc()), "-cubin", "-arch=sm_90a", "-O3", "-o", str(out / CUBIN),
+                    str(SOURCE)], check=True)  # fmt: skip
+    print(f"built {out / CUBIN}")
+
+
+def kernels() -> list[dict]:
+    """The kernels the source instantiates, from their PROBE(WG, BN, STAGES, KSPLIT) lines."""
+    found = []
+    for m in re.finditer(r"^PROBE\((\d+), (\d+), (\d+), (\d+)\)", SOURCE.read_text(), re.M):
+        wg, bn, stages, ksplit = map(int, m.groups())
+        shared = stages * (64 * wg * 128 + bn * 128) + 16 * stages + 1024
+        found.append({"name": f"wg{wg}_n{bn}_s{stages}_k{ksplit}", "rows": 64 * wg, "bn": bn,
+                      "stages": stages, "ksplit": ksplit, "threads": wg * 128 + 32,
+                      "shared": shared})  # fmt: skip
+    return found
+
+
+def tensor_map(drv: Driver, ptr: int, rows: int, k: int, box_rows: int):
+    """A 2-D bf16 tensor map of [rows, k] (row-major), boxes of box_rows x 64, 128-byte
+    swizzle, rows past the end read as zeros: the 128 bytes the kernel takes by value."""
+    tmap = (ctypes.c_uint64 * 16)()
+    rc = drv.cu.cuTensorMapEncodeTiled(
+        ctypes.byref(tmap), BF16, 2, ctypes.c_void_p(ptr), (ctypes.c_uint64 * 2)(k, rows),
+        (ctypes.c_uint64 * 1)(k * 2), (ctypes.c_uint32 * 2)(64, box_rows),
+        (ctypes.c_uint32 * 2)(1, 1), 0, SWIZZLE_128B, L2_256B, 0,
+    )  # fmt: skip
+    if rc:
+        raise RuntimeError(f"cuTensorMapEncodeTiled: CUDA driver error {rc}")
+    return tmap
+
+
+def _row(rows, bw, proj, n, k, batch, kernel, grid, us, err) -> None:
+    mb = (n * k * 2 + batch * k * 2 + batch * n * 2) / 1e6
+    pct = round(100 * mb * 1e6 / (us * 1e-6) / bw, 1)
+    rows.append({"proj": proj, "n": n, "k": k, "batch": batch, "kernel": kernel, "grid": grid,
+                 "us": round(us, 2), "mb": round(mb, 2), "pct_copy_bw": pct,
+                 "max_rel_err": err})  # fmt: skip
+    print(f"| {proj} | {batch} | {kernel} | {grid} | {us:.2f} | {pct}% | {err:.1e} |", flush=True)
+
+
+def _batch(torch, drv: Driver, bw: float, proj: str, ws: list, batch: int, rows: list) -> None:
+    """cuBLAS, then every kernel of `batch` columns at its grids."""
+    n, k = ws[0].shape
+    x = torch.randn(batch, k, device="cuda").to(torch.bfloat16)
+    ref = x.float() @ ws[0].float().T
+    out_bf = torch.empty(batch, n, device="cuda", dtype=torch.bfloat16)
+    out_f = torch.zeros(batch, n, device="cuda", dtype=torch.float32)
+
+    def rel_err(got) -> float:
+        return ((got.float() - ref).abs().max() / ref.abs().max()).item()
+
+    def cublas():
+        for i in range(CALLS):
+            torch.nn.functional.linear(x, ws[i % len(ws)], out=out_bf)
+
+    torch.nn.functional.linear(x, ws[0], out=out_bf)
+    _row(rows, bw, proj, n, k, batch, "cublas", 0, _graph_us(torch, cublas), rel_err(out_bf))
+    xmap = tensor_map(drv, x.data_ptr(), batch, k, batch)
+    for kern in (kk for kk in kernels() if kk["bn"] == batch and (k // 64) % kk["ksplit"] == 0):
+        fn = drv.function(kern["name"], kern["shared"])
+        wmaps = [tensor_map(drv, w.data_ptr(), n, k, kern["rows"]) for w in ws]
+        out = out_bf if kern["ksplit"] == 1 else out_f
+        items = -(-n // kern["rows"]) * kern["ksplit"]
+        per_sm = max(1, min(SHARED_PER_SM // (kern["shared"] + 1024), 4))
+        for grid in sorted(
+            {min(items, g) for g in (items, *(SMS * j for j in range(1, per_sm + 1)))}
+        ):
+
+            def call(i, fn=fn, kern=kern, grid=grid, wmaps=wmaps, out=out):
+                args = [wmaps[i % len(wmaps)], xmap, ctypes.c_void_p(out.data_ptr()),
+                        ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(batch)]  # fmt: skip
+                drv.launch(fn, grid, kern["threads"], kern["shared"],
+                           torch.cuda.current_stream().cuda_stream, args, False)  # fmt: skip
+
+            out.zero_()
+            call(0)
+            torch.cuda.synchronize()
+            err = rel_err(out)
+            us = _graph_us(torch, lambda call=call: [call(i) for i in range(CALLS)])
+            _row(rows, bw, proj, n, k, batch, kern["name"], grid, us, err)
+
+
+def _shape(torch, drv: Driver, bw: float, proj: str, n: int, k: int, rows: list) -> None:
+    from common import weight_copies
+
+    ws = weight_copies(torch, n, k, torch.Generator(device="cuda").manual_seed(0))
+    for batch in sorted({kern["bn"] for kern in kernels()}):
+        _batch(torch, drv, bw, proj, ws, batch, rows)
+
+
+def run(d: Path, out: Path | None) -> None:
+    import torch
+
+    bw = copy_bandwidth(torch)  # also makes torch's context current for the driver calls
+    drv = Driver((d / CUBIN).read_bytes())
+    print(f"copy bandwidth {bw / 1e12:.3f} TB/s")
+    print("| proj | batch | kernel | grid | µs a call | of copy bw | max rel err |")
+    rows: list = []
+    for proj, (n, k) in SHAPES.items():
+        _shape(torch, drv, bw, proj, n, k, rows)
+        torch.cuda.empty_cache()
+    result = {"device": torch.cuda.get_device_name(0), "copy_bw_tbs": round(bw / 1e12, 3),
+              "calls_a_graph": CALLS, "rows": rows}  # fmt: skip
+    write_result("wgmma_stream_probe.json", result, d, out)
+
+
+if __name__ == "__main__":
+    build_or_run(__doc__, build, run)

@@ -1,0 +1,67 @@
+"""benchmarks/wgmma_stream_probe.py: its tensor-map enums against cuda.h, and its kernel list
+and shared-memory sizes against what the CUDA source instantiates (the probe finds kernels by
+name in the cubin). Needs nvcc and gcc, no GPU."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).parents[1] / "benchmarks" / "wgmma_stream_probe.py"
+ENUMS_C = """
+#include <cuda.h>
+#include <stdio.h>
+int main(void) {
+  printf("%d %d %d\\n", (int)CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, (int)CU_TENSOR_MAP_SWIZZLE_128B,
+         (int)CU_TENSOR_MAP_L2_PROMOTION_L2_256B);
+  return 0;
+}
+"""
+
+
+def _module():
+    if str(SCRIPT.parent) not in sys.path:  # the benchmarks import their `common` module
+        sys.path.insert(0, str(SCRIPT.parent))
+    spec = importlib.util.spec_from_file_location("wgmma_stream_probe", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _cuda_include() -> Path:
+    from qwen35_tvm.compile import cuda_toolchain
+
+    nvcc = Path(cuda_toolchain.find_nvcc()).resolve()
+    for include in (nvcc.parents[1] / "include", *Path("/usr/local").glob("cuda*/include")):
+        if (include / "cuda.h").exists():
+            return include
+    pytest.fail(f"no cuda.h beside {nvcc}")
+
+
+def test_tensor_map_enums_match_cuda_h(tmp_path: Path) -> None:
+    probe = _module()
+    src, exe = tmp_path / "enums.c", tmp_path / "enums"
+    src.write_text(ENUMS_C)
+    subprocess.run(["gcc", f"-I{_cuda_include()}", "-o", str(exe), str(src)], check=True)
+    out = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout
+    assert [probe.BF16, probe.SWIZZLE_128B, probe.L2_256B] == [int(v) for v in out.split()]
+
+
+def test_kernel_list_is_what_the_cubin_holds(tmp_path: Path) -> None:
+    probe = _module()
+    probe.build(tmp_path)
+    cubin = (tmp_path / probe.CUBIN).read_bytes()
+    entries = set(re.findall(rb"\.text\.(wg\d_n\d+_s\d+_k\d)\x00", cubin))
+    kernels = probe.kernels()
+    assert kernels and {k["name"].encode() for k in kernels} == entries
+    for k in kernels:
+        stage = k["rows"] * 128 + k["bn"] * 128  # a weight tile and an X tile of 64 k (128 B)
+        assert stage % 1024 == 0  # every tile on the 128-byte swizzle's 1,024-byte period
+        # the ring, its 2 mbarriers a stage, and the slack to align it
+        assert k["shared"] == k["stages"] * (stage + 16) + 1024 <= probe.SHARED_PER_SM
+        assert k["threads"] == k["rows"] * 2 + 32  # a warpgroup per 64 rows, and the producer warp
