@@ -32,13 +32,18 @@ SHARED_PER_SM = 227 * 1024
 CALLS = 24  # launches a timed graph
 
 
-def build(out: Path) -> None:
+def build_cubin(source: Path, cubin: Path) -> None:
+    """A probe's CUDA source as an sm_90a cubin (its includes beside it)."""
     from qwen35_tvm.compile.cuda_toolchain import find_nvcc
 
-    out.mkdir(parents=True, exist_ok=True)
-    subprocess.run([str(find_nvcc()), "-cubin", "-arch=sm_90a", "-O3", "-o", str(out / CUBIN),
-                    str(SOURCE)], check=True)  # fmt: skip
-    print(f"built {out / CUBIN}")
+    cubin.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run([str(find_nvcc()), "-cubin", "-arch=sm_90a", "-O3", "-o", str(cubin),
+                    str(source)], check=True)  # fmt: skip
+    print(f"built {cubin}")
+
+
+def build(out: Path) -> None:
+    build_cubin(SOURCE, out / CUBIN)
 
 
 def kernels() -> list[dict]:
@@ -185,20 +190,28 @@ def _shape(torch, drv: Driver, bw: float, proj: str, n: int, k: int, rows: list)
                 _row(rows, bw, proj, n, k, kern["name"], grid, pdl, us, err)
 
 
-def run(d: Path, out: Path | None) -> None:
+def run_probe(cubin: Path, shapes: dict, shape_rows, header: str, name: str,
+              out: Path | None) -> None:  # fmt: skip
+    """A probe's run: the copy bandwidth, then `shape_rows(torch, drv, bw, proj, n, k, rows)`
+    for each shape, a markdown row a timing, the JSON as `name` in cubin's folder and OUT."""
     import torch
 
     bw = copy_bandwidth(torch)  # also makes torch's context current for the driver calls
-    drv = Driver((d / CUBIN).read_bytes())
+    drv = Driver(cubin.read_bytes())
     print(f"copy bandwidth {bw / 1e12:.3f} TB/s")
-    print("| proj | kernel | grid | pdl | µs a call | of copy bw | max rel err |")
+    print(header)
     rows: list = []
-    for proj, (n, k) in SHAPES.items():
-        _shape(torch, drv, bw, proj, n, k, rows)
+    for proj, (n, k) in shapes.items():
+        shape_rows(torch, drv, bw, proj, n, k, rows)
         torch.cuda.empty_cache()
     result = {"device": torch.cuda.get_device_name(0), "copy_bw_tbs": round(bw / 1e12, 3),
               "calls_a_graph": CALLS, "rows": rows}  # fmt: skip
-    write_result("bulk_stream_probe.json", result, d, out)
+    write_result(name, result, cubin.parent, out)
+
+
+def run(d: Path, out: Path | None) -> None:
+    header = "| proj | kernel | grid | pdl | µs a call | of copy bw | max rel err |"
+    run_probe(d / CUBIN, SHAPES, _shape, header, "bulk_stream_probe.json", out)
 
 
 if __name__ == "__main__":

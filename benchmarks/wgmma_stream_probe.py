@@ -16,31 +16,20 @@ from __future__ import annotations
 
 import ctypes
 import re
-import subprocess
 from pathlib import Path
 
+import bulk_stream_probe
 from bulk_stream_probe import CALLS, SHARED_PER_SM, SMS, Driver, _graph_us
-from common import build_or_run, copy_bandwidth, write_result
+from common import build_or_run
 
 SOURCE = Path(__file__).parent / "probes" / "wgmma_stream.cu"
 CUBIN = "wgmma_stream.cubin"
-SHAPES = {  # 4B, (N, K)
-    "in_proj": (12352, 2560),
-    "qkv": (10240, 2560),
-    "gate_up": (18432, 2560),
-    "o_proj": (2560, 4096),
-    "down": (2560, 9216),
-}
+SHAPES = {**bulk_stream_probe.SHAPES, "qkv": (10240, 2560)}  # 4B, (N, K)
 BF16, SWIZZLE_128B, L2_256B = 9, 3, 3  # cuda.h's CUtensorMap enums
 
 
 def build(out: Path) -> None:
-    from qwen35_tvm.compile.cuda_toolchain import find_nvcc
-
-    out.mkdir(parents=True, exist_ok=True)
-    subprocess.run([str(find_nvcc()), "-cubin", "-arch=sm_90a", "-O3", "-o", str(out / CUBIN),
-                    str(SOURCE)], check=True)  # fmt: skip
-    print(f"built {out / CUBIN}")
+    bulk_stream_probe.build_cubin(SOURCE, out / CUBIN)
 
 
 def kernels() -> list[dict]:
@@ -129,19 +118,8 @@ def _shape(torch, drv: Driver, bw: float, proj: str, n: int, k: int, rows: list)
 
 
 def run(d: Path, out: Path | None) -> None:
-    import torch
-
-    bw = copy_bandwidth(torch)  # also makes torch's context current for the driver calls
-    drv = Driver((d / CUBIN).read_bytes())
-    print(f"copy bandwidth {bw / 1e12:.3f} TB/s")
-    print("| proj | batch | kernel | grid | µs a call | of copy bw | max rel err |")
-    rows: list = []
-    for proj, (n, k) in SHAPES.items():
-        _shape(torch, drv, bw, proj, n, k, rows)
-        torch.cuda.empty_cache()
-    result = {"device": torch.cuda.get_device_name(0), "copy_bw_tbs": round(bw / 1e12, 3),
-              "calls_a_graph": CALLS, "rows": rows}  # fmt: skip
-    write_result("wgmma_stream_probe.json", result, d, out)
+    header = "| proj | batch | kernel | grid | µs a call | of copy bw | max rel err |"
+    bulk_stream_probe.run_probe(d / CUBIN, SHAPES, _shape, header, "wgmma_stream_probe.json", out)
 
 
 if __name__ == "__main__":

@@ -169,12 +169,9 @@ def test_the_client_loads_neither_tvm_nor_the_runtime():
 def test_the_timeline_tool_groups_arrivals_into_steps(capsys):
     """benchmarks/itl_timeline.py: arrivals within the window are one step, first tokens and
     sends between steps are counted, and the slowest gap is listed first."""
-    import importlib.util
+    from benchmark_module import load
 
-    path = Path(__file__).parents[1] / "benchmarks" / "itl_timeline.py"
-    spec = importlib.util.spec_from_file_location("itl_timeline", path)
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = load("itl_timeline")
     a = {"ok": True, "sent_ms": 0.0, "chunk_ms": [10.0, 14.0, 18.0, 30.0, 34.0]}
     b = {"ok": True, "sent_ms": 20.0, "chunk_ms": [30.5, 34.4]}  # its first token at 30.5
     level = {"concurrency": 2, "requests": [a, b]}

@@ -5,15 +5,12 @@ Needs nvcc and gcc, no GPU."""
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import re
 import subprocess
-import sys
 from pathlib import Path
 
-import pytest
+from benchmark_module import cuda_include, load
 
-SCRIPT = Path(__file__).parents[1] / "benchmarks" / "bulk_stream_probe.py"
 LAYOUT_C = """
 #include <cuda.h>
 #include <stddef.h>
@@ -29,30 +26,11 @@ int main(void) {
 """
 
 
-def _module():
-    if str(SCRIPT.parent) not in sys.path:  # the benchmarks import their `common` module
-        sys.path.insert(0, str(SCRIPT.parent))
-    spec = importlib.util.spec_from_file_location("bulk_stream_probe", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _cuda_include() -> Path:
-    from qwen35_tvm.compile import cuda_toolchain
-
-    nvcc = Path(cuda_toolchain.find_nvcc()).resolve()
-    for include in (nvcc.parents[1] / "include", *Path("/usr/local").glob("cuda*/include")):
-        if (include / "cuda.h").exists():
-            return include
-    pytest.fail(f"no cuda.h beside {nvcc}")
-
-
 def test_launch_structs_match_cuda_h(tmp_path: Path) -> None:
-    probe = _module()
+    probe = load("bulk_stream_probe")
     src, exe = tmp_path / "layout.c", tmp_path / "layout"
     src.write_text(LAYOUT_C)
-    subprocess.run(["gcc", f"-I{_cuda_include()}", "-o", str(exe), str(src)], check=True)
+    subprocess.run(["gcc", f"-I{cuda_include()}", "-o", str(exe), str(src)], check=True)
     want = [int(v) for v in subprocess.run([str(exe)], capture_output=True, text=True,
                                            check=True).stdout.split()]  # fmt: skip
     got = [ctypes.sizeof(probe.LaunchAttribute), probe.LaunchAttribute.value.offset,
@@ -63,7 +41,7 @@ def test_launch_structs_match_cuda_h(tmp_path: Path) -> None:
 
 
 def test_kernel_list_is_what_the_cubin_holds(tmp_path: Path) -> None:
-    probe = _module()
+    probe = load("bulk_stream_probe")
     probe.build(tmp_path)
     cubin = (tmp_path / probe.CUBIN).read_bytes()
     entries = set(re.findall(rb"\.text\.((?:bulk|ldg)_R\d+_K\d+_[SU]\d+_W\d+)\x00", cubin))

@@ -3,23 +3,15 @@
 from __future__ import annotations
 
 import csv
-import importlib.util
 from pathlib import Path
 
 import pytest
+from benchmark_module import load
 
-SCRIPT = Path(__file__).parents[1] / "benchmarks" / "ncu_step.py"
 HEAD = ["ID", "Process ID", "Process Name", "Host Name", "Kernel Name", "Context", "Stream",
         "Block Size", "Grid Size", "Device", "CC", "Section Name", "Metric Name", "Metric Unit",
         "Metric Value"]  # fmt: skip
 STALL = "smsp__average_warps_issue_stalled_{}_per_issue_active.ratio"
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location("ncu_step", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _pages(tmp: Path, calls: list[tuple[str, float, float, dict[str, float]]]) -> tuple:
@@ -46,7 +38,7 @@ def _pages(tmp: Path, calls: list[tuple[str, float, float, dict[str, float]]]) -
 
 
 def test_summary_averages_each_kernels_calls(tmp_path: Path) -> None:
-    ncu = _module()
+    ncu = load("ncu_step")
     calls = [
         ("gemv", 10.0, 1200, {"long_scoreboard": 20.0, "wait": 2.0, "barrier": 1.0}),
         ("gdn", 30.0, 1800, {"mio_throttle": 11.0, "long_scoreboard": 9.0}),

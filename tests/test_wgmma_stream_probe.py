@@ -4,15 +4,12 @@ name in the cubin). Needs nvcc and gcc, no GPU."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import subprocess
-import sys
 from pathlib import Path
 
-import pytest
+from benchmark_module import cuda_include, load
 
-SCRIPT = Path(__file__).parents[1] / "benchmarks" / "wgmma_stream_probe.py"
 ENUMS_C = """
 #include <cuda.h>
 #include <stdio.h>
@@ -24,36 +21,17 @@ int main(void) {
 """
 
 
-def _module():
-    if str(SCRIPT.parent) not in sys.path:  # the benchmarks import their `common` module
-        sys.path.insert(0, str(SCRIPT.parent))
-    spec = importlib.util.spec_from_file_location("wgmma_stream_probe", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _cuda_include() -> Path:
-    from qwen35_tvm.compile import cuda_toolchain
-
-    nvcc = Path(cuda_toolchain.find_nvcc()).resolve()
-    for include in (nvcc.parents[1] / "include", *Path("/usr/local").glob("cuda*/include")):
-        if (include / "cuda.h").exists():
-            return include
-    pytest.fail(f"no cuda.h beside {nvcc}")
-
-
 def test_tensor_map_enums_match_cuda_h(tmp_path: Path) -> None:
-    probe = _module()
+    probe = load("wgmma_stream_probe")
     src, exe = tmp_path / "enums.c", tmp_path / "enums"
     src.write_text(ENUMS_C)
-    subprocess.run(["gcc", f"-I{_cuda_include()}", "-o", str(exe), str(src)], check=True)
+    subprocess.run(["gcc", f"-I{cuda_include()}", "-o", str(exe), str(src)], check=True)
     out = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout
     assert [probe.BF16, probe.SWIZZLE_128B, probe.L2_256B] == [int(v) for v in out.split()]
 
 
 def test_kernel_list_is_what_the_cubin_holds(tmp_path: Path) -> None:
-    probe = _module()
+    probe = load("wgmma_stream_probe")
     probe.build(tmp_path)
     cubin = (tmp_path / probe.CUBIN).read_bytes()
     entries = set(re.findall(rb"\.text\.(wg\d_n\d+_s\d+_k\d)\x00", cubin))

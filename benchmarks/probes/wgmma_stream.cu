@@ -9,29 +9,14 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void bar_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count));
-}
-__device__ __forceinline__ void bar_expect(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void bar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void bar_wait(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n .reg .pred p;\n W: mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-      " @!p bra W;\n}" ::"r"(bar), "r"(parity) : "memory");
-}
-__device__ __forceinline__ void tma_2d(uint32_t dst, const CUtensorMap* map, int c0, int c1,
-                                       uint32_t bar) {
+#include "mbarrier.cuh"
+
+__device__ __forceinline__ void tma_2d(void* dst, const CUtensorMap* map, int c0, int c1,
+                                       uint64_t* bar) {
   asm volatile(
       "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
-      " [%0], [%1, {%2, %3}], [%4];" ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(bar)
+      " [%0], [%1, {%2, %3}], [%4];" ::"r"(smem_addr(dst)), "l"(map), "r"(c0), "r"(c1),
+      "r"(smem_addr(bar))
       : "memory");
 }
 __device__ __forceinline__ uint64_t desc_sw128(uint32_t addr) {
@@ -71,7 +56,7 @@ __device__ void wgmma_stream(const CUtensorMap* wmap, const CUtensorMap* xmap, v
   constexpr int ROWS = 64 * WG, A_BYTES = ROWS * 128, B_BYTES = BN * 128;
   constexpr int STAGE = A_BYTES + B_BYTES;
   extern __shared__ __align__(1024) uint8_t raw[];
-  uint8_t* ring = raw + ((1024 - smem_u32(raw) % 1024) % 1024);
+  uint8_t* ring = raw + ((1024 - smem_addr(raw) % 1024) % 1024);
   uint64_t* bars = reinterpret_cast<uint64_t*>(ring + STAGES * STAGE);
   const int tid = threadIdx.x;
   const int tiles = (n + ROWS - 1) / ROWS, ksteps = k / 64, per = ksteps / KSPLIT;
@@ -80,8 +65,8 @@ __device__ void wgmma_stream(const CUtensorMap* wmap, const CUtensorMap* xmap, v
   const int iters = mine * per;
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {
-      bar_init(smem_u32(&bars[s]), 1);
-      bar_init(smem_u32(&bars[STAGES + s]), WG * 4);
+      mbar_init(&bars[s], 1);
+      mbar_init(&bars[STAGES + s], WG * 4);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n fence.proxy.async.shared::cta;");
   }
@@ -90,11 +75,10 @@ __device__ void wgmma_stream(const CUtensorMap* wmap, const CUtensorMap* xmap, v
     for (int g = 0; g < iters; ++g) {
       const int s = g % STAGES, item = blockIdx.x + g / per * gridDim.x;
       const int tile = item / KSPLIT, kt = item % KSPLIT * per + g % per;
-      if (g >= STAGES) bar_wait(smem_u32(&bars[STAGES + s]), (g / STAGES - 1) & 1);
-      const uint32_t full = smem_u32(&bars[s]), dst = smem_u32(ring + s * STAGE);
-      bar_expect(full, STAGE);
-      tma_2d(dst, wmap, kt * 64, tile * ROWS, full);
-      tma_2d(dst + A_BYTES, xmap, kt * 64, 0, full);
+      if (g >= STAGES) mbar_wait(&bars[STAGES + s], (g / STAGES - 1) & 1);
+      mbar_expect_tx(&bars[s], STAGE);
+      tma_2d(ring + s * STAGE, wmap, kt * 64, tile * ROWS, &bars[s]);
+      tma_2d(ring + s * STAGE + A_BYTES, xmap, kt * 64, 0, &bars[s]);
     }
     return;
   }
@@ -105,15 +89,15 @@ __device__ void wgmma_stream(const CUtensorMap* wmap, const CUtensorMap* xmap, v
     const int s = g % STAGES;
     if (g % per == 0)
       for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
-    bar_wait(smem_u32(&bars[s]), (g / STAGES) & 1);
-    const uint32_t a0 = smem_u32(ring + s * STAGE) + wg * 64 * 128, b0 = a0 - wg * 64 * 128 + A_BYTES;
+    mbar_wait(&bars[s], (g / STAGES) & 1);
+    const uint32_t b0 = smem_addr(ring + s * STAGE) + A_BYTES, a0 = b0 - A_BYTES + wg * 64 * 128;
     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) Wgmma<BN>::mma(acc, desc_sw128(a0 + kk * 32), desc_sw128(b0 + kk * 32));
     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
     asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
     __syncwarp();
-    if (lane == 0) bar_arrive(smem_u32(&bars[STAGES + s]));
+    if (lane == 0) mbar_arrive(&bars[STAGES + s]);
     if (g % per == per - 1) {
       const int item = blockIdx.x + g / per * gridDim.x, tile = item / KSPLIT;
 #pragma unroll
