@@ -61,6 +61,7 @@ def kernels() -> list[dict]:
 
 
 PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID
+CLUSTER_DIMENSION = 4  # CUlaunchAttributeID: its value, three unsigned ints (x, y, z)
 
 
 class LaunchAttribute(ctypes.Structure):
@@ -105,10 +106,18 @@ class Driver:
         return fn
 
     def launch(self, fn, grid: int, threads: int, shared: int, stream: int, args: list,
-               pdl: bool) -> None:  # fmt: skip
-        attr = LaunchAttribute(PROGRAMMATIC_STREAM_SERIALIZATION, b"", 1)
-        cfg = LaunchConfig((grid, 1, 1), (threads, 1, 1), shared, stream, ctypes.pointer(attr),
-                           1 if pdl else 0)  # fmt: skip
+               pdl: bool, cluster: int = 1) -> None:  # fmt: skip
+        """With `cluster` > 1, blocks of that many consecutive x indices form a cluster."""
+        attrs = (LaunchAttribute * 2)()
+        used = 0
+        if pdl:
+            attrs[used] = LaunchAttribute(PROGRAMMATIC_STREAM_SERIALIZATION, b"", 1)
+            used += 1
+        if cluster > 1:
+            yz = bytes((ctypes.c_uint * 2)(1, 1))  # the cluster's y and z, after its x
+            attrs[used] = LaunchAttribute(CLUSTER_DIMENSION, b"", cluster, yz)
+            used += 1
+        cfg = LaunchConfig((grid, 1, 1), (threads, 1, 1), shared, stream, attrs, used)
         params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p)
                                                  for a in args])  # fmt: skip
         self._check(self.cu.cuLaunchKernelEx(ctypes.byref(cfg), fn, params, None), "launch")
@@ -185,8 +194,9 @@ def _shape(torch, drv: Driver, bw: float, proj: str, n: int, k: int, rows: list)
             torch.cuda.synchronize()
             err = rel_err(o[0])
             for pdl in (False, True):
-                us = _graph_us(torch, lambda pdl=pdl, call=call: [call(i, pdl)
-                                                                  for i in range(CALLS)])
+                us = _graph_us(
+                    torch, lambda pdl=pdl, call=call: [call(i, pdl) for i in range(CALLS)]
+                )
                 _row(rows, bw, proj, n, k, kern["name"], grid, pdl, us, err)
 
 

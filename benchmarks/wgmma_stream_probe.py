@@ -4,9 +4,10 @@ from shared memory, the batch its N, so no weight byte passes through registers 
 GEMV loads every weight fragment into registers and streams at 62-74% of copy bandwidth at 16
 rows: docs/performance.md, session 35). A producer warp streams (weight tile, X tile) pairs by
 TMA through a ring of mbarriers; the grid is persistent over (row tile, k split) items, the k
-splits' partial sums added by fp32 atomics. Timed beside cuBLAS (torch.nn.functional.linear)
-and the copy bandwidth of the same run. CUDA source: benchmarks/probes/wgmma_stream.cu; not
-part of any library.
+splits' partial sums added by fp32 atomics, or (CLUSTER kernels, a block an item) by a cluster
+of a row tile's splits through distributed shared memory, in a fixed order. Timed beside
+cuBLAS (torch.nn.functional.linear) and the copy bandwidth of the same run. CUDA source:
+benchmarks/probes/wgmma_stream.cu; not part of any library.
 
   here (nvcc, no GPU):  python benchmarks/wgmma_stream_probe.py build DIR
   on the GPU server:    python benchmarks/wgmma_stream_probe.py run DIR [--out docs/results]
@@ -33,13 +34,20 @@ def build(out: Path) -> None:
 
 
 def kernels() -> list[dict]:
-    """The kernels the source instantiates, from their PROBE(WG, BN, STAGES, KSPLIT) lines."""
+    """The kernels the source instantiates, from their PROBE(WG, BN, STAGES, KSPLIT) lines
+    (k splits added by atomics) and CLUSTER(...) lines (added in a cluster, in rank order)."""
     found = []
-    for m in re.finditer(r"^PROBE\((\d+), (\d+), (\d+), (\d+)\)", SOURCE.read_text(), re.M):
-        wg, bn, stages, ksplit = map(int, m.groups())
+    pattern = r"^(PROBE|CLUSTER)\((\d+), (\d+), (\d+), (\d+)\)"
+    for m in re.finditer(pattern, SOURCE.read_text(), re.M):
+        cluster = m.group(1) == "CLUSTER"
+        wg, bn, stages, ksplit = map(int, m.groups()[1:])
+        # the ring, 2 mbarriers a stage, the slack to align the ring; a cluster's block also
+        # keeps its sums, fp32, for rank 0
         shared = stages * (64 * wg * 128 + bn * 128) + 16 * stages + 1024
-        found.append({"name": f"wg{wg}_n{bn}_s{stages}_k{ksplit}", "rows": 64 * wg, "bn": bn,
-                      "stages": stages, "ksplit": ksplit, "threads": wg * 128 + 32,
+        shared += 64 * wg * bn * 4 if cluster else 0
+        found.append({"name": f"{'wc' if cluster else 'wg'}{wg}_n{bn}_s{stages}_k{ksplit}",
+                      "rows": 64 * wg, "bn": bn, "stages": stages, "ksplit": ksplit,
+                      "cluster": cluster, "threads": wg * 128 + 32,
                       "shared": shared})  # fmt: skip
     return found
 
@@ -88,18 +96,19 @@ def _batch(torch, drv: Driver, bw: float, proj: str, ws: list, batch: int, rows:
     for kern in (kk for kk in kernels() if kk["bn"] == batch and (k // 64) % kk["ksplit"] == 0):
         fn = drv.function(kern["name"], kern["shared"])
         wmaps = [tensor_map(drv, w.data_ptr(), n, k, kern["rows"]) for w in ws]
-        out = out_bf if kern["ksplit"] == 1 else out_f
+        out = out_bf if kern["ksplit"] == 1 or kern["cluster"] else out_f
         items = -(-n // kern["rows"]) * kern["ksplit"]
         per_sm = max(1, min(SHARED_PER_SM // (kern["shared"] + 1024), 4))
-        for grid in sorted(
-            {min(items, g) for g in (items, *(SMS * j for j in range(1, per_sm + 1)))}
-        ):
+        grids = {min(items, g) for g in (items, *(SMS * j for j in range(1, per_sm + 1)))}
+        for grid in [items] if kern["cluster"] else sorted(grids):  # a cluster: a block an item
 
             def call(i, fn=fn, kern=kern, grid=grid, wmaps=wmaps, out=out):
                 args = [wmaps[i % len(wmaps)], xmap, ctypes.c_void_p(out.data_ptr()),
                         ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(batch)]  # fmt: skip
-                drv.launch(fn, grid, kern["threads"], kern["shared"],
-                           torch.cuda.current_stream().cuda_stream, args, False)  # fmt: skip
+                stream = torch.cuda.current_stream().cuda_stream
+                cluster = kern["ksplit"] if kern["cluster"] else 1
+                drv.launch(fn, grid, kern["threads"], kern["shared"], stream, args, False,
+                           cluster)  # fmt: skip
 
             out.zero_()
             call(0)

@@ -16,11 +16,12 @@ LAYOUT_C = """
 #include <stddef.h>
 #include <stdio.h>
 int main(void) {
-  printf("%zu %zu %zu %zu %zu %zu %d\\n", sizeof(CUlaunchAttribute),
+  printf("%zu %zu %zu %zu %zu %zu %d %d\\n", sizeof(CUlaunchAttribute),
          offsetof(CUlaunchAttribute, value), sizeof(CUlaunchConfig),
          offsetof(CUlaunchConfig, hStream), offsetof(CUlaunchConfig, attrs),
          offsetof(CUlaunchConfig, numAttrs),
-         (int)CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION);
+         (int)CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+         (int)CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION);
   return 0;
 }
 """
@@ -36,7 +37,7 @@ def test_launch_structs_match_cuda_h(tmp_path: Path) -> None:
     got = [ctypes.sizeof(probe.LaunchAttribute), probe.LaunchAttribute.value.offset,
            ctypes.sizeof(probe.LaunchConfig), probe.LaunchConfig.stream.offset,
            probe.LaunchConfig.attrs.offset, probe.LaunchConfig.num_attrs.offset,
-           probe.PROGRAMMATIC_STREAM_SERIALIZATION]  # fmt: skip
+           probe.PROGRAMMATIC_STREAM_SERIALIZATION, probe.CLUSTER_DIMENSION]  # fmt: skip
     assert got == want
 
 

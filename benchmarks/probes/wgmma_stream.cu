@@ -3,7 +3,10 @@
 // memory), the batch its N (BN columns), so nothing of the weight passes through registers.
 // One producer warp streams (weight tile, X tile) pairs by TMA (128-byte swizzle) through a
 // STAGES-deep ring of mbarriers; the grid is persistent over (row tile, k split) work items.
-// With KSPLIT > 1 the partial sums are added by red.global.add.f32 (fp32 out, zeroed first).
+// With KSPLIT > 1 the partial sums are added by fp32 atomics (fp32 out, zeroed first), or, with
+// CLUSTER, by the cluster of the KSPLIT blocks of a row tile: each leaves its sums in its shared
+// memory and rank 0 adds the others' in rank order (distributed shared memory), so the bf16 out
+// does not depend on timing.
 // Not part of any library: benchmarks/wgmma_stream_probe.py builds and times it.
 #include <cuda.h>
 #include <cuda_bf16.h>
@@ -49,8 +52,20 @@ template <> struct Wgmma<32> {
   }
 };
 
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release;\n barrier.cluster.wait.acquire;" ::: "memory");
+}
+// the address of `local` (this block's shared memory) in cluster block `rank`'s
+__device__ __forceinline__ float cluster_load(const float* local, int rank) {
+  uint32_t remote;
+  float v;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_addr(local)), "r"(rank));
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+  return v;
+}
+
 // WG consumer warpgroups (64 weight rows each) and one producer warp a block
-template <int WG, int BN, int STAGES, int KSPLIT>
+template <int WG, int BN, int STAGES, int KSPLIT, bool CLUSTER = false>
 __device__ void wgmma_stream(const CUtensorMap* wmap, const CUtensorMap* xmap, void* out, int n,
                              int k, int batch) {
   constexpr int ROWS = 64 * WG, A_BYTES = ROWS * 128, B_BYTES = BN * 128;
@@ -80,12 +95,13 @@ __device__ void wgmma_stream(const CUtensorMap* wmap, const CUtensorMap* xmap, v
       tma_2d(ring + s * STAGE, wmap, kt * 64, tile * ROWS, &bars[s]);
       tma_2d(ring + s * STAGE + A_BYTES, xmap, kt * 64, 0, &bars[s]);
     }
-    return;
   }
-  if (tid >= WG * 128) return;
+  // with CLUSTER, every thread stays for the cluster's barriers (its shared memory is read)
+  if (tid >= WG * 128 && !CLUSTER) return;
+  float* part = reinterpret_cast<float*>(bars + 2 * STAGES);  // [ROWS][BN], CLUSTER only
   const int wg = tid / 128, warp = tid % 128 / 32, lane = tid % 32;
   float acc[BN / 2];
-  for (int g = 0; g < iters; ++g) {
+  for (int g = 0; g < (tid < WG * 128 ? iters : 0); ++g) {
     const int s = g % STAGES;
     if (g % per == 0)
       for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
@@ -106,7 +122,9 @@ __device__ void wgmma_stream(const CUtensorMap* wmap, const CUtensorMap* xmap, v
         for (int e = 0; e < 4; ++e) {
           const int row = tile * ROWS + wg * 64 + warp * 16 + lane / 4 + e / 2 * 8;
           const int col = j * 8 + lane % 4 * 2 + e % 2;
-          if (row < n && col < batch) {
+          if (CLUSTER)
+            part[(row - tile * ROWS) * BN + col] = acc[j * 4 + e];
+          else if (row < n && col < batch) {
             if (KSPLIT == 1)
               reinterpret_cast<__nv_bfloat16*>(out)[(size_t)col * n + row] =
                   __float2bfloat16(acc[j * 4 + e]);
@@ -116,7 +134,33 @@ __device__ void wgmma_stream(const CUtensorMap* wmap, const CUtensorMap* xmap, v
         }
     }
   }
+  if (CLUSTER) {
+    cluster_sync();  // every block's sums in its shared memory
+    if (blockIdx.x % KSPLIT == 0 && tid < WG * 128) {
+      const int tile = blockIdx.x / KSPLIT;
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = wg * 64 + warp * 16 + lane / 4 + e / 2 * 8, row = tile * ROWS + r;
+          const int col = j * 8 + lane % 4 * 2 + e % 2;
+          float sum = acc[j * 4 + e];
+          for (int q = 1; q < KSPLIT; ++q) sum += cluster_load(&part[r * BN + col], q);
+          if (row < n && col < batch)
+            reinterpret_cast<__nv_bfloat16*>(out)[(size_t)col * n + row] = __float2bfloat16(sum);
+        }
+    }
+    cluster_sync();  // rank 0 done reading before any block exits
+  }
 }
+
+#define CLUSTER(WG, BN, STAGES, KSPLIT)                                                      \
+  extern "C" __global__ void __launch_bounds__(WG * 128 + 32)                                \
+      wc##WG##_n##BN##_s##STAGES##_k##KSPLIT(const __grid_constant__ CUtensorMap wmap,      \
+                                             const __grid_constant__ CUtensorMap xmap,      \
+                                             void* out, int n, int k, int batch) {           \
+    wgmma_stream<WG, BN, STAGES, KSPLIT, true>(&wmap, &xmap, out, n, k, batch);             \
+  }
 
 #define PROBE(WG, BN, STAGES, KSPLIT)                                                        \
   extern "C" __global__ void __launch_bounds__(WG * 128 + 32)                                \
@@ -133,3 +177,6 @@ PROBE(1, 32, 8, 1)
 PROBE(1, 16, 8, 2)
 PROBE(1, 16, 8, 4)
 PROBE(2, 16, 6, 4)
+CLUSTER(2, 16, 6, 2)
+CLUSTER(2, 16, 6, 4)
+CLUSTER(1, 16, 8, 4)
