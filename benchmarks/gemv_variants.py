@@ -1,7 +1,9 @@
 """The configs benchmarks/gemv_kernel.py builds around the pipeline's (decode's and
-decode_wide's), and how the manifest records them."""
+decode_wide's), the kernels it builds of them, and how the manifest records them."""
 
 from __future__ import annotations
+
+RMS_EPS = 1e-6  # "ours_rms": the GEMV with the RMSNorm before it folded in (no residual only)
 
 
 def variants(default) -> dict[str, object]:
@@ -162,3 +164,64 @@ def balance_probes() -> list[dict]:
         for k in BALANCE_K
         for n in BALANCE_N
     ]
+
+
+def shape_kernels(small, rows: str, target, gate_up: bool = False) -> tuple[dict, dict, dict]:
+    """{name: PrimFunc}, {name: config}, {name: why it failed} of one shape and row class;
+    `gate_up`: also the SwiGLU's kernels (benchmarks/gemv_swiglu.py)."""
+    import gemv_swiglu
+    from tvm.s_tir import dlight as dl
+
+    from qwen35_tvm.schedules.gemm_match import match_gemm
+    from qwen35_tvm.schedules.gemv_config import default_config
+    from qwen35_tvm.schedules.gemv_rule import DecodeGemv, gemv_for, plan
+    from qwen35_tvm.schedules.matmul_config import ROWS_ATTR, WIDE_DECODE_CONFIG
+    from qwen35_tvm.schedules.matmul_rule import MatmulMMA, gemm_for
+
+    match = match_gemm(small)
+    n, k = match.n, match.k
+    func = small.with_attr(ROWS_ATTR, rows)
+
+    def rule(*rules):
+        for r in rules:  # the first that applies
+            sch = r.apply(func, target, False)
+            if sch is not None:
+                return sch.mod["main"]
+        raise RuntimeError("no rule applied")
+
+    if rows == "small":
+        default = default_config(n, k)
+        configs = {"ours": default, **variants(default), **small_ring_variants(n, k, default),
+                   **bulk_variants(n, k, default)}  # fmt: skip
+        makers = {"ours": lambda: rule(DecodeGemv())}
+        if not match.extra_params:
+            makers["ours_rms"] = lambda: gemv_for(func, target, rows="small", rms_eps=RMS_EPS)
+        baseline = {"dlight": lambda: rule(dl.gpu.GEMV(), dl.gpu.LowBatchGEMV(4))}
+    else:
+        configs = {"ours": plan(n, k, "wide"), **wide_variants(n, k)}
+        makers = {"ours": lambda: rule(DecodeGemv(rows="wide"))}
+        if not match.extra_params:  # norm_fusion.FOLD_WIDE's kernels
+            makers["ours_rms"] = lambda: gemv_for(func, target, rows="wide", rms_eps=RMS_EPS)
+        baseline = {
+            "mma_wide": lambda: rule(MatmulMMA(WIDE_DECODE_CONFIG, rows="wide")),
+            # prefill's GEMM (wgmma and TMA on sm_90a, split-K where its tiles leave SMs idle)
+            "wgmma": lambda: gemm_for(func, None, "default"),
+        }
+    for name, cfg in list(configs.items()):
+        if name != "ours":
+            makers[name] = lambda cfg=cfg: gemv_for(func, target, cfg)
+            if "ours_rms" in makers:  # the same config with the norm folded in
+                configs[f"{name}_rms"] = cfg
+                makers[f"{name}_rms"] = lambda c=cfg: gemv_for(func, target, c, rms_eps=RMS_EPS)
+    if gate_up:  # the default config, the SwiGLU folded in; and alone
+        glu = gemv_swiglu.makers(func, target, RMS_EPS, rows)
+        makers.update(glu)
+        configs.update({name: configs["ours"] for name in glu if name != gemv_swiglu.ALONE})
+    kernels, errors = {}, {}
+    for name, make in {**makers, **baseline}.items():
+        try:
+            with target:
+                kernels[name] = make().with_attr("tirx.is_scheduled", True)
+        except Exception as err:  # noqa: BLE001  keep building the others
+            errors[name] = f"{type(err).__name__}: {err}"
+    return kernels, {nm: config_json(configs.get(nm)) for nm in kernels}, errors
