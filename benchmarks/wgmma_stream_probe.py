@@ -5,7 +5,9 @@ GEMV loads every weight fragment into registers and streams at 62-74% of copy ba
 rows: docs/performance.md, session 35). A producer warp streams (weight tile, X tile) pairs by
 TMA through a ring of mbarriers; the grid is persistent over (row tile, k split) items, the k
 splits' partial sums added by fp32 atomics, or (CLUSTER kernels, a block an item) by a cluster
-of a row tile's splits through distributed shared memory, in a fixed order. Timed beside
+of a row tile's splits through distributed shared memory, in a fixed order. EPILOGUE kernels
+fold decode's RMSNorm scale (squares summed from the X tiles) and, for gate_up, SwiGLU across
+the two warpgroups, checked against torch's norm and SwiGLU. Timed beside
 cuBLAS (torch.nn.functional.linear) and the copy bandwidth of the same run. CUDA source:
 benchmarks/probes/wgmma_stream.cu; not part of any library.
 
@@ -34,21 +36,25 @@ def build(out: Path) -> None:
 
 
 def kernels() -> list[dict]:
-    """The kernels the source instantiates, from their PROBE(WG, BN, STAGES, KSPLIT) lines
-    (k splits added by atomics) and CLUSTER(...) lines (added in a cluster, in rank order)."""
+    """The kernels the source instantiates: PROBE(WG, BN, STAGES, KSPLIT) lines (k splits added
+    by atomics), CLUSTER(...) lines (added in a cluster, in rank order) and EPILOGUE(WG, BN,
+    STAGES, EPI) lines (no split; EPI 1 the RMSNorm's scale folded in, 2 that and SwiGLU)."""
     found = []
-    pattern = r"^(PROBE|CLUSTER)\((\d+), (\d+), (\d+), (\d+)\)"
+    pattern = r"^(PROBE|CLUSTER|EPILOGUE)\((\d+), (\d+), (\d+), (\d+)\)"
     for m in re.finditer(pattern, SOURCE.read_text(), re.M):
-        cluster = m.group(1) == "CLUSTER"
-        wg, bn, stages, ksplit = map(int, m.groups()[1:])
+        kind = m.group(1)
+        wg, bn, stages, last = map(int, m.groups()[1:])
+        ksplit, epi = (1, last) if kind == "EPILOGUE" else (last, 0)
         # the ring, 2 mbarriers a stage, the slack to align the ring; a cluster's block also
-        # keeps its sums, fp32, for rank 0
+        # keeps its sums, fp32, for rank 0; an epilogue's its X rows' squares and the values
+        # warpgroup 1 hands warpgroup 0
         shared = stages * (64 * wg * 128 + bn * 128) + 16 * stages + 1024
-        shared += 64 * wg * bn * 4 if cluster else 0
-        found.append({"name": f"{'wc' if cluster else 'wg'}{wg}_n{bn}_s{stages}_k{ksplit}",
-                      "rows": 64 * wg, "bn": bn, "stages": stages, "ksplit": ksplit,
-                      "cluster": cluster, "threads": wg * 128 + 32,
-                      "shared": shared})  # fmt: skip
+        shared += {"CLUSTER": 64 * wg * bn * 4, "EPILOGUE": (bn + 64 * bn) * 4}.get(kind, 0)
+        name = (f"we{epi}_{wg}_n{bn}_s{stages}" if epi else
+                f"{'wc' if kind == 'CLUSTER' else 'wg'}{wg}_n{bn}_s{stages}_k{ksplit}")  # fmt: skip
+        found.append({"name": name, "rows": 64 * wg, "bn": bn, "stages": stages,
+                      "ksplit": ksplit, "cluster": kind == "CLUSTER", "epi": epi,
+                      "threads": wg * 128 + 32, "shared": shared})  # fmt: skip
     return found
 
 
@@ -79,11 +85,15 @@ def _batch(torch, drv: Driver, bw: float, proj: str, ws: list, batch: int, rows:
     """cuBLAS, then every kernel of `batch` columns at its grids."""
     n, k = ws[0].shape
     x = torch.randn(batch, k, device="cuda").to(torch.bfloat16)
-    ref = x.float() @ ws[0].float().T
+    plain = x.float() @ ws[0].float().T
+    normed = plain * torch.rsqrt(x.float().square().mean(1, keepdim=True) + 1e-6)
+    refs = {0: plain, 1: normed,
+            2: torch.nn.functional.silu(normed[:, : n // 2]) * normed[:, n // 2 :]}  # fmt: skip
     out_bf = torch.empty(batch, n, device="cuda", dtype=torch.bfloat16)
     out_f = torch.zeros(batch, n, device="cuda", dtype=torch.float32)
 
-    def rel_err(got) -> float:
+    def rel_err(got, epi: int = 0) -> float:
+        ref = refs[epi]
         return ((got.float() - ref).abs().max() / ref.abs().max()).item()
 
     def cublas():
@@ -94,10 +104,16 @@ def _batch(torch, drv: Driver, bw: float, proj: str, ws: list, batch: int, rows:
     _row(rows, bw, proj, n, k, batch, "cublas", 0, _graph_us(torch, cublas), rel_err(out_bf))
     xmap = tensor_map(drv, x.data_ptr(), batch, k, batch)
     for kern in (kk for kk in kernels() if kk["bn"] == batch and (k // 64) % kk["ksplit"] == 0):
+        epi = kern["epi"]
+        if epi and (k != 2560 or (epi == 2) != (proj == "gate_up")):
+            continue  # the norm folds into the k = 2,560 projections, SwiGLU into gate_up's
         fn = drv.function(kern["name"], kern["shared"])
-        wmaps = [tensor_map(drv, w.data_ptr(), n, k, kern["rows"]) for w in ws]
+        box = 64 if epi == 2 else kern["rows"]  # SwiGLU: 64 gate rows, then their up rows
+        wmaps = [tensor_map(drv, w.data_ptr(), n, k, box) for w in ws]
         out = out_bf if kern["ksplit"] == 1 or kern["cluster"] else out_f
-        items = -(-n // kern["rows"]) * kern["ksplit"]
+        if epi == 2:  # [batch, n / 2], contiguous
+            out = out_bf.view(-1)[: batch * n // 2].view(batch, n // 2)
+        items = n // 128 if epi == 2 else -(-n // kern["rows"]) * kern["ksplit"]
         per_sm = max(1, min(SHARED_PER_SM // (kern["shared"] + 1024), 4))
         grids = {min(items, g) for g in (items, *(SMS * j for j in range(1, per_sm + 1)))}
         for grid in [items] if kern["cluster"] else sorted(grids):  # a cluster: a block an item
@@ -113,7 +129,7 @@ def _batch(torch, drv: Driver, bw: float, proj: str, ws: list, batch: int, rows:
             out.zero_()
             call(0)
             torch.cuda.synchronize()
-            err = rel_err(out)
+            err = rel_err(out, epi)
             us = _graph_us(torch, lambda call=call: [call(i) for i in range(CALLS)])
             _row(rows, bw, proj, n, k, batch, kern["name"], grid, us, err)
 

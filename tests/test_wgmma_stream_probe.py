@@ -34,14 +34,17 @@ def test_kernel_list_is_what_the_cubin_holds(tmp_path: Path) -> None:
     probe = load("wgmma_stream_probe")
     probe.build(tmp_path)
     cubin = (tmp_path / probe.CUBIN).read_bytes()
-    entries = set(re.findall(rb"\.text\.(w[gc]\d_n\d+_s\d+_k\d)\x00", cubin))
+    names = rb"w[gc]\d_n\d+_s\d+_k\d|we\d_\d_n\d+_s\d+"
+    entries = set(re.findall(rb"\.text\.(" + names + rb")\x00", cubin))
     kernels = probe.kernels()
     assert kernels and {k["name"].encode() for k in kernels} == entries
     for k in kernels:
         stage = k["rows"] * 128 + k["bn"] * 128  # a weight tile and an X tile of 64 k (128 B)
         assert stage % 1024 == 0  # every tile on the 128-byte swizzle's 1,024-byte period
-        # the ring, its 2 mbarriers a stage, the slack to align it; a cluster's block's sums
+        # the ring, its 2 mbarriers a stage, the slack to align it; a cluster's block's sums;
+        # an epilogue's squares of X's rows and warpgroup 1's values for warpgroup 0
         sums = k["rows"] * k["bn"] * 4 if k["cluster"] else 0
+        sums += (k["bn"] + 64 * k["bn"]) * 4 if k["epi"] else 0
         assert k["shared"] == k["stages"] * (stage + 16) + 1024 + sums <= probe.SHARED_PER_SM
-        assert k["name"].startswith("wc" if k["cluster"] else "wg")
+        assert k["name"].startswith("we" if k["epi"] else "wc" if k["cluster"] else "wg")
         assert k["threads"] == k["rows"] * 2 + 32  # a warpgroup per 64 rows, and the producer warp

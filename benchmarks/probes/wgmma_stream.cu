@@ -65,16 +65,23 @@ __device__ __forceinline__ float cluster_load(const float* local, int rank) {
 }
 
 // WG consumer warpgroups (64 weight rows each) and one producer warp a block
-template <int WG, int BN, int STAGES, int KSPLIT, bool CLUSTER = false>
+// EPI 1: X's rows scaled by their 1/rms (an RMSNorm without weight, as decode's projections
+// fold it), the squares summed from the X tiles in shared memory; EPI 2: that, then SwiGLU of
+// W = [gate; up]: warpgroup 0 takes 64 gate rows, warpgroup 1 their up rows (WG 2, no k split)
+template <int WG, int BN, int STAGES, int KSPLIT, bool CLUSTER = false, int EPI = 0>
 __device__ void wgmma_stream(const CUtensorMap* wmap, const CUtensorMap* xmap, void* out, int n,
                              int k, int batch) {
+  static_assert(EPI == 0 || (KSPLIT == 1 && !CLUSTER && (EPI == 1 || WG == 2)), "epilogue");
   constexpr int ROWS = 64 * WG, A_BYTES = ROWS * 128, B_BYTES = BN * 128;
+  constexpr int X_PER = BN * 64 / (WG * 128);  // X elements of a stage a consumer thread squares
   constexpr int STAGE = A_BYTES + B_BYTES;
   extern __shared__ __align__(1024) uint8_t raw[];
   uint8_t* ring = raw + ((1024 - smem_addr(raw) % 1024) % 1024);
   uint64_t* bars = reinterpret_cast<uint64_t*>(ring + STAGES * STAGE);
   const int tid = threadIdx.x;
-  const int tiles = (n + ROWS - 1) / ROWS, ksteps = k / 64, per = ksteps / KSPLIT;
+  const int nout = EPI == 2 ? n / 2 : n;  // output columns
+  const int tiles = EPI == 2 ? nout / 64 : (n + ROWS - 1) / ROWS, ksteps = k / 64;
+  const int per = ksteps / KSPLIT;
   const int items = tiles * KSPLIT;
   const int mine = items > (int)blockIdx.x ? (items - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
   const int iters = mine * per;
@@ -92,20 +99,39 @@ __device__ void wgmma_stream(const CUtensorMap* wmap, const CUtensorMap* xmap, v
       const int tile = item / KSPLIT, kt = item % KSPLIT * per + g % per;
       if (g >= STAGES) mbar_wait(&bars[STAGES + s], (g / STAGES - 1) & 1);
       mbar_expect_tx(&bars[s], STAGE);
-      tma_2d(ring + s * STAGE, wmap, kt * 64, tile * ROWS, &bars[s]);
+      if (EPI == 2) {  // the tile's 64 gate rows, then their 64 up rows
+        tma_2d(ring + s * STAGE, wmap, kt * 64, tile * 64, &bars[s]);
+        tma_2d(ring + s * STAGE + 64 * 128, wmap, kt * 64, nout + tile * 64, &bars[s]);
+      } else {
+        tma_2d(ring + s * STAGE, wmap, kt * 64, tile * ROWS, &bars[s]);
+      }
       tma_2d(ring + s * STAGE + A_BYTES, xmap, kt * 64, 0, &bars[s]);
     }
   }
   // with CLUSTER, every thread stays for the cluster's barriers (its shared memory is read)
   if (tid >= WG * 128 && !CLUSTER) return;
   float* part = reinterpret_cast<float*>(bars + 2 * STAGES);  // [ROWS][BN], CLUSTER only
+  float* rs = part + (CLUSTER ? ROWS * BN : 0);  // EPI: the X rows' sums of squares [BN]
+  float* xch = rs + BN;  // EPI 2: warpgroup 1's values for warpgroup 0 [128][BN / 2]
   const int wg = tid / 128, warp = tid % 128 / 32, lane = tid % 32;
-  float acc[BN / 2];
+  float acc[BN / 2], ss = 0.f;
   for (int g = 0; g < (tid < WG * 128 ? iters : 0); ++g) {
     const int s = g % STAGES;
-    if (g % per == 0)
+    if (g % per == 0) {
       for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
+      ss = 0.f;
+    }
     mbar_wait(&bars[s], (g / STAGES) & 1);
+    if (EPI) {  // this thread's X_PER elements of the stage's X tile (128-byte swizzled rows)
+      const int e0 = tid * X_PER, r = e0 / 64, c = e0 % 64 / 8, in = e0 % 8;
+      const __nv_bfloat16* xs = reinterpret_cast<const __nv_bfloat16*>(
+          ring + s * STAGE + A_BYTES + r * 128 + ((c ^ (r % 8)) * 16) + in * 2);
+#pragma unroll
+      for (int i = 0; i < X_PER; ++i) {
+        const float v = __bfloat162float(xs[i]);
+        ss += v * v;
+      }
+    }
     const uint32_t b0 = smem_addr(ring + s * STAGE) + A_BYTES, a0 = b0 - A_BYTES + wg * 64 * 128;
     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
@@ -114,7 +140,33 @@ __device__ void wgmma_stream(const CUtensorMap* wmap, const CUtensorMap* xmap, v
     asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
     __syncwarp();
     if (lane == 0) mbar_arrive(&bars[STAGES + s]);
-    if (g % per == per - 1) {
+    if (EPI && g % per == per - 1) {
+      const int tile = blockIdx.x + g / per * gridDim.x;
+      for (int o = 64 / X_PER / 2; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+      if (tid % (64 / X_PER) == 0) rs[tid * X_PER / 64] = ss;
+      asm volatile("bar.sync 1, %0;" ::"r"(WG * 128) : "memory");
+      float scale[BN / 4];  // a thread's columns: lane % 4 * 2 + {0, 1} of each n8 tile
+#pragma unroll
+      for (int i = 0; i < BN / 4; ++i)
+        scale[i] = rsqrtf(rs[i / 2 * 8 + lane % 4 * 2 + i % 2] / k + 1e-6f);
+      if (EPI == 2 && wg == 1)
+        for (int i = 0; i < BN / 2; ++i) xch[(tid - 128) * (BN / 2) + i] = acc[i] * scale[i / 4 * 2 + i % 2];
+      asm volatile("bar.sync 1, %0;" ::"r"(WG * 128) : "memory");
+      if (EPI == 1 || wg == 0) {
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int i = j * 4 + e, col = j * 8 + lane % 4 * 2 + e % 2;
+            const int r = (EPI == 2 ? 0 : wg * 64) + warp * 16 + lane / 4 + e / 2 * 8;
+            const int row = tile * (EPI == 2 ? 64 : ROWS) + r;
+            float v = acc[i] * scale[j * 2 + e % 2];
+            if (EPI == 2) v = v / (1.f + __expf(-v)) * xch[tid * (BN / 2) + i];
+            if (row < nout && col < batch)
+              reinterpret_cast<__nv_bfloat16*>(out)[(size_t)col * nout + row] = __float2bfloat16(v);
+          }
+      }
+    } else if (g % per == per - 1) {
       const int item = blockIdx.x + g / per * gridDim.x, tile = item / KSPLIT;
 #pragma unroll
       for (int j = 0; j < BN / 8; ++j)
@@ -162,6 +214,14 @@ __device__ void wgmma_stream(const CUtensorMap* wmap, const CUtensorMap* xmap, v
     wgmma_stream<WG, BN, STAGES, KSPLIT, true>(&wmap, &xmap, out, n, k, batch);             \
   }
 
+#define EPILOGUE(WG, BN, STAGES, EPI)                                                        \
+  extern "C" __global__ void __launch_bounds__(WG * 128 + 32)                                \
+      we##EPI##_##WG##_n##BN##_s##STAGES(const __grid_constant__ CUtensorMap wmap,          \
+                                        const __grid_constant__ CUtensorMap xmap, void* out, \
+                                        int n, int k, int batch) {                           \
+    wgmma_stream<WG, BN, STAGES, 1, false, EPI>(&wmap, &xmap, out, n, k, batch);            \
+  }
+
 #define PROBE(WG, BN, STAGES, KSPLIT)                                                        \
   extern "C" __global__ void __launch_bounds__(WG * 128 + 32)                                \
       wg##WG##_n##BN##_s##STAGES##_k##KSPLIT(const __grid_constant__ CUtensorMap wmap,      \
@@ -180,3 +240,5 @@ PROBE(2, 16, 6, 4)
 CLUSTER(2, 16, 6, 2)
 CLUSTER(2, 16, 6, 4)
 CLUSTER(1, 16, 8, 4)
+EPILOGUE(2, 16, 6, 1)
+EPILOGUE(2, 16, 6, 2)
