@@ -142,14 +142,22 @@ def _graph_us(torch, capture) -> float:
     return best
 
 
+def record(rows: list, bw: float, mb: float, us: float, err: float, fields: dict,
+           shown: tuple) -> None:  # fmt: skip
+    """A probe's timing: a JSON row (`fields`, then µs, MB moved, % of the copy bandwidth `bw`
+    and the error) into `rows`, and a markdown row of the `shown` fields and the same."""
+    pct = round(100 * mb * 1e6 / (us * 1e-6) / bw, 1)
+    rows.append({**fields, "us": round(us, 2), "mb": round(mb, 2), "pct_copy_bw": pct,
+                 "max_rel_err": err})  # fmt: skip
+    cells = " | ".join(str(fields[name]) for name in shown)
+    print(f"| {cells} | {us:.2f} | {pct}% | {err:.1e} |", flush=True)
+
+
 def _row(rows: list, bw: float, proj: str, n: int, k: int, kernel: str, grid: int, pdl: bool,
          us: float, err: float) -> None:  # fmt: skip
-    mb = (n * k * 2 + k * 2 + n * 4) / 1e6
-    pct = round(100 * mb * 1e6 / (us * 1e-6) / bw, 1)
-    rows.append({"proj": proj, "n": n, "k": k, "kernel": kernel, "grid": grid, "pdl": pdl,
-                 "us": round(us, 2), "mb": round(mb, 2), "pct_copy_bw": pct,
-                 "max_rel_err": err})  # fmt: skip
-    print(f"| {proj} | {kernel} | {grid} | {pdl} | {us:.2f} | {pct}% | {err:.1e} |", flush=True)
+    fields = {"proj": proj, "n": n, "k": k, "kernel": kernel, "grid": grid, "pdl": pdl}
+    mb = (n * k * 2 + k * 2 + n * 4) / 1e6  # the weight, x, the fp32 out
+    record(rows, bw, mb, us, err, fields, ("proj", "kernel", "grid", "pdl"))
 
 
 def _shape(torch, drv: Driver, bw: float, proj: str, n: int, k: int, rows: list) -> None:

@@ -73,12 +73,9 @@ def tensor_map(drv: Driver, ptr: int, rows: int, k: int, box_rows: int):
 
 
 def _row(rows, bw, proj, n, k, batch, kernel, grid, us, err) -> None:
-    mb = (n * k * 2 + batch * k * 2 + batch * n * 2) / 1e6
-    pct = round(100 * mb * 1e6 / (us * 1e-6) / bw, 1)
-    rows.append({"proj": proj, "n": n, "k": k, "batch": batch, "kernel": kernel, "grid": grid,
-                 "us": round(us, 2), "mb": round(mb, 2), "pct_copy_bw": pct,
-                 "max_rel_err": err})  # fmt: skip
-    print(f"| {proj} | {batch} | {kernel} | {grid} | {us:.2f} | {pct}% | {err:.1e} |", flush=True)
+    fields = {"proj": proj, "n": n, "k": k, "batch": batch, "kernel": kernel, "grid": grid}
+    mb = (n * k * 2 + batch * k * 2 + batch * n * 2) / 1e6  # the weight, X, the bf16 out
+    bulk_stream_probe.record(rows, bw, mb, us, err, fields, ("proj", "batch", "kernel", "grid"))
 
 
 def _batch(torch, drv: Driver, bw: float, proj: str, ws: list, batch: int, rows: list) -> None:
