@@ -65,11 +65,17 @@ CLUSTER_DIMENSION = 4  # CUlaunchAttributeID: its value, three unsigned ints (x,
 
 
 class LaunchAttribute(ctypes.Structure):
-    """cuda.h's CUlaunchAttribute: an id, padding to 8 bytes, a 64-byte value union (here its
-    int member)."""
+    """cuda.h's CUlaunchAttribute: an id, padding to 8 bytes, a 64-byte value union (here as
+    16 unsigned ints: an int member is the first, clusterDim the first three)."""
 
-    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int),
-                ("rest", ctypes.c_char * 60)]  # fmt: skip
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_uint * 16)]
+
+
+def launch_attribute(attr_id: int, *values: int) -> LaunchAttribute:
+    """The attribute `attr_id` whose value union starts with `values` (the rest zero). Bytes
+    go in as unsigned ints: a c_char array field copies a bytes value only up to its first
+    NUL, which once left clusterDim.z zero (CUDA_ERROR_INVALID_CLUSTER_SIZE)."""
+    return LaunchAttribute(attr_id, b"", (ctypes.c_uint * 16)(*values))
 
 
 class LaunchConfig(ctypes.Structure):
@@ -108,19 +114,24 @@ class Driver:
     def launch(self, fn, grid: int, threads: int, shared: int, stream: int, args: list,
                pdl: bool, cluster: int = 1) -> None:  # fmt: skip
         """With `cluster` > 1, blocks of that many consecutive x indices form a cluster."""
-        attrs = (LaunchAttribute * 2)()
-        used = 0
-        if pdl:
-            attrs[used] = LaunchAttribute(PROGRAMMATIC_STREAM_SERIALIZATION, b"", 1)
-            used += 1
-        if cluster > 1:
-            yz = bytes((ctypes.c_uint * 2)(1, 1))  # the cluster's y and z, after its x
-            attrs[used] = LaunchAttribute(CLUSTER_DIMENSION, b"", cluster, yz)
-            used += 1
-        cfg = LaunchConfig((grid, 1, 1), (threads, 1, 1), shared, stream, attrs, used)
+        cfg = self._config(grid, threads, shared, stream, pdl, cluster)
         params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p)
                                                  for a in args])  # fmt: skip
         self._check(self.cu.cuLaunchKernelEx(ctypes.byref(cfg), fn, params, None), "launch")
+
+    @staticmethod
+    def _config(grid: int, threads: int, shared: int, stream, pdl: bool, cluster: int):
+        attrs = (LaunchAttribute * 2)()
+        used = 0
+        if pdl:
+            attrs[used] = launch_attribute(PROGRAMMATIC_STREAM_SERIALIZATION, 1)
+            used += 1
+        if cluster > 1:
+            attrs[used] = launch_attribute(CLUSTER_DIMENSION, cluster, 1, 1)  # x, y, z
+            used += 1
+        cfg = LaunchConfig((grid, 1, 1), (threads, 1, 1), shared, stream, attrs, used)
+        cfg.keep = attrs  # the config points into it
+        return cfg
 
 
 def _graph_us(torch, capture) -> float:

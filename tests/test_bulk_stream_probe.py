@@ -41,6 +41,47 @@ def test_launch_structs_match_cuda_h(tmp_path: Path) -> None:
     assert got == want
 
 
+ATTRIBUTES_C = """
+#include <cuda.h>
+#include <stdio.h>
+#include <string.h>
+static void dump(const CUlaunchAttribute* a) {
+  const unsigned char* b = (const unsigned char*)a;
+  for (size_t i = 0; i < sizeof(*a); ++i) printf("%02x", b[i]);
+  printf("\\n");
+}
+int main(void) {
+  CUlaunchAttribute a;
+  memset(&a, 0, sizeof(a));
+  a.id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+  a.value.clusterDim.x = 4;
+  a.value.clusterDim.y = 1;
+  a.value.clusterDim.z = 1;
+  dump(&a);
+  memset(&a, 0, sizeof(a));
+  a.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+  a.value.programmaticStreamSerializationAllowed = 1;
+  dump(&a);
+  return 0;
+}
+"""
+
+
+def test_launch_attributes_hold_what_cuda_h_sets(tmp_path: Path) -> None:
+    """The cluster and dependent-launch attributes byte for byte as cuda.h's fields set them
+    (a cluster of 4 is (4, 1, 1): z once read 0, and the driver refused every launch)."""
+    probe = load("bulk_stream_probe")
+    src, exe = tmp_path / "attrs.c", tmp_path / "attrs"
+    src.write_text(ATTRIBUTES_C)
+    subprocess.run(["gcc", f"-I{cuda_include()}", "-o", str(exe), str(src)], check=True)
+    want = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.split()
+    got = [
+        bytes(probe.launch_attribute(probe.CLUSTER_DIMENSION, 4, 1, 1)).hex(),
+        bytes(probe.launch_attribute(probe.PROGRAMMATIC_STREAM_SERIALIZATION, 1)).hex(),
+    ]
+    assert got == want
+
+
 def test_kernel_list_is_what_the_cubin_holds(tmp_path: Path) -> None:
     probe = load("bulk_stream_probe")
     probe.build(tmp_path)
