@@ -277,6 +277,10 @@ def wgmma_tile(
                 T.evaluate(
                     T.ptx.mbarrier.init.shared.b64(bar(smem, bar0, stages + s), T.uint32(THREADS))
                 )
+            # TMA (the async proxy) completes bytes on these barriers: the PTX memory model
+            # wants their init made visible to it, as gemv_bulk's ring does
+            T.evaluate(T.ptx.fence.mbarrier_init.release.cluster())
+            T.evaluate(T.ptx.fence.proxy.async_.shared__cta())
         T.tvm_storage_sync("shared.dyn")
 
     @T.macro

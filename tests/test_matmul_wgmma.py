@@ -281,3 +281,28 @@ def test_configs_fit_sm80_and_share_its_launch() -> None:
     mw.WgmmaConfig(256, 4, sm90_only=True).check()  # a library without sm_80 code: 227 KB
     with pytest.raises(ValueError):
         mw.WgmmaConfig(256, 5, sm90_only=True).check()
+
+
+@pytest.mark.parametrize("ctas", [0, 132])
+def test_tma_ring_fences_its_barriers_init_before_the_first_copy(ctas: int) -> None:
+    """sm_90a's TMA ring (a CTA a tile, and persistent): thread 0 inits the mbarriers, fences
+    the init for the async proxy, and only then issues the first tensor copy that completes on
+    them. Mutation: without the fences (as before) this fails."""
+    import tvm
+
+    from qwen35_tvm.compile.targets import make_target
+    from qwen35_tvm.schedules.matmul import gemm_kernel
+
+    target, _ = make_target("cuda", "sm_80,sm_90")
+    wg = mw.WgmmaConfig(block_n=160, stages=4, tma=True, ctas=ctas)
+    func = gemm_kernel(2560, 2560, rule.shared_launch_config(wg), out_dtype="bfloat16", wgmma=wg)
+    lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "g")}), target=target)
+    (cuda,) = [m for m in lib.mod.imports if m.kind == "cuda"]
+    src = cuda.inspect_source()
+    # each kernel's sm_90a branch (the module holds more than one: the m buckets)
+    bodies = [b for b in src.split("qwen35_sm90a()")[1:] if "mbarrier_init_init_shared" in b]
+    assert bodies
+    for body in bodies:
+        last_init = body.rindex("mbarrier_init_init_shared")
+        fence, proxy = body.index("fence_mbarrier_init"), body.index("fence_proxy_proxy_async")
+        assert last_init < fence < proxy < body.index("cp_async_bulk_tensor")
