@@ -37,10 +37,11 @@ def build(out: Path) -> None:
 
 def kernels() -> list[dict]:
     """The kernels the source instantiates: PROBE(WG, BN, STAGES, KSPLIT) lines (k splits added
-    by atomics), CLUSTER(...) lines (added in a cluster, in rank order) and EPILOGUE(WG, BN,
+    by atomics), CLUSTER(...) lines (added in a cluster, in rank order), TICKET(...) lines (added
+    in split order by the last split of a row tile to take its ticket) and EPILOGUE(WG, BN,
     STAGES, EPI) lines (no split; EPI 1 the RMSNorm's scale folded in, 2 that and SwiGLU)."""
     found = []
-    pattern = r"^(PROBE|CLUSTER|EPILOGUE)\((\d+), (\d+), (\d+), (\d+)\)"
+    pattern = r"^(PROBE|CLUSTER|TICKET|EPILOGUE)\((\d+), (\d+), (\d+), (\d+)\)"
     for m in re.finditer(pattern, SOURCE.read_text(), re.M):
         kind = m.group(1)
         wg, bn, stages, last = map(int, m.groups()[1:])
@@ -50,11 +51,11 @@ def kernels() -> list[dict]:
         # warpgroup 1 hands warpgroup 0
         shared = stages * (64 * wg * 128 + bn * 128) + 16 * stages + 1024
         shared += {"CLUSTER": 64 * wg * bn * 4, "EPILOGUE": (bn + 64 * bn) * 4}.get(kind, 0)
-        name = (f"we{epi}_{wg}_n{bn}_s{stages}" if epi else
-                f"{'wc' if kind == 'CLUSTER' else 'wg'}{wg}_n{bn}_s{stages}_k{ksplit}")  # fmt: skip
+        prefix = {"CLUSTER": "wc", "TICKET": "wt"}.get(kind, "wg")
+        name = f"we{epi}_{wg}_n{bn}_s{stages}" if epi else f"{prefix}{wg}_n{bn}_s{stages}_k{ksplit}"
         found.append({"name": name, "rows": 64 * wg, "bn": bn, "stages": stages,
-                      "ksplit": ksplit, "cluster": kind == "CLUSTER", "epi": epi,
-                      "threads": wg * 128 + 32, "shared": shared})  # fmt: skip
+                      "ksplit": ksplit, "cluster": kind == "CLUSTER", "ticket": kind == "TICKET",
+                      "epi": epi, "threads": wg * 128 + 32, "shared": shared})  # fmt: skip
     return found
 
 
@@ -88,6 +89,9 @@ def _batch(torch, drv: Driver, bw: float, proj: str, ws: list, batch: int, rows:
             2: torch.nn.functional.silu(normed[:, : n // 2]) * normed[:, n // 2 :]}  # fmt: skip
     out_bf = torch.empty(batch, n, device="cuda", dtype=torch.bfloat16)
     out_f = torch.zeros(batch, n, device="cuda", dtype=torch.float32)
+    # TICKET kernels' split partials and row tiles' tickets (zero between launches)
+    ws = torch.empty(max(kk["ksplit"] for kk in kernels()) * batch * n, device="cuda")
+    tickets = torch.zeros(n // 64 + 1, device="cuda", dtype=torch.int32)
 
     def rel_err(got, epi: int = 0) -> float:
         ref = refs[epi]
@@ -108,7 +112,7 @@ def _batch(torch, drv: Driver, bw: float, proj: str, ws: list, batch: int, rows:
         fn = drv.function(kern["name"], kern["shared"])
         box = 64 if epi == 2 else kern["rows"]  # SwiGLU: 64 gate rows, then their up rows
         wmaps = [tensor_map(drv, w.data_ptr(), n, k, box) for w in ws]
-        out = out_bf if kern["ksplit"] == 1 or kern["cluster"] else out_f
+        out = out_bf if kern["ksplit"] == 1 or kern["cluster"] or kern["ticket"] else out_f
         if epi == 2:  # [batch, n / 2], contiguous
             out = out_bf.view(-1)[: batch * n // 2].view(batch, n // 2)
         items = n // 128 if epi == 2 else -(-n // kern["rows"]) * kern["ksplit"]
@@ -118,7 +122,9 @@ def _batch(torch, drv: Driver, bw: float, proj: str, ws: list, batch: int, rows:
 
             def call(i, fn=fn, kern=kern, grid=grid, wmaps=wmaps, out=out):
                 args = [wmaps[i % len(wmaps)], xmap, ctypes.c_void_p(out.data_ptr()),
-                        ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(batch)]  # fmt: skip
+                        ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(batch),
+                        ctypes.c_void_p(ws.data_ptr()),
+                        ctypes.c_void_p(tickets.data_ptr())]  # fmt: skip
                 stream = torch.cuda.current_stream().cuda_stream
                 cluster = kern["ksplit"] if kern["cluster"] else 1
                 drv.launch(fn, grid, kern["threads"], kern["shared"], stream, args, False,

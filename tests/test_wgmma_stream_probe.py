@@ -34,7 +34,7 @@ def test_kernel_list_is_what_the_cubin_holds(tmp_path: Path) -> None:
     probe = load("wgmma_stream_probe")
     probe.build(tmp_path)
     cubin = (tmp_path / probe.CUBIN).read_bytes()
-    names = rb"w[gc]\d_n\d+_s\d+_k\d|we\d_\d_n\d+_s\d+"
+    names = rb"w[gct]\d_n\d+_s\d+_k\d|we\d_\d_n\d+_s\d+"
     entries = set(re.findall(rb"\.text\.(" + names + rb")\x00", cubin))
     kernels = probe.kernels()
     assert kernels and {k["name"].encode() for k in kernels} == entries
@@ -46,5 +46,6 @@ def test_kernel_list_is_what_the_cubin_holds(tmp_path: Path) -> None:
         sums = k["rows"] * k["bn"] * 4 if k["cluster"] else 0
         sums += (k["bn"] + 64 * k["bn"]) * 4 if k["epi"] else 0
         assert k["shared"] == k["stages"] * (stage + 16) + 1024 + sums <= probe.SHARED_PER_SM
-        assert k["name"].startswith("we" if k["epi"] else "wc" if k["cluster"] else "wg")
+        kind = "we" if k["epi"] else "wc" if k["cluster"] else "wt" if k["ticket"] else "wg"
+        assert k["name"].startswith(kind) and not (k["ticket"] and k["ksplit"] == 1)
         assert k["threads"] == k["rows"] * 2 + 32  # a warpgroup per 64 rows, and the producer warp

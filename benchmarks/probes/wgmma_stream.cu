@@ -5,7 +5,9 @@
 // STAGES-deep ring of mbarriers; the grid is persistent over (row tile, k split) work items.
 // With KSPLIT > 1 the partial sums are added by fp32 atomics (fp32 out, zeroed first), or, with
 // CLUSTER, by the cluster of the KSPLIT blocks of a row tile: each leaves its sums in its shared
-// memory and rank 0 adds the others' in rank order (distributed shared memory), so the bf16 out
+// memory and rank 0 adds the others' in rank order (distributed shared memory), or, with
+// TICKET, through a workspace: each split stores its fp32 sums, fences, takes a ticket of its row
+// tile, and the last to arrive adds the KSPLIT partials in split order. Either way the bf16 out
 // does not depend on timing.
 // Not part of any library: benchmarks/wgmma_stream_probe.py builds and times it.
 #include <cuda.h>
@@ -68,10 +70,14 @@ __device__ __forceinline__ float cluster_load(const float* local, int rank) {
 // EPI 1: X's rows scaled by their 1/rms (an RMSNorm without weight, as decode's projections
 // fold it), the squares summed from the X tiles in shared memory; EPI 2: that, then SwiGLU of
 // W = [gate; up]: warpgroup 0 takes 64 gate rows, warpgroup 1 their up rows (WG 2, no k split)
-template <int WG, int BN, int STAGES, int KSPLIT, bool CLUSTER = false, int EPI = 0>
+// TICKET: ws [KSPLIT][batch][n] fp32 and tickets [row tiles] int32 (zero between launches)
+template <int WG, int BN, int STAGES, int KSPLIT, bool CLUSTER = false, int EPI = 0,
+          bool TICKET = false>
 __device__ void wgmma_stream(const CUtensorMap* wmap, const CUtensorMap* xmap, void* out, int n,
-                             int k, int batch) {
+                             int k, int batch, float* ws, int* tickets) {
   static_assert(EPI == 0 || (KSPLIT == 1 && !CLUSTER && (EPI == 1 || WG == 2)), "epilogue");
+  static_assert(!TICKET || (!CLUSTER && EPI == 0 && KSPLIT > 1), "ticket");
+  __shared__ int last;  // TICKET: whether this block's split of the tile arrived last
   constexpr int ROWS = 64 * WG, A_BYTES = ROWS * 128, B_BYTES = BN * 128;
   constexpr int X_PER = BN * 64 / (WG * 128);  // X elements of a stage a consumer thread squares
   constexpr int STAGE = A_BYTES + B_BYTES;
@@ -166,6 +172,34 @@ __device__ void wgmma_stream(const CUtensorMap* wmap, const CUtensorMap* xmap, v
               reinterpret_cast<__nv_bfloat16*>(out)[(size_t)col * nout + row] = __float2bfloat16(v);
           }
       }
+    } else if (TICKET && g % per == per - 1) {
+      const int item = blockIdx.x + g / per * gridDim.x, tile = item / KSPLIT, z = item % KSPLIT;
+      const int r0 = tile * ROWS + wg * 64 + warp * 16 + lane / 4;
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int row = r0 + e / 2 * 8, col = j * 8 + lane % 4 * 2 + e % 2;
+          if (row < n && col < batch) ws[((size_t)z * batch + col) * n + row] = acc[j * 4 + e];
+        }
+      __threadfence();  // this split's sums before its ticket
+      asm volatile("bar.sync 1, %0;" ::"r"(WG * 128) : "memory");
+      if (tid == 0) last = atomicAdd(&tickets[tile], 1) == KSPLIT - 1;
+      asm volatile("bar.sync 1, %0;" ::"r"(WG * 128) : "memory");
+      if (last) {  // every split has stored: add them in split order, from L2
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int row = r0 + e / 2 * 8, col = j * 8 + lane % 4 * 2 + e % 2;
+            if (row < n && col < batch) {
+              float sum = 0.f;
+              for (int q = 0; q < KSPLIT; ++q) sum += __ldcg(&ws[((size_t)q * batch + col) * n + row]);
+              reinterpret_cast<__nv_bfloat16*>(out)[(size_t)col * n + row] = __float2bfloat16(sum);
+            }
+          }
+        if (tid == 0) tickets[tile] = 0;
+      }
     } else if (g % per == per - 1) {
       const int item = blockIdx.x + g / per * gridDim.x, tile = item / KSPLIT;
 #pragma unroll
@@ -210,24 +244,37 @@ __device__ void wgmma_stream(const CUtensorMap* wmap, const CUtensorMap* xmap, v
   extern "C" __global__ void __launch_bounds__(WG * 128 + 32)                                \
       wc##WG##_n##BN##_s##STAGES##_k##KSPLIT(const __grid_constant__ CUtensorMap wmap,      \
                                              const __grid_constant__ CUtensorMap xmap,      \
-                                             void* out, int n, int k, int batch) {           \
-    wgmma_stream<WG, BN, STAGES, KSPLIT, true>(&wmap, &xmap, out, n, k, batch);             \
+                                             void* out, int n, int k, int batch,             \
+                                             float* ws, int* tickets) {                      \
+    wgmma_stream<WG, BN, STAGES, KSPLIT, true>(&wmap, &xmap, out, n, k, batch, ws, tickets); \
   }
 
 #define EPILOGUE(WG, BN, STAGES, EPI)                                                        \
   extern "C" __global__ void __launch_bounds__(WG * 128 + 32)                                \
       we##EPI##_##WG##_n##BN##_s##STAGES(const __grid_constant__ CUtensorMap wmap,          \
                                         const __grid_constant__ CUtensorMap xmap, void* out, \
-                                        int n, int k, int batch) {                           \
-    wgmma_stream<WG, BN, STAGES, 1, false, EPI>(&wmap, &xmap, out, n, k, batch);            \
+                                        int n, int k, int batch, float* ws,                  \
+                                        int* tickets) {                                      \
+    wgmma_stream<WG, BN, STAGES, 1, false, EPI>(&wmap, &xmap, out, n, k, batch, ws, tickets); \
+  }
+
+#define TICKET(WG, BN, STAGES, KSPLIT)                                                       \
+  extern "C" __global__ void __launch_bounds__(WG * 128 + 32)                                \
+      wt##WG##_n##BN##_s##STAGES##_k##KSPLIT(const __grid_constant__ CUtensorMap wmap,      \
+                                             const __grid_constant__ CUtensorMap xmap,      \
+                                             void* out, int n, int k, int batch,             \
+                                             float* ws, int* tickets) {                      \
+    wgmma_stream<WG, BN, STAGES, KSPLIT, false, 0, true>(&wmap, &xmap, out, n, k, batch, ws, \
+                                                         tickets);                           \
   }
 
 #define PROBE(WG, BN, STAGES, KSPLIT)                                                        \
   extern "C" __global__ void __launch_bounds__(WG * 128 + 32)                                \
       wg##WG##_n##BN##_s##STAGES##_k##KSPLIT(const __grid_constant__ CUtensorMap wmap,      \
                                              const __grid_constant__ CUtensorMap xmap,      \
-                                             void* out, int n, int k, int batch) {           \
-    wgmma_stream<WG, BN, STAGES, KSPLIT>(&wmap, &xmap, out, n, k, batch);                   \
+                                             void* out, int n, int k, int batch,             \
+                                             float* ws, int* tickets) {                      \
+    wgmma_stream<WG, BN, STAGES, KSPLIT>(&wmap, &xmap, out, n, k, batch, ws, tickets);     \
   }
 
 PROBE(1, 16, 8, 1)
@@ -242,3 +289,6 @@ CLUSTER(2, 16, 6, 4)
 CLUSTER(1, 16, 8, 4)
 EPILOGUE(2, 16, 6, 1)
 EPILOGUE(2, 16, 6, 2)
+TICKET(2, 16, 6, 2)
+TICKET(2, 16, 6, 4)
+TICKET(1, 16, 8, 4)
