@@ -89,8 +89,9 @@ def _batch(torch, drv: Driver, bw: float, proj: str, ws: list, batch: int, rows:
             2: torch.nn.functional.silu(normed[:, : n // 2]) * normed[:, n // 2 :]}  # fmt: skip
     out_bf = torch.empty(batch, n, device="cuda", dtype=torch.bfloat16)
     out_f = torch.zeros(batch, n, device="cuda", dtype=torch.float32)
+    found = kernels()
     # TICKET kernels' split partials and row tiles' tickets (zero between launches)
-    ws = torch.empty(max(kk["ksplit"] for kk in kernels()) * batch * n, device="cuda")
+    partials = torch.empty(max(kk["ksplit"] for kk in found) * batch * n, device="cuda")
     tickets = torch.zeros(n // 64 + 1, device="cuda", dtype=torch.int32)
 
     def rel_err(got, epi: int = 0) -> float:
@@ -105,7 +106,7 @@ def _batch(torch, drv: Driver, bw: float, proj: str, ws: list, batch: int, rows:
     err = rel_err(out_bf)  # before the timing, whose calls leave another weight's product
     _row(rows, bw, proj, n, k, batch, "cublas", 0, _graph_us(torch, cublas), err)
     xmap = tensor_map(drv, x.data_ptr(), batch, k, batch)
-    for kern in (kk for kk in kernels() if kk["bn"] == batch and (k // 64) % kk["ksplit"] == 0):
+    for kern in (kk for kk in found if kk["bn"] == batch and (k // 64) % kk["ksplit"] == 0):
         epi = kern["epi"]
         if epi and (k != 2560 or (epi == 2) != (proj == "gate_up")):
             continue  # the norm folds into the k = 2,560 projections, SwiGLU into gate_up's
@@ -123,7 +124,7 @@ def _batch(torch, drv: Driver, bw: float, proj: str, ws: list, batch: int, rows:
             def call(i, fn=fn, kern=kern, grid=grid, wmaps=wmaps, out=out):
                 args = [wmaps[i % len(wmaps)], xmap, ctypes.c_void_p(out.data_ptr()),
                         ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(batch),
-                        ctypes.c_void_p(ws.data_ptr()),
+                        ctypes.c_void_p(partials.data_ptr()),
                         ctypes.c_void_p(tickets.data_ptr())]  # fmt: skip
                 stream = torch.cuda.current_stream().cuda_stream
                 cluster = kern["ksplit"] if kern["cluster"] else 1
