@@ -240,42 +240,21 @@ __device__ void wgmma_stream(const CUtensorMap* wmap, const CUtensorMap* xmap, v
   }
 }
 
-#define CLUSTER(WG, BN, STAGES, KSPLIT)                                                      \
+// one entry point: its name, then wgmma_stream's template arguments (WG first)
+#define ENTRY(NAME, WG, ...)                                                                  \
   extern "C" __global__ void __launch_bounds__(WG * 128 + 32)                                \
-      wc##WG##_n##BN##_s##STAGES##_k##KSPLIT(const __grid_constant__ CUtensorMap wmap,      \
-                                             const __grid_constant__ CUtensorMap xmap,      \
-                                             void* out, int n, int k, int batch,             \
-                                             float* ws, int* tickets) {                      \
-    wgmma_stream<WG, BN, STAGES, KSPLIT, true>(&wmap, &xmap, out, n, k, batch, ws, tickets); \
+      NAME(const __grid_constant__ CUtensorMap wmap, const __grid_constant__ CUtensorMap xmap, \
+           void* out, int n, int k, int batch, float* ws, int* tickets) {                     \
+    wgmma_stream<WG, __VA_ARGS__>(&wmap, &xmap, out, n, k, batch, ws, tickets);               \
   }
-
-#define EPILOGUE(WG, BN, STAGES, EPI)                                                        \
-  extern "C" __global__ void __launch_bounds__(WG * 128 + 32)                                \
-      we##EPI##_##WG##_n##BN##_s##STAGES(const __grid_constant__ CUtensorMap wmap,          \
-                                        const __grid_constant__ CUtensorMap xmap, void* out, \
-                                        int n, int k, int batch, float* ws,                  \
-                                        int* tickets) {                                      \
-    wgmma_stream<WG, BN, STAGES, 1, false, EPI>(&wmap, &xmap, out, n, k, batch, ws, tickets); \
-  }
-
-#define TICKET(WG, BN, STAGES, KSPLIT)                                                       \
-  extern "C" __global__ void __launch_bounds__(WG * 128 + 32)                                \
-      wt##WG##_n##BN##_s##STAGES##_k##KSPLIT(const __grid_constant__ CUtensorMap wmap,      \
-                                             const __grid_constant__ CUtensorMap xmap,      \
-                                             void* out, int n, int k, int batch,             \
-                                             float* ws, int* tickets) {                      \
-    wgmma_stream<WG, BN, STAGES, KSPLIT, false, 0, true>(&wmap, &xmap, out, n, k, batch, ws, \
-                                                         tickets);                           \
-  }
-
-#define PROBE(WG, BN, STAGES, KSPLIT)                                                        \
-  extern "C" __global__ void __launch_bounds__(WG * 128 + 32)                                \
-      wg##WG##_n##BN##_s##STAGES##_k##KSPLIT(const __grid_constant__ CUtensorMap wmap,      \
-                                             const __grid_constant__ CUtensorMap xmap,      \
-                                             void* out, int n, int k, int batch,             \
-                                             float* ws, int* tickets) {                      \
-    wgmma_stream<WG, BN, STAGES, KSPLIT>(&wmap, &xmap, out, n, k, batch, ws, tickets);     \
-  }
+#define PROBE(WG, BN, STAGES, KSPLIT) \
+  ENTRY(wg##WG##_n##BN##_s##STAGES##_k##KSPLIT, WG, BN, STAGES, KSPLIT)
+#define CLUSTER(WG, BN, STAGES, KSPLIT) \
+  ENTRY(wc##WG##_n##BN##_s##STAGES##_k##KSPLIT, WG, BN, STAGES, KSPLIT, true)
+#define TICKET(WG, BN, STAGES, KSPLIT) \
+  ENTRY(wt##WG##_n##BN##_s##STAGES##_k##KSPLIT, WG, BN, STAGES, KSPLIT, false, 0, true)
+#define EPILOGUE(WG, BN, STAGES, EPI) \
+  ENTRY(we##EPI##_##WG##_n##BN##_s##STAGES, WG, BN, STAGES, 1, false, EPI)
 
 PROBE(1, 16, 8, 1)
 PROBE(1, 16, 12, 1)
