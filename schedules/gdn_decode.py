@@ -117,7 +117,8 @@ def decode_delta_rule(
     grid, lanes = block_loop(gpu), thread_loop(nt, gpu)
     windows = (made + nt - 1) // nt  # conv windows a lane makes
 
-    channel, shift_history, shift_qk = history_macros(k_dim, key_dim, v_dim, hist, nt, lanes)
+    channel, shift_history, shift_qk = history_macros(k_dim, key_dim, v_dim, hist, nt, lanes,
+                                                      staged=gpu)  # fmt: skip
     head_norm = head_norm_macro(v_dim, conv_dim, norm_lanes, norm_parts, eps, dtype, nt, lanes, gpu)
 
     @T.macro
@@ -135,6 +136,10 @@ def decode_delta_rule(
                 part = T.sblock_alloc_buffer((norm_parts,), "float32", scope=shared)
                 inv = T.sblock_alloc_buffer((1,), "float32", scope=shared)
                 ticket = T.sblock_alloc_buffer((2,), "int32", scope=shared)
+                # the gated tail's inputs, staged on the way (gdn_decode_tail): the k-head's new
+                # q/k history and the head's gate input
+                moved = T.sblock_alloc_buffer((2 * k_dim * hist,), "float32", scope=shared)
+                gate = T.sblock_alloc_buffer((v_dim,), "float32", scope=shared)
                 b: T.let[T.int32] = blk // (v_heads * tiles)
                 h: T.let[T.int32] = blk // tiles % v_heads
                 col0: T.let[T.int32] = blk % tiles * rows
@@ -176,10 +181,19 @@ def decode_delta_rule(
                                 win[hist] = T.Cast("float32", x[row, c])
                                 if i < 2 * k_dim:
                                     raw[i] = conv_silu(wt, win, kernel, dtype)
+                                    if gated and gpu:
+                                        for j in T.unroll(hist):
+                                            moved[i * hist + j] = win[j + 1]
                                 else:
                                     kq[i] = conv_silu(wt, win, kernel, dtype)
                                     if gated:  # only this block reads its values' history
                                         shift_history(conv, x, b, slot, layer, c)
+                        if gated and gpu:
+                            for e in T.unroll((v_dim + nt - 1) // nt):
+                                if e * nt + tx < v_dim:
+                                    gate[e * nt + tx] = T.Cast(
+                                        "float32", x[row, conv_dim + h * v_dim + e * nt + tx]
+                                    )
                         if tx == 0:
                             kq[made] = log_decay(
                                 T.Cast("float32", x[row, conv_dim + value_dim + v_heads + h]),
@@ -218,26 +232,27 @@ def decode_delta_rule(
                                 kq[i] = raw[i] * (T.float32(1) / T.sqrt(acc[0] + T.float32(1e-6)))
                 token_update(st, kq, red, o_ws, row, h, col0, mine)
                 if gated and gpu:
-                    # o and the reads of the q/k history done before the tickets are taken
-                    for _tx in lanes():
-                        with T.sblock("publish"):
-                            T.reads()
-                            T.writes()
-                            T.evaluate(T.cuda.thread_fence())
+                    # the block's o written and its q/k history read (the barrier), then a
+                    # ticket's acquire-release add publishes them all and orders the last block's
+                    # reads of the other blocks' o after it (CUTLASS's semaphores do the same)
                     T.tvm_storage_sync("shared")
                     for tx in lanes():
                         with T.sblock("tickets"):
                             T.reads()
                             T.writes()
+                            taken = T.sblock_alloc_buffer((1,), "int32", scope="local")
                             if tx < 2:
                                 at: T.let[T.int32] = T.if_then_else(tx == 0, kh, k_heads + h)
-                                ticket[tx] = T.cuda.atomic_add(T.address_of(tickets[slot, at]), 1)
+                                T.ptx.atom.acq_rel.gpu.global_.add.s32(
+                                    taken[0], T.address_of(tickets[slot, at]), 1
+                                )
+                                ticket[tx] = taken[0]
                 store_state(pool, slot, layer, h, col0, st, mine)
                 if gated and gpu:
                     last_of_k: T.let[T.bool] = ticket[0] == group * tiles - 1
                     last_of_head: T.let[T.bool] = ticket[1] == tiles - 1
-                    head_norm(o_ws, x, nw, out, vals, part, inv, b, h, last_of_head)
-                    shift_qk(conv, x, b, slot, layer, kh, last_of_k)
+                    head_norm(o_ws, x, gate, nw, out, vals, part, inv, b, h, last_of_head)
+                    shift_qk(conv, x, moved, b, slot, layer, kh, last_of_k)
                     for tx in lanes():
                         with T.sblock("reset"):
                             T.reads()
@@ -263,14 +278,14 @@ def decode_delta_rule(
                     vals = T.sblock_alloc_buffer((norm_lanes,), "float32", scope=shared)
                     part = T.sblock_alloc_buffer((norm_parts,), "float32", scope=shared)
                     inv = T.sblock_alloc_buffer((1,), "float32", scope=shared)
-                    head_norm(o_ws, x, nw, out, vals, part, inv, bh // v_heads, bh % v_heads,
-                              True)  # fmt: skip
+                    head_norm(o_ws, x, None, nw, out, vals, part, inv, bh // v_heads,
+                              bh % v_heads, True)  # fmt: skip
             for bk in grid(batch * k_heads):
                 with T.sblock("qk_shift"):
                     T.reads()
                     T.writes()
-                    shift_qk(conv, x, bk // k_heads, slots[bk // k_heads], layer, bk % k_heads,
-                             True)  # fmt: skip
+                    shift_qk(conv, x, None, bk // k_heads, slots[bk // k_heads], layer,
+                             bk % k_heads, True)  # fmt: skip
 
     @T.prim_func(s_tir=True)
     def gdn_delta_rule_decode_gated(

@@ -212,8 +212,35 @@ def test_compiles_for_cuda_with_a_barrier_a_phase(dtype: str) -> None:
         )
         gated = layout.get("gated", True)
         assert fused.count("__syncthreads()") <= (14 if gated else 8)
-        # the blocks' tickets: o made visible, then counted; the last block reads o from L2
-        assert (fused.count("atomicAdd(") == 1) == gated and ("__threadfence()" in fused) == gated
+        # the blocks' tickets: o published by an acquire-release add; the last block reads o
+        # from L2
+        assert ("atom.acq_rel.gpu.global.add.s32" in fused) == gated
+        assert "atomicAdd(" not in fused and "__threadfence()" not in fused
         assert ("ld.relaxed.gpu.global.f32" in fused) == gated
     ragged = _cuda_source(gdn.gated_delta_rule(16, 32, 128, 128, cuda), cuda)
     assert ragged.count("__syncthreads()") <= 6
+
+
+ATOMIC_CALL = "tvm_builtin_ptx_atom_acq_rel_gpu_global_add_s32("
+
+
+def test_the_last_blocks_read_only_o_from_global_memory() -> None:
+    """A head's and a k-head's last blocks are the critical path of a decode layer at one
+    sequence: after their ticket they read only the other blocks' o from global memory. Each
+    block staged its k-head's new q/k history and its head's gate input in shared memory while
+    it made its inputs, so the tail reads neither conv nor x; and one acquire-release add a
+    ticket, in two threads after a barrier, publishes a block's o, where every thread fenced."""
+    from qwen35_tvm.compile.cuda_toolchain import prepare_cuda_codegen
+
+    prepare_cuda_codegen(["sm_80"])
+    cuda = Target({"kind": "cuda", "arch": "sm_80"}, host="llvm")
+    source = _cuda_source(decode_delta_rule(16, 32, 128, 128, KERNEL, EPS, "bfloat16", cuda), cuda)
+    body = source[source.index('extern "C" __global__') :]
+    atomic = body.index(ATOMIC_CALL)
+    assert body.count(ATOMIC_CALL) == 1 and "thread_fence" not in body
+    opened = body.rfind("if (((int)threadIdx.x) < 2) {", 0, atomic)
+    assert body.rfind("__syncthreads();", 0, atomic) < opened
+    tail = body[atomic:]
+    reads = [s.split(" = ", 1)[1] for s in tail.split(";") if " = " in s]
+    assert not [r for r in reads if "conv_ptr[" in r or "x_ptr[" in r]
+    assert any("o_ws_ptr[" in s for s in tail.split(";") if "ld_relaxed" in s)
