@@ -91,7 +91,10 @@ def _batch(torch, drv: Driver, bw: float, proj: str, ws: list, batch: int, rows:
     out_f = torch.zeros(batch, n, device="cuda", dtype=torch.float32)
     found = kernels()
     # TICKET kernels' split partials and row tiles' tickets (zero between launches)
-    partials = torch.empty(max(kk["ksplit"] for kk in found) * batch * n, device="cuda")
+    # (a tile's fragments: row tiles of at most 128 rows, 16+ columns)
+    partials = torch.empty(
+        max(kk["ksplit"] for kk in found) * max(batch, 16) * (n + 128), device="cuda"
+    )
     tickets = torch.zeros(n // 64 + 1, device="cuda", dtype=torch.int32)
 
     def rel_err(got, epi: int = 0) -> float:

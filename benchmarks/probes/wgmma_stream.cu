@@ -6,7 +6,7 @@
 // With KSPLIT > 1 the partial sums are added by fp32 atomics (fp32 out, zeroed first), or, with
 // CLUSTER, by the cluster of the KSPLIT blocks of a row tile: each leaves its sums in its shared
 // memory and rank 0 adds the others' in rank order (distributed shared memory), or, with
-// TICKET, through a workspace: each split stores its fp32 sums, fences, takes a ticket of its row
+// TICKET, through a workspace: each split stores its fp32 sums, takes a ticket of its row
 // tile, and the last to arrive adds the KSPLIT partials in split order. Either way the bf16 out
 // does not depend on timing.
 // Not part of any library: benchmarks/wgmma_stream_probe.py builds and times it.
@@ -70,7 +70,8 @@ __device__ __forceinline__ float cluster_load(const float* local, int rank) {
 // EPI 1: X's rows scaled by their 1/rms (an RMSNorm without weight, as decode's projections
 // fold it), the squares summed from the X tiles in shared memory; EPI 2: that, then SwiGLU of
 // W = [gate; up]: warpgroup 0 takes 64 gate rows, warpgroup 1 their up rows (WG 2, no k split)
-// TICKET: ws [KSPLIT][batch][n] fp32 and tickets [row tiles] int32 (zero between launches)
+// TICKET: ws [row tiles][KSPLIT][WG * 128 threads][BN / 2] fp32 (each thread's fragment) and
+// tickets [row tiles] int32 (zero between launches)
 template <int WG, int BN, int STAGES, int KSPLIT, bool CLUSTER = false, int EPI = 0,
           bool TICKET = false>
 __device__ void wgmma_stream(const CUtensorMap* wmap, const CUtensorMap* xmap, void* out, int n,
@@ -173,30 +174,44 @@ __device__ void wgmma_stream(const CUtensorMap* wmap, const CUtensorMap* xmap, v
           }
       }
     } else if (TICKET && g % per == per - 1) {
+      // this split's sums, each thread's fragment as float4s at its own place in the (tile,
+      // split) slot, so the stores and the last block's loads are whole lines; then one
+      // acquire-release add after a barrier publishes them (no thread fences)
       const int item = blockIdx.x + g / per * gridDim.x, tile = item / KSPLIT, z = item % KSPLIT;
-      const int r0 = tile * ROWS + wg * 64 + warp * 16 + lane / 4;
+      constexpr int V = BN / 8;  // a thread's float4s
+      float4* mine4 = reinterpret_cast<float4*>(ws) + ((size_t)tile * KSPLIT + z) * WG * 128 * V;
 #pragma unroll
-      for (int j = 0; j < BN / 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int row = r0 + e / 2 * 8, col = j * 8 + lane % 4 * 2 + e % 2;
-          if (row < n && col < batch) ws[((size_t)z * batch + col) * n + row] = acc[j * 4 + e];
-        }
-      __threadfence();  // this split's sums before its ticket
+      for (int j = 0; j < V; ++j)
+        mine4[tid * V + j] = make_float4(acc[j * 4], acc[j * 4 + 1], acc[j * 4 + 2], acc[j * 4 + 3]);
       asm volatile("bar.sync 1, %0;" ::"r"(WG * 128) : "memory");
-      if (tid == 0) last = atomicAdd(&tickets[tile], 1) == KSPLIT - 1;
+      if (tid == 0) {
+        int before;
+        asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;"
+                     : "=r"(before) : "l"(&tickets[tile]) : "memory");
+        last = before == KSPLIT - 1;
+      }
       asm volatile("bar.sync 1, %0;" ::"r"(WG * 128) : "memory");
       if (last) {  // every split has stored: add them in split order, from L2
+        const float4* all4 = reinterpret_cast<const float4*>(ws) + (size_t)tile * KSPLIT * WG * 128 * V;
+        float sum[V * 4];
+#pragma unroll
+        for (int i = 0; i < V * 4; ++i) sum[i] = 0.f;
+#pragma unroll
+        for (int q = 0; q < KSPLIT; ++q)
+#pragma unroll
+          for (int j = 0; j < V; ++j) {
+            const float4 v = __ldcg(&all4[(size_t)q * WG * 128 * V + tid * V + j]);
+            sum[j * 4] += v.x, sum[j * 4 + 1] += v.y, sum[j * 4 + 2] += v.z, sum[j * 4 + 3] += v.w;
+          }
+        const int r0 = tile * ROWS + wg * 64 + warp * 16 + lane / 4;
 #pragma unroll
         for (int j = 0; j < BN / 8; ++j)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int row = r0 + e / 2 * 8, col = j * 8 + lane % 4 * 2 + e % 2;
-            if (row < n && col < batch) {
-              float sum = 0.f;
-              for (int q = 0; q < KSPLIT; ++q) sum += __ldcg(&ws[((size_t)q * batch + col) * n + row]);
-              reinterpret_cast<__nv_bfloat16*>(out)[(size_t)col * n + row] = __float2bfloat16(sum);
-            }
+            if (row < n && col < batch)
+              reinterpret_cast<__nv_bfloat16*>(out)[(size_t)col * n + row] =
+                  __float2bfloat16(sum[j * 4 + e]);
           }
         if (tid == 0) tickets[tile] = 0;
       }
