@@ -62,6 +62,27 @@ def added_time(calls_spans: list[list[tuple[float, float, str]]], repeats: int) 
     return added
 
 
+def kernel_links(calls_spans: list[list[tuple[float, float, str]]], top: int = 16) -> list[dict]:
+    """Each kernel after the one before it in start order (its producer in the stream), by
+    pair, over all calls: how often a call runs the pair, and when the kernel starts and ends
+    after its producer's end (µs, means; a start below zero is a launch beside the producer).
+    A decode step is a chain of these handovers; the pairs are sorted by the µs they add."""
+    acc: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
+    for spans in calls_spans:
+        for (_, prev_end, prev), (start, end, name) in zip(spans, spans[1:], strict=False):
+            pair = acc[(prev[:60], name[:60])]
+            pair[0] += 1
+            pair[1] += start - prev_end
+            pair[2] += end - prev_end
+    rows = [
+        {"after": prev, "kernel": name, "count": n / len(calls_spans),
+         "start_us": round(s / n, 2), "end_us": round(e / n, 2)}
+        for (prev, name), (n, s, e) in acc.items()
+    ]  # fmt: skip
+    rows.sort(key=lambda r: -r["end_us"] * r["count"])
+    return rows[:top]
+
+
 CALL = "profiled call"  # the record_function range around each call of the profiled function
 
 
@@ -123,6 +144,7 @@ def kernel_table(
         for name, t in sorted(us.items(), key=lambda kv: -added[kv[0]])
     ]
     idle = idle_gaps(calls_spans[-1])
+    idle["links"] = kernel_links(calls_spans)
     if host:
         # the host's time before a call's first kernel starts and after its last one ends
         # (a synchronous call: the GPU idles through both)
@@ -217,6 +239,11 @@ def main() -> None:
         print_table(title, rows, total, span, args.top)
         print(f"host before the first kernel: {idle['host_before_first_kernel_us']} µs, after the"
               f" last: {idle['host_after_last_kernel_us']} µs a call")  # fmt: skip
+        print("\n| after | kernel | a call | starts µs after its end | ends µs after |")
+        print("|---|---|---|---|---|")
+        for r in idle["links"][:10]:
+            print(f"| {r['after']} | {r['kernel']} | {r['count']:g} | {r['start_us']:.2f} |"
+                  f" {r['end_us']:.2f} |")  # fmt: skip
         if args.mixed and b == max(batches):
             mixed = mixed_step(runner, slots, n - 1, pages, prompt()[: args.mixed])
             key = f"mixed_b{b}_{args.mixed}"
