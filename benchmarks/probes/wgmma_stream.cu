@@ -67,6 +67,14 @@ __device__ __forceinline__ float cluster_load(const float* local, int rank) {
 }
 
 // WG consumer warpgroups (64 weight rows each) and one producer warp a block
+// accumulator j * 4 + e of a lane (wgmma's m64nN layout, mma.sync's m16n8 per warp): its row
+// among its warpgroup's 64 and its batch column
+__device__ __forceinline__ int acc_row(int warp, int lane, int e) {
+  return warp * 16 + lane / 4 + e / 2 * 8;
+}
+__device__ __forceinline__ int acc_col(int lane, int j, int e) {
+  return j * 8 + lane % 4 * 2 + e % 2;
+}
 // EPI 1: X's rows scaled by their 1/rms (an RMSNorm without weight, as decode's projections
 // fold it), the squares summed from the X tiles in shared memory; EPI 2: that, then SwiGLU of
 // W = [gate; up]: warpgroup 0 takes 64 gate rows, warpgroup 1 their up rows (WG 2, no k split)
@@ -164,8 +172,8 @@ __device__ void wgmma_stream(const CUtensorMap* wmap, const CUtensorMap* xmap, v
         for (int j = 0; j < BN / 8; ++j)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            const int i = j * 4 + e, col = j * 8 + lane % 4 * 2 + e % 2;
-            const int r = (EPI == 2 ? 0 : wg * 64) + warp * 16 + lane / 4 + e / 2 * 8;
+            const int i = j * 4 + e, col = acc_col(lane, j, e);
+            const int r = (EPI == 2 ? 0 : wg * 64) + acc_row(warp, lane, e);
             const int row = tile * (EPI == 2 ? 64 : ROWS) + r;
             float v = acc[i] * scale[j * 2 + e % 2];
             if (EPI == 2) v = v / (1.f + __expf(-v)) * xch[tid * (BN / 2) + i];
@@ -203,12 +211,12 @@ __device__ void wgmma_stream(const CUtensorMap* wmap, const CUtensorMap* xmap, v
             const float4 v = __ldcg(&all4[(size_t)q * WG * 128 * V + tid * V + j]);
             sum[j * 4] += v.x, sum[j * 4 + 1] += v.y, sum[j * 4 + 2] += v.z, sum[j * 4 + 3] += v.w;
           }
-        const int r0 = tile * ROWS + wg * 64 + warp * 16 + lane / 4;
 #pragma unroll
         for (int j = 0; j < BN / 8; ++j)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            const int row = r0 + e / 2 * 8, col = j * 8 + lane % 4 * 2 + e % 2;
+            const int row = tile * ROWS + wg * 64 + acc_row(warp, lane, e);
+            const int col = acc_col(lane, j, e);
             if (row < n && col < batch)
               reinterpret_cast<__nv_bfloat16*>(out)[(size_t)col * n + row] =
                   __float2bfloat16(sum[j * 4 + e]);
@@ -221,8 +229,8 @@ __device__ void wgmma_stream(const CUtensorMap* wmap, const CUtensorMap* xmap, v
       for (int j = 0; j < BN / 8; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int row = tile * ROWS + wg * 64 + warp * 16 + lane / 4 + e / 2 * 8;
-          const int col = j * 8 + lane % 4 * 2 + e % 2;
+          const int row = tile * ROWS + wg * 64 + acc_row(warp, lane, e);
+          const int col = acc_col(lane, j, e);
           if (CLUSTER)
             part[(row - tile * ROWS) * BN + col] = acc[j * 4 + e];
           else if (row < n && col < batch) {
@@ -243,8 +251,8 @@ __device__ void wgmma_stream(const CUtensorMap* wmap, const CUtensorMap* xmap, v
       for (int j = 0; j < BN / 8; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int r = wg * 64 + warp * 16 + lane / 4 + e / 2 * 8, row = tile * ROWS + r;
-          const int col = j * 8 + lane % 4 * 2 + e % 2;
+          const int r = wg * 64 + acc_row(warp, lane, e), row = tile * ROWS + r;
+          const int col = acc_col(lane, j, e);
           float sum = acc[j * 4 + e];
           for (int q = 1; q < KSPLIT; ++q) sum += cluster_load(&part[r * BN + col], q);
           if (row < n && col < batch)
