@@ -75,6 +75,21 @@ __device__ __forceinline__ int acc_row(int warp, int lane, int e) {
 __device__ __forceinline__ int acc_col(int lane, int j, int e) {
   return j * 8 + lane % 4 * 2 + e % 2;
 }
+// a thread's fragment v (fp32, its BN / 2 accumulators' order) of row tile `tile` stored as bf16
+// into out [batch][n]
+template <int BN, int ROWS>
+__device__ __forceinline__ void store_fragment(void* out, const float* v, int tile, int wg,
+                                               int warp, int lane, int n, int batch) {
+#pragma unroll
+  for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int row = tile * ROWS + wg * 64 + acc_row(warp, lane, e), col = acc_col(lane, j, e);
+      if (row < n && col < batch)
+        reinterpret_cast<__nv_bfloat16*>(out)[(size_t)col * n + row] =
+            __float2bfloat16(v[j * 4 + e]);
+    }
+}
 // EPI 1: X's rows scaled by their 1/rms (an RMSNorm without weight, as decode's projections
 // fold it), the squares summed from the X tiles in shared memory; EPI 2: that, then SwiGLU of
 // W = [gate; up]: warpgroup 0 takes 64 gate rows, warpgroup 1 their up rows (WG 2, no k split)
@@ -211,36 +226,26 @@ __device__ void wgmma_stream(const CUtensorMap* wmap, const CUtensorMap* xmap, v
             const float4 v = __ldcg(&all4[(size_t)q * WG * 128 * V + tid * V + j]);
             sum[j * 4] += v.x, sum[j * 4 + 1] += v.y, sum[j * 4 + 2] += v.z, sum[j * 4 + 3] += v.w;
           }
+        store_fragment<BN, ROWS>(out, sum, tile, wg, warp, lane, n, batch);
+        if (tid == 0) tickets[tile] = 0;
+      }
+    } else if (g % per == per - 1) {
+      const int item = blockIdx.x + g / per * gridDim.x, tile = item / KSPLIT;
+      if (KSPLIT == 1 && !CLUSTER) {
+        store_fragment<BN, ROWS>(out, acc, tile, wg, warp, lane, n, batch);
+      } else {
 #pragma unroll
         for (int j = 0; j < BN / 8; ++j)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int row = tile * ROWS + wg * 64 + acc_row(warp, lane, e);
             const int col = acc_col(lane, j, e);
-            if (row < n && col < batch)
-              reinterpret_cast<__nv_bfloat16*>(out)[(size_t)col * n + row] =
-                  __float2bfloat16(sum[j * 4 + e]);
-          }
-        if (tid == 0) tickets[tile] = 0;
-      }
-    } else if (g % per == per - 1) {
-      const int item = blockIdx.x + g / per * gridDim.x, tile = item / KSPLIT;
-#pragma unroll
-      for (int j = 0; j < BN / 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int row = tile * ROWS + wg * 64 + acc_row(warp, lane, e);
-          const int col = acc_col(lane, j, e);
-          if (CLUSTER)
-            part[(row - tile * ROWS) * BN + col] = acc[j * 4 + e];
-          else if (row < n && col < batch) {
-            if (KSPLIT == 1)
-              reinterpret_cast<__nv_bfloat16*>(out)[(size_t)col * n + row] =
-                  __float2bfloat16(acc[j * 4 + e]);
-            else
+            if (CLUSTER)
+              part[(row - tile * ROWS) * BN + col] = acc[j * 4 + e];
+            else if (row < n && col < batch)
               atomicAdd(reinterpret_cast<float*>(out) + (size_t)col * n + row, acc[j * 4 + e]);
           }
-        }
+      }
     }
   }
   if (CLUSTER) {
