@@ -66,7 +66,6 @@ __device__ __forceinline__ float cluster_load(const float* local, int rank) {
   return v;
 }
 
-// WG consumer warpgroups (64 weight rows each) and one producer warp a block
 // accumulator j * 4 + e of a lane (wgmma's m64nN layout, mma.sync's m16n8 per warp): its row
 // among its warpgroup's 64 and its batch column
 __device__ __forceinline__ int acc_row(int warp, int lane, int e) {
@@ -90,6 +89,7 @@ __device__ __forceinline__ void store_fragment(void* out, const float* v, int ti
             __float2bfloat16(v[j * 4 + e]);
     }
 }
+// WG consumer warpgroups (64 weight rows each) and one producer warp a block
 // EPI 1: X's rows scaled by their 1/rms (an RMSNorm without weight, as decode's projections
 // fold it), the squares summed from the X tiles in shared memory; EPI 2: that, then SwiGLU of
 // W = [gate; up]: warpgroup 0 takes 64 gate rows, warpgroup 1 their up rows (WG 2, no k split)
