@@ -1,56 +1,151 @@
 """The bf16 logits kernel on tensor cores (schedules/logits.py holds the contract): the
-projection, the pad mask, and each block's greedy-pick triples from its accumulators."""
+projection, the pad mask, and each block's greedy-pick triples from its accumulators.
+
+Two launches, picked on the host by the batch:
+- up to 16 rows (decode's batches): mma.sync, a warp streaming its weight rows through
+  registers and applying them to 16 batch rows;
+- beyond, 64 batch rows a block: on sm_90a the prefill GEMM's wgmma ring (TMA, 128-byte
+  swizzle; schedules/matmul_wgmma.py) with the weight as A and the batch as B, so the weight
+  passes through no register and the hidden vectors are loaded once a block and k step rather
+  than once a warp; sm_80 runs mma.sync in the same launch (ptx.is_sm90a).
+Both leave their accumulators in mma's m16n8 layout (wgmma's D is the same), so one epilogue
+stores, masks and reduces the triples of either.
+"""
 
 from __future__ import annotations
 
 from tvm.script import tirx as T
 
+from .gemm_layout import acc_coords
+from .matmul_wgmma import WgmmaConfig, tensor_maps, wgmma_tile
 from .pdl import release_dependents, wait_for_producers
 from .pick_triples import CHUNK_COLS, merge, start, take, warp_merge
-from .ptx import mma_bf16
+from .ptx import is_sm90a, mma_bf16
 
 # 128 rows per block (a pick chunk). Two m-tiles per warp halve how often each warp re-reads
 # the hidden vectors, which otherwise rival the weight stream in L2 traffic.
 WARPS, M_TILES = 4, 2
 assert WARPS * 16 * M_TILES == CHUNK_COLS
+SMALL_BATCH = 16  # the largest batch the mma.sync launch takes
+# The wide launch: 8 warps (wgmma's two warpgroups of m64) over a chunk's 128 rows, 64 batch
+# rows a block. Three stages of 24 KB: two CTAs an SM keep 144 KB of weight in flight on
+# sm_90, and two still fit sm_80's 163 KB.
+WIDE_WARPS, WIDE_N_TILES = 8, 8
+WIDE = WgmmaConfig(block_n=8 * WIDE_N_TILES, stages=3, tma=True)
+assert WIDE_WARPS * 16 == CHUNK_COLS
 
 
 def logits_gpu_mma(hidden: int, live: int, decodable: int, selection: int, dtype: str):
-    """bf16 GPU kernels on tensor cores: one pass of 16 batch rows up to 16 (decode's batches),
-    and one taking 64 rows a pass beyond, so the 1.3 GB table is read once per 64 rows rather
-    than once per 16 (on the H200, B = 64 went from 23% to 49% of copy bandwidth). Picked on
-    the device by the batch."""
-    small = _mma_launch(hidden, live, decodable, selection, dtype, n_tiles=2)
-    large = _mma_launch(hidden, live, decodable, selection, dtype, n_tiles=8)
+    """bf16 GPU kernels on tensor cores: the mma.sync launch for up to SMALL_BATCH rows, the
+    wide one beyond (module docstring). On the H200 the mma.sync kernel taking 64 rows a pass
+    reached 49% of copy bandwidth at B = 64 (23% taking 16 a pass)."""
+    small = _small_launch(hidden, live, decodable, selection, dtype)
+    wide = _wide_launch(hidden, live, decodable, selection, dtype)
 
     @T.macro
     def body(x, w, out, ws_val, ws_idx, batch):
-        if batch <= 16:
+        if batch <= SMALL_BATCH:
             small(x, w, out, ws_val, ws_idx, batch)
         else:
-            large(x, w, out, ws_val, ws_idx, batch)
+            wide(x, w, out, ws_val, ws_idx, batch)
 
     return body
 
 
-def _mma_launch(hidden: int, live: int, decodable: int, selection: int, dtype: str, n_tiles: int):
-    """A macro (x, w, out, ws_val, ws_idx, batch): the kernel taking `n_tiles` n8 batch tiles
-    a pass, on tensor cores (mma.sync m16n8k16, fp32 accumulate). A warp owns 16 weight rows
-    (m_tiles m16 tiles) and the batch as n8 tiles. The dot product does not care in
-    which order k is summed, so each lane loads 8 consecutive k of a row with one 128-bit load
-    and the same 8 k of the hidden vector, and those 8 feed two mma k16 steps: lane (g, q)
-    supplies logical k {2q, 2q+1, 2q+8, 2q+9} of each step, which both operands agree to map
-    to physical k 8q' + {0..3} and 8q' + {4..7}. Lane q streams k_lane contiguous k of each
-    step, so the four lanes of a row read one contiguous stretch; the next step's weight loads
-    are issued before this step's mma (two register stages)."""
-    warps, m_tiles, unroll = WARPS, M_TILES, 2
+def _small_launch(hidden: int, live: int, decodable: int, selection: int, dtype: str):
+    """A macro (x, w, out, ws_val, ws_idx, batch): WARPS warps of M_TILES m-tiles a block,
+    16 batch rows a pass."""
+    n_tiles = 2
+    block = _mma_block(hidden, live, dtype, WARPS, M_TILES, n_tiles)
+    finish = _epilogue(live, decodable, selection, WARPS, M_TILES, n_tiles)
+    n_blocks = -(-selection // CHUNK_COLS)
+
+    @T.macro
+    def launch(x, w, out, ws_val, ws_idx, batch):
+        for bx in T.thread_binding(n_blocks, thread="blockIdx.x"):
+            with T.sblock("block"):
+                T.reads()
+                T.writes()
+                red_val = T.sblock_alloc_buffer((WARPS, 8 * n_tiles, 2), "float32", scope="shared")
+                red_idx = T.sblock_alloc_buffer((WARPS, 8 * n_tiles), "int32", scope="shared")
+                for ty in T.thread_binding(WARPS, thread="threadIdx.y"):
+                    for tx in T.thread_binding(32, thread="threadIdx.x"):
+                        with T.sblock("logits"):
+                            T.reads()
+                            T.writes()
+                            acc = T.sblock_alloc_buffer(
+                                (M_TILES * n_tiles * 4,), "float32", scope="local"
+                            )
+                            T.evaluate(wait_for_producers(True))  # first: schedules/pdl.py
+                            T.evaluate(release_dependents(True))
+                            for b0 in T.serial(T.ceildiv(batch, 8 * n_tiles)):
+                                block(x, w, acc, batch, bx, ty, tx, b0)
+                                finish(acc, out, ws_val, ws_idx, batch, red_val, red_idx, bx,
+                                       ty, tx, b0)  # fmt: skip
+
+    return launch
+
+
+def _wide_launch(hidden: int, live: int, decodable: int, selection: int, dtype: str):
+    """A macro (x, w, out, ws_val, ws_idx, batch): a block a (chunk, 64 batch rows), WIDE_WARPS
+    warps; sm_90a's wgmma ring, or sm_80's mma.sync with one m-tile a warp."""
+    cols = 8 * WIDE_N_TILES
+    accumulate = wgmma_tile(cols, hidden, WIDE, None, False, accumulate_only=True)
+    maps, encode = tensor_maps(cols, hidden, WIDE)
+    block = _mma_block(hidden, live, dtype, WIDE_WARPS, 1, WIDE_N_TILES)
+    finish = _epilogue(live, decodable, selection, WIDE_WARPS, 1, WIDE_N_TILES)
+    n_blocks = -(-selection // CHUNK_COLS)
+
+    @T.macro
+    def launch(x, w, out, ws_val, ws_idx, batch):
+        encode(w, x, selection, batch)  # on the host: rows past either read as zeros
+        for bx in T.thread_binding(n_blocks, thread="blockIdx.x"):
+            for by in T.thread_binding(T.ceildiv(batch, cols), thread="blockIdx.y"):
+                with T.sblock("block"):
+                    T.reads()
+                    T.writes()
+                    smem = T.sblock_alloc_buffer((WIDE.shared_bytes // 2,), dtype,
+                                                 scope="shared.dyn")  # fmt: skip
+                    red_val = T.sblock_alloc_buffer((WIDE_WARPS, cols, 2), "float32",
+                                                    scope="shared")  # fmt: skip
+                    red_idx = T.sblock_alloc_buffer((WIDE_WARPS, cols), "int32", scope="shared")
+                    for ty in T.thread_binding(WIDE_WARPS, thread="threadIdx.y"):
+                        for tx in T.thread_binding(32, thread="threadIdx.x"):
+                            with T.sblock("logits"):
+                                T.reads()
+                                T.writes()
+                                acc = T.sblock_alloc_buffer((cols // 2,), "float32", scope="local")
+                                T.evaluate(wait_for_producers(True))  # first: schedules/pdl.py
+                                T.evaluate(release_dependents(True))
+                                tid: T.let[T.int32] = ty * 32 + tx
+                                if is_sm90a():
+                                    # the weight is A (a block's 128 rows), the batch B
+                                    accumulate(w, x, acc, selection, smem, bx, by, tid, maps)
+                                else:
+                                    block(x, w, acc, batch, bx, ty, tx, by)
+                                finish(acc, out, ws_val, ws_idx, batch, red_val, red_idx, bx,
+                                       ty, tx, by)  # fmt: skip
+
+    return launch
+
+
+def _mma_block(hidden: int, live: int, dtype: str, warps: int, m_tiles: int, n_tiles: int):
+    """A macro (x, w, acc, batch, bx, ty, tx, b0): warp ty's accumulators over batch pass b0
+    (`n_tiles` n8 batch tiles) of block bx's rows, on tensor cores (mma.sync m16n8k16, fp32
+    accumulate). A warp owns 16 * m_tiles weight rows and the batch as n8 tiles. The dot
+    product does not care in which order k is summed, so each lane loads 8 consecutive k of a
+    row with one 128-bit load and the same 8 k of the hidden vector, and those 8 feed two mma
+    k16 steps: lane (g, q) supplies logical k {2q, 2q+1, 2q+8, 2q+9} of each step, which both
+    operands agree to map to physical k 8q' + {0..3} and 8q' + {4..7}. Lane q streams k_lane
+    contiguous k of each step, so the four lanes of a row read one contiguous stretch; the
+    next step's weight loads are issued before this step's mma (two register stages). Weight
+    rows from `live` on read as zeros (their columns are masked)."""
+    unroll = 2
     step = 32 * unroll
     k_lane = 8 * unroll
     if hidden % (2 * step):
         raise ValueError(f"hidden size {hidden} must be a multiple of {2 * step}")
-    n_blocks = -(-selection // (warps * 16 * m_tiles))
     k_pairs = hidden // (2 * step)
-    neg_inf = T.float32("-inf")
 
     @T.macro
     def load_w(
@@ -116,24 +211,69 @@ def _mma_launch(hidden: int, live: int, decodable: int, selection: int, dtype: s
                                 )
                             )
 
-    cols = n_tiles * 8  # batch columns of a pass
+    @T.macro
+    def block(x, w, acc, batch, bx, ty, tx, b0):
+        w_reg = T.alloc_local((2, unroll, 2 * m_tiles, 8), dtype)
+        x_reg = T.alloc_local((n_tiles, 8), dtype)
+        # mma operands are addressed by element offset, so they stay plain bf16 arrays; the
+        # 128-bit-loaded x_reg is copied in.
+        a_frag = T.alloc_local((m_tiles, 2, 8), dtype)
+        b_frag = T.alloc_local((8,), dtype)
+        g: T.let[T.int32] = tx // 4
+        q: T.let[T.int32] = tx % 4
+        row0: T.let[T.int32] = (bx * warps + ty) * 16 * m_tiles + g
+        b_base: T.let[T.int32] = b0 * n_tiles * 8
+        for i in T.unroll(m_tiles * n_tiles * 4):
+            acc[i] = T.float32(0)
+        load_w(w, w_reg, 0, 0, row0, q)
+        for kp in T.serial(k_pairs):
+            load_w(w, w_reg, 1, kp * 2 + 1, row0, q)
+            mma_step(x, w_reg, x_reg, a_frag, b_frag, acc, 0, kp * 2, b_base, batch, g, q)
+            if kp + 1 < k_pairs:
+                load_w(w, w_reg, 0, kp * 2 + 2, row0, q)
+            mma_step(x, w_reg, x_reg, a_frag, b_frag, acc, 1, kp * 2 + 1, b_base, batch, g, q)
+
+    return block
+
+
+def _epilogue(live: int, decodable: int, selection: int, warps: int, m_tiles: int, n_tiles: int):
+    """A macro (acc, out, ws_val, ws_idx, batch, red_val, red_idx, bx, ty, tx, b0): warp ty's
+    accumulators of batch pass b0 (mma's m16n8 layout, gemm_layout.acc_coords, which wgmma's
+    D shares; m-tile m, n-tile nt at (m * n_tiles + nt) * 4) stored as logits, rows from `live`
+    on as -inf, and the block's triples of each batch row over its decodable columns: a lane's
+    rows, the warp's (the 8 lanes of one q) by shuffles, then the warps' in shared memory
+    ([warps, cols, 2] and [warps, cols]), in ascending rows."""
+    cols = n_tiles * 8  # batch rows of a pass
+    neg_inf = T.float32("-inf")
 
     @T.macro
-    def pick_triples(acc, run, arg, red_val, red_idx, ws_val, ws_idx, bx, ty, tx, row0, b0, batch):
-        # each batch column's triple over the block's decodable rows: a lane's 4 rows, the
-        # warp's (the 8 lanes of one q) by shuffles, then the 4 warps' in shared memory
-        g, q = T.meta_var((tx // 4, tx % 4))
+    def finish(acc, out, ws_val, ws_idx, batch, red_val, red_idx, bx, ty, tx, b0):
+        run = T.alloc_local((2,), "float32")
+        arg = T.alloc_local((1,), "int32")
+        g: T.let[T.int32] = tx // 4
+        q: T.let[T.int32] = tx % 4
+        row0: T.let[T.int32] = (bx * warps + ty) * 16 * m_tiles + g
+        for m in T.unroll(m_tiles):
+            for nt in T.unroll(n_tiles):
+                for e in T.unroll(4):
+                    er, ec = T.meta_var(acc_coords(tx, e))
+                    b: T.let[T.int32] = b0 * cols + nt * 8 + ec
+                    r: T.let[T.int32] = row0 - g + m * 16 + er
+                    if b < batch and r < selection:
+                        out[b, r] = T.if_then_else(
+                            r < live, acc[(m * n_tiles + nt) * 4 + e], neg_inf
+                        )
         for nt in T.unroll(n_tiles):
             if b0 * cols + nt * 8 < batch:  # warp-uniform: a tile past the batch has no row
                 for c in T.unroll(2):  # the lane's batch column nt * 8 + 2q + c
                     start(run, arg)
                     for m in T.unroll(m_tiles):
                         for h in T.unroll(2):  # ascending rows
-                            r: T.let[T.int32] = row0 + m * 16 + h * 8
+                            rr: T.let[T.int32] = row0 + m * 16 + h * 8
                             x_r: T.let[T.float32] = T.if_then_else(
-                                r < decodable, acc[(m * n_tiles + nt) * 4 + h * 2 + c], neg_inf
+                                rr < decodable, acc[(m * n_tiles + nt) * 4 + h * 2 + c], neg_inf
                             )
-                            take(run, arg, x_r, r)
+                            take(run, arg, x_r, rr)
                     warp_merge(run, arg, 4, 3)  # lane bits 2-4: g
                     if g == 0:
                         red_val[ty, nt * 8 + q * 2 + c, 0] = run[0]
@@ -152,62 +292,4 @@ def _mma_launch(hidden: int, live: int, decodable: int, selection: int, dtype: s
                     ws_idx[b0 * cols + col, bx] = arg[0]
         T.tvm_storage_sync("shared")  # before the next pass's writes
 
-    @T.macro
-    def launch(x, w, out, ws_val, ws_idx, batch):
-        for bx in T.thread_binding(n_blocks, thread="blockIdx.x"):
-            with T.sblock("block"):
-                T.reads()
-                T.writes()
-                red_val = T.sblock_alloc_buffer((warps, cols, 2), "float32", scope="shared")
-                red_idx = T.sblock_alloc_buffer((warps, cols), "int32", scope="shared")
-                for ty in T.thread_binding(warps, thread="threadIdx.y"):
-                    for tx in T.thread_binding(32, thread="threadIdx.x"):
-                        with T.sblock("logits"):
-                            T.reads()
-                            T.writes()
-                            w_reg = T.sblock_alloc_buffer(
-                                (2, unroll, 2 * m_tiles, 8), dtype, scope="local"
-                            )
-                            x_reg = T.sblock_alloc_buffer((n_tiles, 8), dtype, scope="local")
-                            # mma operands are addressed by element offset, so they stay plain
-                            # bf16 arrays; the 128-bit-loaded x_reg is copied in.
-                            a_frag = T.sblock_alloc_buffer((m_tiles, 2, 8), dtype, scope="local")
-                            b_frag = T.sblock_alloc_buffer((8,), dtype, scope="local")
-                            acc = T.sblock_alloc_buffer(
-                                (m_tiles * n_tiles * 4,), "float32", scope="local"
-                            )
-                            run = T.sblock_alloc_buffer((2,), "float32", scope="local")
-                            arg = T.sblock_alloc_buffer((1,), "int32", scope="local")
-                            T.evaluate(wait_for_producers(True))  # first: schedules/pdl.py
-                            T.evaluate(release_dependents(True))
-                            g: T.let[T.int32] = tx // 4
-                            q: T.let[T.int32] = tx % 4
-                            row0: T.let[T.int32] = (bx * warps + ty) * 16 * m_tiles + g
-                            for b0 in T.serial(T.ceildiv(batch, cols)):
-                                for i in T.unroll(m_tiles * n_tiles * 4):
-                                    acc[i] = T.float32(0)
-                                load_w(w, w_reg, 0, 0, row0, q)
-                                for kp in T.serial(k_pairs):
-                                    load_w(w, w_reg, 1, kp * 2 + 1, row0, q)
-                                    mma_step(x, w_reg, x_reg, a_frag, b_frag, acc, 0, kp * 2,
-                                             b0 * cols, batch, g, q)  # fmt: skip
-                                    if kp + 1 < k_pairs:
-                                        load_w(w, w_reg, 0, kp * 2 + 2, row0, q)
-                                    mma_step(x, w_reg, x_reg, a_frag, b_frag, acc, 1, kp * 2 + 1,
-                                             b0 * cols, batch, g, q)  # fmt: skip
-                                for m in T.unroll(m_tiles):
-                                    for nt in T.unroll(n_tiles):
-                                        for e in T.unroll(4):
-                                            # accumulator: (row g, cols 2q, 2q+1), (row g+8, ..)
-                                            b: T.let[T.int32] = b0 * cols + nt * 8 + q * 2 + e % 2
-                                            r: T.let[T.int32] = row0 + m * 16 + (e // 2) * 8
-                                            if b < batch and r < selection:
-                                                out[b, r] = T.if_then_else(
-                                                    r < live,
-                                                    acc[(m * n_tiles + nt) * 4 + e],
-                                                    neg_inf,
-                                                )
-                                pick_triples(acc, run, arg, red_val, red_idx, ws_val, ws_idx, bx,
-                                             ty, tx, row0, b0, batch)  # fmt: skip
-
-    return launch
+    return finish

@@ -353,7 +353,7 @@ def gemm_kernel(
     @T.macro
     def body(a, b, out, extras, m):
         if wgmma is not None and wgmma.tma:
-            encode(a, b, m)  # on the host, before the launch
+            encode(a, b, m, n)  # on the host, before the launch
         if splittable:
             splits = T.meta_var(split_count(m, bm, n_tiles, k_tiles))
             ws = T.alloc_buffer((workspace_elems(splits, m, n),), "float32")
@@ -367,7 +367,7 @@ def gemm_kernel(
 
     @T.macro
     def body_persistent(a, b, out, extras, m):
-        encode(a, b, m)  # on the host, before the launch
+        encode(a, b, m, n)  # on the host, before the launch
         for cta in T.thread_binding(wgmma.ctas, thread="blockIdx.x"):
             for ty in T.thread_binding(threads // 32, thread="threadIdx.y"):
                 for tx in T.thread_binding(32, thread="threadIdx.x"):

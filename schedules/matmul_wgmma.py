@@ -124,8 +124,8 @@ def pair_store(epilogue: Epilogue, swiglu_dtype: str | None):
 def tensor_maps(n: int, k: int, cfg: WgmmaConfig, swiglu: bool = False):
     """The TMA descriptors of A [m, k] and B [n, k] (a stage's box each, 128-byte swizzle, rows
     past the end read as zeros; with `swiglu`, B's box is half a tile, loaded twice: the gate
-    rows, then their up rows), and a macro that encodes them on the host before the launch
-    (TVM passes them to the kernel as parameters)."""
+    rows, then their up rows), and a macro `encode(a, b, m, n)` that encodes them on the host
+    before the launch (TVM passes them to the kernel as parameters); m and n may be dynamic."""
     maps = tuple(T.Var(f"{name}_tensormap", T.handle("tensormap").ty) for name in ("a", "b"))
 
     @T.macro
@@ -149,7 +149,7 @@ def tensor_maps(n: int, k: int, cfg: WgmmaConfig, swiglu: bool = False):
         )
 
     @T.macro
-    def encode(a, b, m):
+    def encode(a, b, m, n):
         encode_one(maps[0], a, m, BLOCK_M)
         encode_one(maps[1], b, n, cfg.block_n // 2 if swiglu else cfg.block_n)
 
@@ -164,10 +164,14 @@ def wgmma_tile(
     pair: bool,
     swiglu: bool = False,
     out_dtype: str = DTYPE,
+    accumulate_only: bool = False,
 ):
     """A macro computing the tile (bx, by) with THREADS threads (`tid`), its ring in `smem` (a
     bf16 shared buffer of at least cfg.shared_bytes). Rows of A past m (B past n) are clamped
-    to the last row: they feed only accumulators that are never stored."""
+    to the last row: they feed only accumulators that are never stored. With `accumulate_only`,
+    the macro `accumulate(a, b, acc, m, smem, bx, by, tid, maps)` instead: the tile's whole k into
+    a thread's bn / 2 fp32 `acc` (zeroed first; wgmma's D layout), for an epilogue of the
+    caller's own."""
     cfg.check()
     bn, stages = cfg.block_n, cfg.stages
     chunks = BLOCK_K // 8
@@ -336,10 +340,7 @@ def wgmma_tile(
                     store_partial(ws, acc, at, at + out_tiles * 4, z, r, c, m, n_out)
 
     @T.macro
-    def tile(a, b, out, extras, m, smem, bx, by, tid, maps, ws, z, splits):
-        # split z of `splits` (split_k.py): k tiles [kt0, kt0 + kc), its partial into ws
-        kt0, kc = T.meta_var(k_range(z, splits, k_tiles))
-        acc = T.alloc_local((bn // 2,), "float32")
+    def accumulate_range(a, b, acc, m, smem, bx, by, tid, maps, kt0, kc):
         base: T.let[T.uint32] = T.cuda.cvta_generic_to_shared(smem.data)
         pad_bytes: T.let[T.uint32] = (T.uint32(_ALIGN) - base % T.uint32(_ALIGN)) % T.uint32(_ALIGN)
         pad: T.let[T.int32] = T.Cast("int32", pad_bytes) // 2
@@ -350,7 +351,19 @@ def wgmma_tile(
             mainloop_tma(maps, acc, smem, pad, ring, bx, by, tid, kt0, kc)
         else:
             mainloop_cp_async(a, b, acc, m, smem, pad, ring, bx, by, tid, kt0, kc)
+
+    @T.macro
+    def tile(a, b, out, extras, m, smem, bx, by, tid, maps, ws, z, splits):
+        # split z of `splits` (split_k.py): k tiles [kt0, kt0 + kc), its partial into ws
+        kt0, kc = T.meta_var(k_range(z, splits, k_tiles))
+        acc = T.alloc_local((bn // 2,), "float32")
+        accumulate_range(a, b, acc, m, smem, bx, by, tid, maps, kt0, kc)
         store_tile(out, extras, acc, m, bx, by, tid, ws, z, splits)
+
+    @T.macro
+    def accumulate(a, b, acc, m, smem, bx, by, tid, maps):
+        accumulate_range(a, b, acc, m, smem, bx, by, tid, maps, 0, k_tiles)
+        T.evaluate(T.ptx.wgmma.wait_group.sync.aligned(0))
 
     @T.macro
     def tiles(a, b, out, extras, m, smem, cta, tid, maps):
@@ -376,4 +389,6 @@ def wgmma_tile(
                 _, bx, by = T.meta_var(at(g))
                 store_tile(out, extras, acc, m, bx, by, tid, None, 0, 1)
 
+    if accumulate_only:
+        return accumulate
     return tiles if cfg.ctas else tile
