@@ -252,34 +252,35 @@ def _epilogue(live: int, decodable: int, selection: int, warps: int, m_tiles: in
         run = T.alloc_local((2,), "float32")
         arg = T.alloc_local((1,), "int32")
         g: T.let[T.int32] = tx // 4
-        q: T.let[T.int32] = tx % 4
-        row0: T.let[T.int32] = (bx * warps + ty) * 16 * m_tiles + g
+        first: T.let[T.int32] = (bx * warps + ty) * 16 * m_tiles  # the warp's first row
         for m in T.unroll(m_tiles):
             for nt in T.unroll(n_tiles):
                 for e in T.unroll(4):
                     er, ec = T.meta_var(acc_coords(tx, e))
                     b: T.let[T.int32] = b0 * cols + nt * 8 + ec
-                    r: T.let[T.int32] = row0 - g + m * 16 + er
+                    r: T.let[T.int32] = first + m * 16 + er
                     if b < batch and r < selection:
                         out[b, r] = T.if_then_else(
                             r < live, acc[(m * n_tiles + nt) * 4 + e], neg_inf
                         )
         for nt in T.unroll(n_tiles):
             if b0 * cols + nt * 8 < batch:  # warp-uniform: a tile past the batch has no row
-                for c in T.unroll(2):  # the lane's batch column nt * 8 + 2q + c
+                for c in T.unroll(2):  # the lane's column pair: elements c and 2 + c
                     start(run, arg)
                     for m in T.unroll(m_tiles):
                         for h in T.unroll(2):  # ascending rows
-                            rr: T.let[T.int32] = row0 + m * 16 + h * 8
+                            er, _ = T.meta_var(acc_coords(tx, h * 2 + c))
+                            rr: T.let[T.int32] = first + m * 16 + er
                             x_r: T.let[T.float32] = T.if_then_else(
                                 rr < decodable, acc[(m * n_tiles + nt) * 4 + h * 2 + c], neg_inf
                             )
                             take(run, arg, x_r, rr)
                     warp_merge(run, arg, 4, 3)  # lane bits 2-4: g
+                    _, ec = T.meta_var(acc_coords(tx, c))
                     if g == 0:
-                        red_val[ty, nt * 8 + q * 2 + c, 0] = run[0]
-                        red_val[ty, nt * 8 + q * 2 + c, 1] = run[1]
-                        red_idx[ty, nt * 8 + q * 2 + c] = arg[0]
+                        red_val[ty, nt * 8 + ec, 0] = run[0]
+                        red_val[ty, nt * 8 + ec, 1] = run[1]
+                        red_idx[ty, nt * 8 + ec] = arg[0]
         T.tvm_storage_sync("shared")
         if ty == 0:
             for cc in T.unroll(-(-cols // 32)):
