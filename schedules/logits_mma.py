@@ -92,7 +92,7 @@ def _wide_launch(hidden: int, live: int, decodable: int, selection: int, dtype: 
     warps; sm_90a's wgmma ring, or sm_80's mma.sync with one m-tile a warp."""
     cols = 8 * WIDE_N_TILES
     accumulate = wgmma_tile(cols, hidden, WIDE, None, False, accumulate_only=True)
-    maps, encode = tensor_maps(cols, hidden, WIDE)
+    maps, encode = tensor_maps(hidden, WIDE)
     block = _mma_block(hidden, live, dtype, WIDE_WARPS, 1, WIDE_N_TILES)
     finish = _epilogue(live, decodable, selection, WIDE_WARPS, 1, WIDE_N_TILES)
     n_blocks = -(-selection // CHUNK_COLS)

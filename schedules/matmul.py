@@ -117,7 +117,7 @@ def gemm_kernel(
     store_partial = partial_store(n, swiglu)
     if wgmma is not None:
         sm90_tile = wgmma_tile(n, k, wgmma, epilogue, n_out % 2 == 0, swiglu, out_dtype)
-        maps, encode = tensor_maps(n, k, wgmma, swiglu)
+        maps, encode = tensor_maps(k, wgmma, swiglu)
     # Prefill's (dual-path) GEMMs launch early and wait for their producer on the SMs it
     # frees; decode_wide's start after it, as its GEMVs do (launched early, those one-wave
     # kernels ran 1.3-1.5x slower: docs/performance.md).

@@ -121,7 +121,7 @@ def pair_store(epilogue: Epilogue, swiglu_dtype: str | None):
     return store
 
 
-def tensor_maps(n: int, k: int, cfg: WgmmaConfig, swiglu: bool = False):
+def tensor_maps(k: int, cfg: WgmmaConfig, swiglu: bool = False):
     """The TMA descriptors of A [m, k] and B [n, k] (a stage's box each, 128-byte swizzle, rows
     past the end read as zeros; with `swiglu`, B's box is half a tile, loaded twice: the gate
     rows, then their up rows), and a macro `encode(a, b, m, n)` that encodes them on the host
