@@ -19,15 +19,18 @@ small, wide or both), as
                      norm without weight, which conversion puts in W's columns)
           gate_up:   ours_swiglu, ours_rms_swiglu and swiglu, decode's SwiGLU folded into
                      the GEMV, and the SwiGLU kernel alone (benchmarks/gemv_swiglu.py)
-  wide:   regs       the 16-64 row buckets with the weight ring in registers
+  wide:   gemv       the GEMV's own plan, where ours runs the swapped tensor-core GEMM
+                     (schedules/gemv_wide_mma.py); mma4-6: that GEMM's ring 4-6 stages deep
+                     (gate_up: *_rms_swiglu, as decode_wide runs it)
+          regs       the 16-64 row buckets with the weight ring in registers
           m?         ... with that many m-tiles a warp
           half       ... with half the shared weight ring
           mma_wide   MatmulMMA(WIDE_DECODE_CONFIG), the tiled GEMM decode_wide used before
           wgmma      prefill's GEMM (wgmma + TMA on sm_90a, split-K for few tiles) on these
                      rows: a candidate for the 32-64 row buckets, where the GEMV streams at
                      42-60% of copy bandwidth and cuBLAS at 77-91% (not yet measured)
-`run` measures, in one child process per shape and class, at batch 1, 4, 7 (small) or 16, 64
-(wide; batch 8, 9 and 33 checked for correctness only):
+`run` measures, in one child process per shape and class, at batch 1, 4, 7 (small) or 16, 32,
+64 (wide; batch 8, 9, 33 and 70 checked for correctness only):
   - correctness against a fp32 torch reference (max |out - ref| / max |ref|, cuBLAS's beside);
   - the kernel's CUPTI time (torch.profiler) per call, over a CUDA graph of calls that cycle
     through copies of W filling 4x the L2, so every call streams W from HBM, as in a decode
@@ -53,8 +56,9 @@ from pathlib import Path
 from gemv_variants import RMS_EPS, shape_kernels
 
 MANIFEST = "gemv_bench.json"
-BATCHES = {"small": (1, 4, 7), "wide": (16, 64)}
-CHECK_BATCHES = {"small": (), "wide": (8, 9, 33)}  # correctness only: bucket edges, odd rows
+BATCHES = {"small": (1, 4, 7), "wide": (16, 32, 64)}
+# correctness only: bucket edges, odd rows, a second block of 64
+CHECK_BATCHES = {"small": (), "wide": (8, 9, 33, 70)}
 MIN_CALLS = 24  # calls per timed graph
 
 

@@ -111,14 +111,22 @@ def bulk_variants(n: int, k: int, default) -> dict[str, object]:
 
 
 def wide_variants(n: int, k: int) -> dict[str, object]:
-    """Bucket plans around the default: the weight ring in registers, the other m-tile count,
-    half the shared ring, deeper register rings ("deep")."""
+    """Bucket plans around the default: the GEMV's own plan ("gemv": every bucket the GEMV,
+    none the swapped tensor-core GEMM), its ring in registers, the other m-tile count, half the
+    shared ring, deeper register rings ("deep"); the tensor-core GEMM's rings at 4-6 stages
+    ("mma4".."mma6", where it applies)."""
     from dataclasses import replace
 
-    from qwen35_tvm.schedules.gemv_config import wide_buckets
-    from qwen35_tvm.schedules.gemv_rule import plan
+    from qwen35_tvm.schedules.gemv_config import SM80_SHARED_BYTES, WideMmaConfig, wide_buckets
 
-    default = plan(n, k, "wide")
+    default = wide_buckets(n, k, mma=False)
+    ours = wide_buckets(n, k)
+    mma = {}
+    for stages in (4, 5, 6) if ours != default else ():
+        plan = tuple((limit, replace(c, stages=stages) if isinstance(c, WideMmaConfig) else c)
+                     for limit, c in ours)  # fmt: skip
+        if all(getattr(c, "shared_bytes", 0) <= SM80_SHARED_BYTES for _, c in plan):
+            mma[f"mma{stages}"] = plan
     other = 1 if default[-1][1].m_tiles == 2 else 2
     half = tuple(
         (limit, replace(cfg, stages=max(2, cfg.stages // 2)) if cfg.w_smem else cfg)
@@ -131,9 +139,11 @@ def wide_variants(n: int, k: int) -> dict[str, object]:
         if k % cfg.chunk == 0:
             bulk16[f"bulk16u{unroll}s{stages}"] = (default[0], (16, cfg), *default[2:])
     return {
+        **({"gemv": default} if ours != default else {}),
+        **mma,
         **bulk16,
-        "regs": wide_buckets(n, k, w_smem=False),
-        f"m{other}": wide_buckets(n, k, m_tiles=other),
+        "regs": wide_buckets(n, k, mma=False, w_smem=False),
+        f"m{other}": wide_buckets(n, k, mma=False, m_tiles=other),
         "half": half,
         "deep": tuple((limit, deeper_register_ring(n, k, cfg)) for limit, cfg in default),
         **x_ring_variants(n, k, default),
@@ -217,6 +227,12 @@ def shape_kernels(small, rows: str, target, gate_up: bool = False) -> tuple[dict
         glu = gemv_swiglu.makers(func, target, RMS_EPS, rows)
         makers.update(glu)
         configs.update({name: configs["ours"] for name in glu if name != gemv_swiglu.ALONE})
+        for name in [nm for nm in configs if nm == "gemv" or nm.startswith("mma")]:
+            # decode_wide's own gate_up (norm and SwiGLU folded) under the other plans
+            glu_name, cfg = f"{name}_rms{gemv_swiglu.GLU}", configs[name]
+            configs[glu_name] = cfg
+            makers[glu_name] = lambda c=cfg: gemv_for(func, target, c, rms_eps=RMS_EPS,
+                                                      swiglu=True)  # fmt: skip
     kernels, errors = {}, {}
     for name, make in {**makers, **baseline}.items():
         try:

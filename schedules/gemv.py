@@ -55,7 +55,8 @@ from tvm.target import Target
 from .activation import swiglu_of
 from .gemm_match import Epilogue, fused_gemm_func, plain_epilogue
 from .gemv_body import pass_kernel
-from .gemv_config import VEC, Buckets, GemvConfig, default_config
+from .gemv_config import VEC, Buckets, GemvConfig, WideMmaConfig, default_config
+from .gemv_wide_mma import wide_mma_launch
 
 KERNEL_ATTR = "qwen35.kernel"  # set to "gemv" on the kernel, so tests can tell it is ours
 
@@ -65,7 +66,11 @@ def _dispatch(n: int, k: int, buckets: Buckets, gpu: bool, *fold):
     (each bucket its own kernel, with its own registers and launch bounds). `fold`: the
     epilogue, rms_eps, pair and extra shapes of gemv_body.pass_kernel."""
     (limit, cfg), rest = buckets[0], buckets[1:]
-    first = pass_kernel(n, k, cfg, gpu, *fold)
+    if isinstance(cfg, WideMmaConfig):
+        epilogue, rms_eps, pair, _ = fold
+        first = wide_mma_launch(n, k, cfg, gpu, epilogue, rms_eps, pair)
+    else:
+        first = pass_kernel(n, k, cfg, gpu, *fold)
     if not rest:
         return first
     other = _dispatch(n, k, rest, gpu, *fold)
@@ -106,7 +111,9 @@ def gemv_kernel(
     epilogue's values, in float32 rounded once to `out_dtype` (activation.swiglu_of), as the
     SwiGLU kernel computes from the stored gate_up."""
     config = config or default_config(n, k)
-    buckets = ((1 << 30, config),) if isinstance(config, GemvConfig) else tuple(config)
+    buckets = (
+        ((1 << 30, config),) if isinstance(config, (GemvConfig, WideMmaConfig)) else tuple(config)
+    )
     if k % VEC:
         raise ValueError(f"k {k} must be a multiple of {VEC} (128-bit loads)")
     if swiglu and n % 2:

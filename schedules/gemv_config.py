@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .matmul_wgmma import BLOCK_M, SM80_SHARED_BYTES, THREADS, WgmmaConfig
+
 VEC = 8  # bf16 elements of one 128-bit load
 # bf16 after each row of a bulk stage: a row pitch of 64 bytes past a multiple of 128 puts the
 # two rows of a quarter-warp's 128-bit reads in different banks
@@ -29,6 +31,9 @@ MAX_REGISTERS = 232  # per thread: 255, less a margin for est_registers' error
 # engine_gemv2560_a2_experiment.json; c16 unchanged). 9B's (256+ tiles) keep the overlap: not
 # measured there.
 START_AFTER_PRODUCER_TILES = SMS * 3 // 2
+# decode_wide's 16-64-row buckets of the wide projections as a swapped tensor-core GEMM
+# (schedules/gemv_wide_mma.py) rather than the GEMV
+WIDE_MMA = True
 
 
 def cdiv(a: int, b: int) -> int:
@@ -118,8 +123,35 @@ class GemvConfig:
             raise ValueError(f"{self}: bulk 1-4 blocks an SM, 2+ stages, not with w_smem")
 
 
+@dataclass(frozen=True)
+class WideMmaConfig:
+    """A decode_wide bucket as a swapped tensor-core GEMM (schedules/gemv_wide_mma.py): `cols`
+    batch rows a block (wgmma's N), a ring of `stages` k tiles."""
+
+    cols: int = 16
+    stages: int = 6
+
+    @property
+    def wgmma(self) -> WgmmaConfig:
+        return WgmmaConfig(block_n=self.cols, stages=self.stages, tma=True)
+
+    @property
+    def shared_bytes(self) -> int:
+        # the ring, then at most: the up values handed over, the squares, the rows' 1 / rms
+        sq_chunks = -(-self.cols * 8 // THREADS)
+        extra = (THREADS // 2 * self.cols // 2 + THREADS * sq_chunks + self.cols) * 4
+        return self.wgmma.shared_bytes + extra
+
+    def check(self) -> None:
+        if self.cols not in (16, 32, 64):
+            raise ValueError(f"{self}: cols 16, 32 or 64")
+        self.wgmma.check()
+        if self.shared_bytes > SM80_SHARED_BYTES:  # the launch is sm_80's too
+            raise ValueError(f"{self}: {self.shared_bytes} bytes of shared memory")
+
+
 # (largest batch, config) pairs, ascending; the last also takes every larger batch
-Buckets = tuple[tuple[int, GemvConfig], ...]
+Buckets = tuple[tuple[int, GemvConfig | WideMmaConfig], ...]
 
 
 def est_registers(cfg: GemvConfig) -> int:
@@ -249,12 +281,25 @@ def ring_in_registers(n: int, k: int, n_tiles: int) -> bool:
     return n_tiles == 2 and (n <= 4096 or k <= 2560)
 
 
-def wide_buckets(n: int, k: int, **options) -> Buckets:
-    """decode_wide's buckets: 8 rows as decode's GEMV, then 16, 32 and 64 columns a pass (a
-    batch past 64 takes a second pass, re-reading the weight). `options` go to wide_config;
-    without `w_smem`, `ring_in_registers` places each bucket's weight ring."""
+def wide_mma_config(n: int, k: int, cols: int) -> WideMmaConfig | None:
+    """The swapped tensor-core GEMM's bucket for a weight of n rows (a SwiGLU's too: 64
+    outputs a block, so the same n / 128 blocks) where its 128-row blocks still give most SMs
+    one, else None (n = 2,560 would leave 112 of 132 SMs idle); the deepest ring that fits."""
+    if not WIDE_MMA or cdiv(n, BLOCK_M) < SMS // 2 or k % (2 * 64):
+        return None
+    return next(c for s in (6, 5, 4) if (c := WideMmaConfig(cols, s)).shared_bytes
+                <= SM80_SHARED_BYTES)  # fmt: skip
 
-    def bucket(t: int) -> GemvConfig:
+
+def wide_buckets(n: int, k: int, mma: bool = True, **options) -> Buckets:
+    """decode_wide's buckets: 8 rows as decode's GEMV, then 16, 32 and 64 columns a pass (a
+    batch past 64 takes more blocks): the swapped tensor-core GEMM where `wide_mma_config`
+    gives one and `mma`, else the GEMV, whose options go to wide_config; without `w_smem`,
+    `ring_in_registers` places each bucket's weight ring."""
+
+    def bucket(t: int) -> GemvConfig | WideMmaConfig:
+        if mma and t > 1 and (cfg := wide_mma_config(n, k, 8 * t)) is not None:
+            return cfg
         placed = {} if "w_smem" in options else {"w_smem": not ring_in_registers(n, k, t)}
         return wide_config(n, k, t, **options, **placed)
 

@@ -18,9 +18,10 @@ from tvm.script import tirx as T
 
 from .gemm_layout import acc_coords
 from .matmul_wgmma import WgmmaConfig, tensor_maps, wgmma_tile
+from .mma_rows import mma_rows
 from .pdl import release_dependents, wait_for_producers
 from .pick_triples import CHUNK_COLS, merge, start, take, warp_merge
-from .ptx import is_sm90a, mma_bf16
+from .ptx import is_sm90a
 
 # 128 rows per block (a pick chunk). Two m-tiles per warp halve how often each warp re-reads
 # the hidden vectors, which otherwise rival the weight stream in L2 traffic.
@@ -57,7 +58,7 @@ def _small_launch(hidden: int, live: int, decodable: int, selection: int, dtype:
     """A macro (x, w, out, ws_val, ws_idx, batch): WARPS warps of M_TILES m-tiles a block,
     16 batch rows a pass."""
     n_tiles = 2
-    block = _mma_block(hidden, live, dtype, WARPS, M_TILES, n_tiles)
+    block = mma_rows(hidden, dtype, WARPS, M_TILES, n_tiles, _chunk_row(WARPS, M_TILES), live)
     finish = _epilogue(live, decodable, selection, WARPS, M_TILES, n_tiles)
     n_blocks = -(-selection // CHUNK_COLS)
 
@@ -93,7 +94,7 @@ def _wide_launch(hidden: int, live: int, decodable: int, selection: int, dtype: 
     cols = 8 * WIDE_N_TILES
     accumulate = wgmma_tile(cols, hidden, WIDE, None, False, accumulate_only=True)
     maps, encode = tensor_maps(hidden, WIDE)
-    block = _mma_block(hidden, live, dtype, WIDE_WARPS, 1, WIDE_N_TILES)
+    block = mma_rows(hidden, dtype, WIDE_WARPS, 1, WIDE_N_TILES, _chunk_row(WIDE_WARPS, 1), live)
     finish = _epilogue(live, decodable, selection, WIDE_WARPS, 1, WIDE_N_TILES)
     n_blocks = -(-selection // CHUNK_COLS)
 
@@ -121,7 +122,7 @@ def _wide_launch(hidden: int, live: int, decodable: int, selection: int, dtype: 
                                 tid: T.let[T.int32] = ty * 32 + tx
                                 if is_sm90a():
                                     # the weight is A (a block's 128 rows), the batch B
-                                    accumulate(w, x, acc, selection, smem, bx, by, tid, maps)
+                                    accumulate(w, x, acc, selection, smem, bx, by, tid, maps, None)
                                 else:
                                     block(x, w, acc, batch, bx, ty, tx, by)
                                 finish(acc, out, ws_val, ws_idx, batch, red_val, red_idx, bx,
@@ -130,111 +131,9 @@ def _wide_launch(hidden: int, live: int, decodable: int, selection: int, dtype: 
     return launch
 
 
-def _mma_block(hidden: int, live: int, dtype: str, warps: int, m_tiles: int, n_tiles: int):
-    """A macro (x, w, acc, batch, bx, ty, tx, b0): warp ty's accumulators over batch pass b0
-    (`n_tiles` n8 batch tiles) of block bx's rows, on tensor cores (mma.sync m16n8k16, fp32
-    accumulate). A warp owns 16 * m_tiles weight rows and the batch as n8 tiles. The dot
-    product does not care in which order k is summed, so each lane loads 8 consecutive k of a
-    row with one 128-bit load and the same 8 k of the hidden vector, and those 8 feed two mma
-    k16 steps: lane (g, q) supplies logical k {2q, 2q+1, 2q+8, 2q+9} of each step, which both
-    operands agree to map to physical k 8q' + {0..3} and 8q' + {4..7}. Lane q streams k_lane
-    contiguous k of each step, so the four lanes of a row read one contiguous stretch; the
-    next step's weight loads are issued before this step's mma (two register stages). Weight
-    rows from `live` on read as zeros (their columns are masked)."""
-    unroll = 2
-    step = 32 * unroll
-    k_lane = 8 * unroll
-    if hidden % (2 * step):
-        raise ValueError(f"hidden size {hidden} must be a multiple of {2 * step}")
-    k_pairs = hidden // (2 * step)
-
-    @T.macro
-    def load_w(
-        w: T.Buffer, w_reg: T.Buffer, stage: T.int32, ks: T.int32, row0: T.int32, q: T.int32
-    ):
-        for u in T.unroll(unroll):
-            for h in T.unroll(2 * m_tiles):  # rows row0 + 8h: m-tile h // 2, half h % 2
-                if row0 + h * 8 < live:
-                    for v in T.vectorized(8):
-                        w_reg[stage, u, h, v] = w[row0 + h * 8, ks * step + q * k_lane + u * 8 + v]
-                else:
-                    for v in T.vectorized(8):
-                        w_reg[stage, u, h, v] = T.Cast(dtype, 0)
-
-    @T.macro
-    def mma_step(
-        x: T.Buffer,
-        w_reg: T.Buffer,
-        x_reg: T.Buffer,
-        a_frag: T.Buffer,
-        b_frag: T.Buffer,
-        acc: T.Buffer,
-        stage: T.int32,
-        ks: T.int32,
-        b_base: T.int32,
-        batch: T.int32,
-        g: T.int32,
-        q: T.int32,
-    ):
-        for u in T.unroll(unroll):
-            # the batch tiles' hidden-vector loads are all in flight before the first mma
-            for nt in T.unroll(n_tiles):
-                if b_base + nt * 8 < batch:
-                    if b_base + nt * 8 + g < batch:
-                        for v in T.vectorized(8):
-                            x_reg[nt, v] = x[
-                                b_base + nt * 8 + g, ks * step + q * k_lane + u * 8 + v
-                            ]
-                    else:
-                        for v in T.vectorized(8):
-                            x_reg[nt, v] = T.Cast(dtype, 0)
-            for m in T.unroll(m_tiles):
-                for s in T.unroll(2):
-                    # fragment order: (g, k0:2) (g+8, k0:2) (g, k2:4) (g+8, k2:4)
-                    for e in T.unroll(8):
-                        a_frag[m, s, e] = w_reg[
-                            stage, u, m * 2 + (e // 2) % 2, s * 4 + (e // 4) * 2 + e % 2
-                        ]
-            for nt in T.unroll(n_tiles):
-                if b_base + nt * 8 < batch:
-                    for e in T.unroll(8):
-                        b_frag[e] = x_reg[nt, e]
-                    for m in T.unroll(m_tiles):
-                        for s in T.unroll(2):
-                            T.evaluate(
-                                mma_bf16(
-                                    a_frag.data,
-                                    (m * 2 + s) * 8,
-                                    b_frag.data,
-                                    s * 4,
-                                    acc.data,
-                                    (m * n_tiles + nt) * 4,
-                                )
-                            )
-
-    @T.macro
-    def block(x, w, acc, batch, bx, ty, tx, b0):
-        w_reg = T.alloc_local((2, unroll, 2 * m_tiles, 8), dtype)
-        x_reg = T.alloc_local((n_tiles, 8), dtype)
-        # mma operands are addressed by element offset, so they stay plain bf16 arrays; the
-        # 128-bit-loaded x_reg is copied in.
-        a_frag = T.alloc_local((m_tiles, 2, 8), dtype)
-        b_frag = T.alloc_local((8,), dtype)
-        g: T.let[T.int32] = tx // 4
-        q: T.let[T.int32] = tx % 4
-        row0: T.let[T.int32] = (bx * warps + ty) * 16 * m_tiles + g
-        b_base: T.let[T.int32] = b0 * n_tiles * 8
-        for i in T.unroll(m_tiles * n_tiles * 4):
-            acc[i] = T.float32(0)
-        load_w(w, w_reg, 0, 0, row0, q)
-        for kp in T.serial(k_pairs):
-            load_w(w, w_reg, 1, kp * 2 + 1, row0, q)
-            mma_step(x, w_reg, x_reg, a_frag, b_frag, acc, 0, kp * 2, b_base, batch, g, q)
-            if kp + 1 < k_pairs:
-                load_w(w, w_reg, 0, kp * 2 + 2, row0, q)
-            mma_step(x, w_reg, x_reg, a_frag, b_frag, acc, 1, kp * 2 + 1, b_base, batch, g, q)
-
-    return block
+def _chunk_row(warps: int, m_tiles: int):
+    """Block bx's row r: the weight row of a block's chunk of consecutive rows."""
+    return lambda bx, r: bx * warps * 16 * m_tiles + r
 
 
 def _epilogue(live: int, decodable: int, selection: int, warps: int, m_tiles: int, n_tiles: int):

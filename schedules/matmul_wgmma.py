@@ -72,8 +72,9 @@ class WgmmaConfig:
     def check(self) -> None:
         if self.block_n % 8 or not 8 <= self.block_n <= 256:
             raise ValueError(f"block_n {self.block_n}: wgmma takes n in 8..256, a multiple of 8")
-        if self.block_n * BLOCK_K // 8 % THREADS or self.stages < 3:
-            raise ValueError(f"{self}: the B tile's chunks must split over {THREADS} threads")
+        if self.stages < 3 or not self.tma and self.block_n * BLOCK_K // 8 % THREADS:
+            raise ValueError(f"{self}: 3+ stages; the B tile's chunks must split over {THREADS}"
+                             " threads (cp.async)")  # fmt: skip
         if self.ctas and not self.tma:
             raise ValueError(f"{self}: a persistent tiling needs TMA")
         limit = SM90_SHARED_BYTES if self.sm90_only else SM80_SHARED_BYTES
@@ -121,11 +122,12 @@ def pair_store(epilogue: Epilogue, swiglu_dtype: str | None):
     return store
 
 
-def tensor_maps(k: int, cfg: WgmmaConfig, swiglu: bool = False):
+def tensor_maps(k: int, cfg: WgmmaConfig, swiglu: bool = False, a_halves: bool = False):
     """The TMA descriptors of A [m, k] and B [n, k] (a stage's box each, 128-byte swizzle, rows
     past the end read as zeros; with `swiglu`, B's box is half a tile, loaded twice: the gate
-    rows, then their up rows), and a macro `encode(a, b, m, n)` that encodes them on the host
-    before the launch (TVM passes them to the kernel as parameters); m and n may be dynamic."""
+    rows, then their up rows; with `a_halves`, so is A's: wgmma_tile's `a_pair`), and a macro
+    `encode(a, b, m, n)` that encodes them on the host before the launch (TVM passes them to
+    the kernel as parameters); m and n may be dynamic."""
     maps = tuple(T.Var(f"{name}_tensormap", T.handle("tensormap").ty) for name in ("a", "b"))
 
     @T.macro
@@ -150,7 +152,7 @@ def tensor_maps(k: int, cfg: WgmmaConfig, swiglu: bool = False):
 
     @T.macro
     def encode(a, b, m, n):
-        encode_one(maps[0], a, m, BLOCK_M)
+        encode_one(maps[0], a, m, BLOCK_M // 2 if a_halves else BLOCK_M)
         encode_one(maps[1], b, n, cfg.block_n // 2 if swiglu else cfg.block_n)
 
     return maps, encode
@@ -165,14 +167,24 @@ def wgmma_tile(
     swiglu: bool = False,
     out_dtype: str = DTYPE,
     accumulate_only: bool = False,
+    a_pair: int = 0,
+    stage_hook=None,
 ):
     """A macro computing the tile (bx, by) with THREADS threads (`tid`), its ring in `smem` (a
     bf16 shared buffer of at least cfg.shared_bytes). Rows of A past m (B past n) are clamped
     to the last row: they feed only accumulators that are never stored. With `accumulate_only`,
-    the macro `accumulate(a, b, acc, m, smem, bx, by, tid, maps)` instead: the tile's whole k into
-    a thread's bn / 2 fp32 `acc` (zeroed first; wgmma's D layout), for an epilogue of the
-    caller's own."""
+    the macro `accumulate(a, b, acc, m, smem, bx, by, tid, maps, state)` instead: the tile's
+    whole k into a thread's bn / 2 fp32 `acc` (zeroed first; wgmma's D layout), for an
+    epilogue of the caller's own.
+
+    For the swapped GEMMs whose A is a weight (accumulate_only, TMA): with `a_pair`, A's tile
+    is two boxes of 64 rows, bx * 64 and `a_pair` rows further (a SwiGLU's gate rows and their
+    up rows), the first warpgroup's and the second's; `stage_hook(smem, at, tid, state)` runs
+    in every thread once a stage has landed, `at` its B tile's first element, `state` what
+    the caller passed `accumulate`."""
     cfg.check()
+    if (a_pair or stage_hook is not None) and not (accumulate_only and cfg.tma):
+        raise ValueError(f"{cfg}: a_pair and stage_hook are for accumulate_only with TMA")
     bn, stages = cfg.block_n, cfg.stages
     chunks = BLOCK_K // 8
     a_copies, b_copies = BLOCK_M * chunks // THREADS, bn * chunks // THREADS
@@ -183,6 +195,7 @@ def wgmma_tile(
     inter = n // 2
     n_out, out_tiles = (inter, bn // 16) if swiglu else (n, bn // 8)
     b_boxes, b_box = (2, bn // 2) if swiglu else (1, bn)  # B's TMA boxes a stage, their rows
+    a_boxes, a_box = (2, BLOCK_M // 2) if a_pair else (1, BLOCK_M)
     store = pair_store(epilogue, out_dtype if swiglu else None)
     store_partial = partial_store(n, swiglu)
     b_at = BLOCK_M * BLOCK_K  # elements from a stage's start to its B tile
@@ -248,15 +261,18 @@ def wgmma_tile(
     def tma_stage(maps, smem, pad, bars, s, kt, bx, by):
         # thread 0: the stage's full barrier expects its bytes, then TMA loads fill it
         T.evaluate(T.ptx.mbarrier.arrive.expect_tx.shared.b64(bars(s), T.uint32(cfg.stage_bytes)))
-        T.evaluate(
-            T.ptx["cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"](
-                T.address_of(smem[pad + s * stage_elems]),
-                T.address_of(maps[0]),
-                kt * BLOCK_K,
-                bx * BLOCK_M,
-                bars(s),
+        for half in T.unroll(a_boxes):
+            T.evaluate(
+                T.ptx[
+                    "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+                ](
+                    T.address_of(smem[pad + s * stage_elems + half * a_box * BLOCK_K]),
+                    T.address_of(maps[0]),
+                    kt * BLOCK_K,
+                    bx * a_box + half * a_pair,
+                    bars(s),
+                )
             )
-        )
         for half in T.unroll(b_boxes):
             T.evaluate(
                 T.ptx[
@@ -288,10 +304,12 @@ def wgmma_tile(
         T.tvm_storage_sync("shared.dyn")
 
     @T.macro
-    def step_tma(maps, acc, smem, pad, ring, bar0, tid, g, iters, at):
+    def step_tma(maps, acc, smem, pad, ring, bar0, tid, g, iters, at, state):
         # ring step g: wait for its stage, issue its wgmma, then release step g - 1's stage,
         # which thread 0 refills with step g - 1 + stages (`at(step)`: its (kt, bx, by))
         T.evaluate(T.cuda.mbarrier_wait(bar(smem, bar0, g % stages), g // stages % 2))
+        if stage_hook is not None:
+            stage_hook(smem, pad + g % stages * stage_elems + b_at, tid, state)
         mma_stage(acc, ring + T.Cast("uint32", g % stages * cfg.stage_bytes), tid // 128)
         T.evaluate(T.ptx.wgmma.wait_group.sync.aligned(1))
         if g > 0:
@@ -316,12 +334,12 @@ def wgmma_tile(
                     tma_stage(maps, smem, pad, full, s, kt, bx, by)
 
     @T.macro
-    def mainloop_tma(maps, acc, smem, pad, ring, bx, by, tid, kt0, kc):
+    def mainloop_tma(maps, acc, smem, pad, ring, bx, by, tid, kt0, kc, state):
         bar0: T.let[T.int32] = pad + stages * stage_elems
         at = T.meta_var(lambda g: (kt0 + g, bx, by))
         fill_ring(maps, smem, pad, bar0, tid, kc, at)
         for kt in T.serial(kc):
-            step_tma(maps, acc, smem, pad, ring, bar0, tid, kt, kc, at)
+            step_tma(maps, acc, smem, pad, ring, bar0, tid, kt, kc, at, state)
 
     @T.macro
     def store_tile(out, extras, acc, m, bx, by, tid, ws, z, splits):
@@ -340,7 +358,7 @@ def wgmma_tile(
                     store_partial(ws, acc, at, at + out_tiles * 4, z, r, c, m, n_out)
 
     @T.macro
-    def accumulate_range(a, b, acc, m, smem, bx, by, tid, maps, kt0, kc):
+    def accumulate_range(a, b, acc, m, smem, bx, by, tid, maps, kt0, kc, state):
         base: T.let[T.uint32] = T.cuda.cvta_generic_to_shared(smem.data)
         pad_bytes: T.let[T.uint32] = (T.uint32(_ALIGN) - base % T.uint32(_ALIGN)) % T.uint32(_ALIGN)
         pad: T.let[T.int32] = T.Cast("int32", pad_bytes) // 2
@@ -348,7 +366,7 @@ def wgmma_tile(
         for i in T.unroll(bn // 2):
             acc[i] = T.float32(0)
         if cfg.tma:
-            mainloop_tma(maps, acc, smem, pad, ring, bx, by, tid, kt0, kc)
+            mainloop_tma(maps, acc, smem, pad, ring, bx, by, tid, kt0, kc, state)
         else:
             mainloop_cp_async(a, b, acc, m, smem, pad, ring, bx, by, tid, kt0, kc)
 
@@ -357,12 +375,12 @@ def wgmma_tile(
         # split z of `splits` (split_k.py): k tiles [kt0, kt0 + kc), its partial into ws
         kt0, kc = T.meta_var(k_range(z, splits, k_tiles))
         acc = T.alloc_local((bn // 2,), "float32")
-        accumulate_range(a, b, acc, m, smem, bx, by, tid, maps, kt0, kc)
+        accumulate_range(a, b, acc, m, smem, bx, by, tid, maps, kt0, kc, None)
         store_tile(out, extras, acc, m, bx, by, tid, ws, z, splits)
 
     @T.macro
-    def accumulate(a, b, acc, m, smem, bx, by, tid, maps):
-        accumulate_range(a, b, acc, m, smem, bx, by, tid, maps, 0, k_tiles)
+    def accumulate(a, b, acc, m, smem, bx, by, tid, maps, state):
+        accumulate_range(a, b, acc, m, smem, bx, by, tid, maps, 0, k_tiles, state)
         T.evaluate(T.ptx.wgmma.wait_group.sync.aligned(0))
 
     @T.macro
@@ -384,7 +402,7 @@ def wgmma_tile(
             if g % k_tiles == 0:
                 for i in T.unroll(bn // 2):
                     acc[i] = T.float32(0)
-            step_tma(maps, acc, smem, pad, ring, bar0, tid, g, iters, at)
+            step_tma(maps, acc, smem, pad, ring, bar0, tid, g, iters, at, None)
             if g % k_tiles == k_tiles - 1:
                 _, bx, by = T.meta_var(at(g))
                 store_tile(out, extras, acc, m, bx, by, tid, None, 0, 1)

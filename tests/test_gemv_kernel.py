@@ -290,10 +290,12 @@ def test_grids_a_little_past_the_sms_start_after_their_producer() -> None:
 
 
 def test_wide_buckets_read_the_weight_once_up_to_64_rows() -> None:
-    """Every 4B and 9B shape: 8 rows as decode, then buckets up to 64 rows each one pass, in one
-    wave within the registers and the shared memory left to L1; every SM has a row tile."""
+    """Every 4B and 9B shape, the GEMV's plan (where the swapped tensor-core GEMM takes the
+    16-64-row buckets instead: tests/test_gemv_wide_mma.py): 8 rows as decode, then buckets up
+    to 64 rows each one pass, in one wave within the registers and the shared memory left to
+    L1; every SM has a row tile."""
     for n, k in SHAPES:
-        buckets = gemv_config.wide_buckets(n, k)
+        buckets = gemv_config.wide_buckets(n, k, mma=False)
         assert buckets[0] == (8, gemv_config.default_config(n, k))
         assert [limit for limit, _ in buckets] == [8, 16, 32, 64]
         for limit, cfg in buckets[1:]:
@@ -342,6 +344,9 @@ def test_wide_kernels_do_not_spill(tmp_path) -> None:
     """ptxas -v on decode_wide's kernels (every bucket) at the 4B shapes: no spills, and the
     launch bounds met (ptxas fits the registers to them, spilling if it must); in_proj and
     gate_up (with its SwiGLU) also with their norm folded in (norm_fusion.FOLD_WIDE)."""
+    from qwen35_tvm.compile.cuda_toolchain import guard_sm90_asm
+    from qwen35_tvm.schedules.sm90a import SM90A_PRELUDE
+
     # o_proj / out_proj and down add the residual: it is loaded early, into registers
     residual = dict(extra_shapes=("mn",), extra_dtypes=("bfloat16",), epilogue=_residual)
     cases = [(12352, 2560, {}), (2560, 4096, residual), (18432, 2560, {}), (2560, 9216, residual),
@@ -352,8 +357,9 @@ def test_wide_kernels_do_not_spill(tmp_path) -> None:
         mod = tvm.IRModule({"main": func.with_attr("global_symbol", "g")})
         lib = tvm.compile(mod, target=CUDA)  # no nvcc here: TVM keeps the source
         (cuda,) = [m for m in lib.mod.imports if m.kind == "cuda"]
-        (tmp_path / "g.cu").write_text(cuda.inspect_source())
-        cmd = ["nvcc", "-arch=sm_90", "-cubin", "-Xptxas", "-v", "-o", str(tmp_path / "g.cubin"),
+        # the 16-64-row buckets of in_proj and gate_up branch to sm_90a's wgmma ring
+        (tmp_path / "g.cu").write_text(SM90A_PRELUDE + guard_sm90_asm(cuda.inspect_source()))
+        cmd = ["nvcc", "-arch=sm_90a", "-cubin", "-Xptxas", "-v", "-o", str(tmp_path / "g.cubin"),
                str(tmp_path / "g.cu")]  # fmt: skip
         info = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
         spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", info)

@@ -82,12 +82,15 @@ def _emulate(
     base: int,
     swiglu: bool = False,
     splits: int = 1,
+    a_pair: int = 0,
 ) -> np.ndarray:
     """The kernel at shared base address `base`; with `swiglu` (TMA only), b is a gate_up
     weight and the result silu(gate) · up [m, n / 2], exact (no bf16 rounding). A CTA runs
     one tile, or with `cfg.ctas` (persistent) every ctas-th tile, its ring running on. With
     `splits`, split z's CTAs run their tiles over split_k.k_range's k tiles, and the tiles'
-    partials are summed before the epilogue (what the reduce kernel does)."""
+    partials are summed before the epilogue (what the reduce kernel does). With `a_pair`, A's
+    tile is two boxes of 64 rows `a_pair` apart (wgmma_tile's): result row 128 bx + r is A row
+    64 bx + r % 64 + r // 64 * a_pair."""
     (m, k), n = a.shape, b.shape[0]
     bn, stages = cfg.block_n, cfg.stages
     chunks, k_tiles = mw.BLOCK_K // 8, k // mw.BLOCK_K
@@ -121,6 +124,9 @@ def _emulate(
                         if swiglu and src is b:  # two boxes: the gate rows, then the up rows
                             box = bn // 2
                             at_row = by * box + row % box + row // box * (n // 2)
+                        if a_pair and src is a:  # A's two boxes, `a_pair` rows apart
+                            box = mw.BLOCK_M // 2
+                            at_row = bx * box + row % box + row // box * a_pair
                         got = src[at_row, col : col + 8] if at_row < len(src) else 0
                     else:  # the kernel's own placement, edge rows clamped
                         dst = pad // 2 + s * cfg.stage_bytes // 2 + at

@@ -1,0 +1,167 @@
+"""decode_wide's swapped tensor-core GEMM (schedules/gemv_wide_mma.py), checked without a GPU:
+its CPU variant (the GPU's blocks, thread maps and epilogue, accumulators from memory) against
+numpy at edge shapes, with the residual, the folded RMSNorm and the SwiGLU; mutations of its
+maps are caught; the sm_90a ring, emulated, streams the right weight rows onto the batch; and
+both arches' code builds without spills. The values on the GPU are checked by
+benchmarks/gemv_kernel.py (--rows wide) against torch."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+import ml_dtypes
+import numpy as np
+import pytest
+import tvm
+from test_matmul_wgmma import _emulate
+
+from qwen35_tvm.compile.targets import make_target
+from qwen35_tvm.schedules import gemv_config, gemv_wide_mma
+from qwen35_tvm.schedules.gemv import gemv_kernel
+from qwen35_tvm.schedules.gemv_config import WideMmaConfig, wide_buckets
+from qwen35_tvm.schedules.matmul_wgmma import SM80_SHARED_BYTES
+
+LLVM = tvm.target.Target("llvm")
+BF16 = ml_dtypes.bfloat16
+EPS = 1e-6
+
+
+def _exact(rng: np.random.Generator, shape) -> np.ndarray:
+    """Multiples of 1/8 in [-1, 1]: every product and fp32 sum here is exact."""
+    return (rng.integers(-8, 9, shape) / 8).astype(BF16)
+
+
+def _run(n: int, k: int, batch: int, cols: int, kind: str) -> tuple[np.ndarray, np.ndarray]:
+    """(kernel's, numpy's) output of one bucket config on the CPU. `kind`: plain, residual
+    (+ a [batch, n] bf16 extra), rms (the folded norm) or swiglu (with the norm)."""
+    rng = np.random.default_rng(n * 7 + k + batch + cols)
+    x, w = _exact(rng, (batch, k)), _exact(rng, (n, k))
+    xf, wf = x.astype(np.float32), w.astype(np.float32)
+    ref = xf @ wf.T
+    kw: dict = {}
+    arrays = [x, w]
+    if kind == "residual":
+        y = _exact(rng, (batch, n))
+        arrays.append(y)
+        kw = dict(
+            extra_shapes=("mn",),
+            extra_dtypes=("bfloat16",),
+            epilogue=lambda acc, r, c, e: acc + tvm.tirx.Cast("float32", e[0][r, c]),
+        )
+        ref = ref + y.astype(np.float32)
+    if kind in ("rms", "swiglu"):
+        kw["rms_eps"] = EPS
+        ref = ref / np.sqrt((xf**2).mean(1, keepdims=True) + EPS)
+    n_out = n
+    if kind == "swiglu":
+        kw["swiglu"] = True
+        n_out = n // 2
+        gate, up = ref[:, :n_out], ref[:, n_out:]
+        ref = gate / (1 + np.exp(-gate)) * up
+    func = gemv_kernel(n, k, LLVM, WideMmaConfig(cols, stages=4), **kw)
+    lib = tvm.compile(tvm.IRModule({"main": func}), target=LLVM)
+    args = [tvm.runtime.tensor(a) for a in [*arrays, np.zeros((batch, n_out), np.float32)]]
+    lib["main"](*args)
+    return args[-1].numpy(), ref
+
+
+# (n, k, batch, cols, kind): a partial last row tile, one and several batch blocks (rows past
+# the batch in the last), a batch of one, the three bucket widths
+CASES = [
+    (200, 256, 1, 16, "plain"),
+    (200, 256, 17, 16, "residual"),
+    (136, 128, 16, 16, "rms"),
+    (130, 128, 33, 32, "rms"),
+    (130, 128, 64, 64, "residual"),
+    (130, 128, 65, 64, "rms"),
+    (200, 256, 9, 16, "swiglu"),  # 100 outputs: the second block's 64 half empty
+    (300, 128, 40, 32, "swiglu"),
+    (256, 128, 64, 64, "swiglu"),
+]
+
+
+@pytest.mark.parametrize("n, k, batch, cols, kind", CASES)
+def test_cpu_variant_matches_numpy(n, k, batch, cols, kind) -> None:
+    got, ref = _run(n, k, batch, cols, kind)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+def test_gate_and_up_rows_swapped_are_caught(monkeypatch) -> None:
+    """A block's first 64 rows must be gate rows, its last 64 their up rows."""
+    right = gemv_wide_mma.paired_row
+    monkeypatch.setattr(gemv_wide_mma, "paired_row", lambda bx, r, n: right(bx, (r + 64) % 128, n))
+    got, ref = _run(300, 128, 40, 32, "swiglu")
+    assert not np.allclose(got, ref, rtol=1e-3)
+
+
+def test_squares_summed_for_the_wrong_row_are_caught(monkeypatch) -> None:
+    """A batch row's 1 / rms sums the chunks the stage hook squared for that row."""
+    right = gemv_wide_mma.row_chunk
+    monkeypatch.setattr(gemv_wide_mma, "row_chunk", lambda row, c: right(row + c // 7, c))
+    got, ref = _run(130, 128, 33, 32, "rms")
+    assert not np.allclose(got, ref, rtol=1e-3)
+
+
+@pytest.mark.parametrize("n_out, batch", [(100, 9), (64, 16), (200, 70)])
+def test_emulated_ring_pairs_gate_and_up_rows(n_out: int, batch: int) -> None:
+    """sm_90a's ring with the weight as A in two boxes (gate rows, then up rows n_out on):
+    result row 128 bx + r is weight row 64 bx + r % 64 (+ n_out from r = 64), rows past the
+    weight read as zeros, edge tiles and a second batch block included."""
+    rng = np.random.default_rng(n_out + batch)
+    w = rng.integers(-3, 4, (2 * n_out, 128)).astype(np.float64)
+    x = rng.integers(-3, 4, (batch, 128)).astype(np.float64)
+    cfg = WideMmaConfig(16).wgmma
+    got = _emulate(w, x, cfg, base=16 * 37, a_pair=n_out)
+    rows = np.arange(len(got))
+    src = rows // 128 * 64 + rows % 64 + rows % 128 // 64 * n_out
+    ref = np.where((src < len(w))[:, None], w[np.minimum(src, len(w) - 1)] @ x.T, 0)
+    np.testing.assert_array_equal(got, ref)
+
+
+def test_pipeline_takes_it_where_its_blocks_fill_the_gpu() -> None:
+    """The 16-64-row buckets of 4B's and 9B's wide projections (in_proj, qkv, gate_up); the
+    n = 2,560 / 4,096 ones (20-32 blocks) keep the GEMV; every config fits sm_80's launch."""
+    for n, k in ((12352, 2560), (10240, 2560), (18432, 2560), (24576, 4096), (16448, 4096)):
+        kinds = [type(c) for _, c in wide_buckets(n, k)]
+        assert kinds[0] is not WideMmaConfig and kinds[1:] == [WideMmaConfig] * 3, (n, k)
+        for _, cfg in wide_buckets(n, k)[1:]:
+            assert cfg.shared_bytes <= SM80_SHARED_BYTES and cfg.cols in (16, 32, 64)
+    for n, k in ((2560, 4096), (2560, 9216), (4096, 4096), (4096, 12288)):
+        assert not any(isinstance(c, WideMmaConfig) for _, c in wide_buckets(n, k)), (n, k)
+    assert not any(isinstance(c, WideMmaConfig) for _, c in wide_buckets(12352, 2560, mma=False))
+
+
+def _source(n: int, k: int, **kw) -> str:
+    target, _ = make_target("cuda", "sm_80,sm_90")
+    func = gemv_kernel(n, k, target, gemv_config.wide_buckets(n, k), out_dtype="bfloat16", **kw)
+    lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "g")}), target=target)
+    (cuda,) = [m for m in lib.mod.imports if m.kind == "cuda"]
+    return cuda.inspect_source()
+
+
+def test_kernels_branch_to_the_ring_on_sm90a_and_to_mma_sync_elsewhere() -> None:
+    src = _source(18432, 2560, rms_eps=EPS, swiglu=True)
+    bodies = [c for c in src.split("__global__")[1:] if c.split("\n", 1)[0].endswith("{")]
+    ring = [b for b in bodies if "qwen35_sm90a()" in b]
+    assert len(bodies) == 4 and len(ring) == 3  # the 8-row bucket is the GEMV
+    for body in ring:
+        at = body.index("qwen35_sm90a()")
+        assert "cp_async_bulk_tensor" in body[at:] and "mma.sync" in body[at:]
+    assert {re.search(r"m64n(\d+)k16", b).group(1) for b in ring} == {"16", "32", "64"}
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+@pytest.mark.parametrize("n, kw", [(12352, {"rms_eps": EPS}),
+                                   (18432, {"rms_eps": EPS, "swiglu": True})])  # fmt: skip
+def test_both_arches_compile_without_spills(tmp_path, n, kw) -> None:
+    from qwen35_tvm.compile.cuda_toolchain import guard_sm90_asm
+    from qwen35_tvm.schedules.sm90a import SM90A_PRELUDE
+
+    (tmp_path / "g.cu").write_text(SM90A_PRELUDE + guard_sm90_asm(_source(n, 2560, **kw)))
+    for arch in ("sm_90a", "sm_80"):
+        cmd = ["nvcc", f"-arch={arch}", "-cubin", "-Xptxas", "-v", "-o",
+               str(tmp_path / f"{arch}.cubin"), str(tmp_path / "g.cu")]  # fmt: skip
+        info = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
+        assert re.findall(r"(\d+) bytes spill stores", info) == ["0"] * 4, (arch, info)
