@@ -11,9 +11,11 @@ instead of greedy decoding, drawn on the device, `NAME:sampled:host` by the host
 
 For each concurrency c: c requests of random 1,024-token prompts (`--prompt`), 256 greedy output
 tokens each (EOS ignored), submitted together to one Engine, no HTTP. Reports TTFT (submit to first
-token), TPOT (first to last token, per request), output tokens/s over the whole batch, and the
-roofline step time of the same run: bytes a decode step must move (weights once, plus each
-sequence's GDN state read and written and its KV read) over the copy bandwidth.
+token), TPOT (first to last token, per request; an early request's holds the chunks of the
+later prompts' prefills), the decode step alone (the steps after the last first token), output
+tokens/s over the whole batch, and the roofline step time of the same run: bytes a decode step
+must move (weights once, plus each sequence's GDN state read and written and its KV read) over
+the copy bandwidth.
 
 With --constrained, each level runs twice on the same prompts: free, then with every request
 constrained by a JSON schema (xgrammar; the bitmask applied on the device), rows marked by
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import hashlib
+import itertools
 import json
 import os
 import time
@@ -157,6 +160,11 @@ def run_level(
     wall = time.perf_counter() - start
     ttft = [s[0] - start for s in stamps.values()]
     tpot = [(s[-1] - s[0]) / (len(s) - 1) for s in stamps.values()]
+    # steps once every prompt has its first token: decode alone, no prefill chunk beside it
+    # (a level's TPOT also holds the later prompts' prefills, which its early requests wait on)
+    admitted = max(s[0] for s in stamps.values())
+    gaps = (b - a for s in stamps.values() for a, b in itertools.pairwise(s) if a >= admitted)
+    decode_gaps = list(gaps)
     assert all(len(s) == OUTPUT for s in stamps.values()), "a request stopped early"
     row = dict(
         concurrency=len(prompts),
@@ -165,6 +173,7 @@ def run_level(
         ttft_ms_mean=1e3 * float(np.mean(ttft)),
         ttft_ms_max=1e3 * float(np.max(ttft)),
         tpot_ms_mean=1e3 * float(np.mean(tpot)),
+        decode_step_ms_mean=1e3 * float(np.mean(decode_gaps)) if decode_gaps else None,
         output_tok_s=len(prompts) * OUTPUT / wall,
         wall_s=wall,
         tokens=[tokens[i] for i in ids],
@@ -343,6 +352,8 @@ def run(
                 roof = step_bytes(artifact, c, prompt + OUTPUT // 2) / bw
                 row["roofline_step_ms"] = roof * 1e3
                 row["tpot_over_roofline"] = row["tpot_ms_mean"] / (roof * 1e3)
+                if row["decode_step_ms_mean"] is not None:
+                    row["decode_step_over_roofline"] = row["decode_step_ms_mean"] / (roof * 1e3)
                 rows.append(row)
                 shown = {k: v for k, v in row.items() if k != "tokens"}
                 print(name, json.dumps(shown), flush=True)
