@@ -114,7 +114,8 @@ def wide_variants(n: int, k: int) -> dict[str, object]:
     """Bucket plans around the default: the GEMV's own plan ("gemv": every bucket the GEMV,
     none the swapped tensor-core GEMM), its ring in registers, the other m-tile count, half the
     shared ring, deeper register rings ("deep"); the tensor-core GEMM's rings at 4-6 stages
-    ("mma4".."mma6", where it applies)."""
+    ("mma4".."mma6", where it applies), and its weight's first tiles loaded before the wait for
+    X's producer ("mmae")."""
     from dataclasses import replace
 
     from qwen35_tvm.schedules.gemv_config import SM80_SHARED_BYTES, WideMmaConfig, wide_buckets
@@ -127,6 +128,9 @@ def wide_variants(n: int, k: int) -> dict[str, object]:
                      for limit, c in ours)  # fmt: skip
         if all(getattr(c, "shared_bytes", 0) <= SM80_SHARED_BYTES for _, c in plan):
             mma[f"mma{stages}"] = plan
+    if mma:  # the first weight tiles loaded before the wait for X's producer
+        mma["mmae"] = tuple((limit, replace(c, early=True) if isinstance(c, WideMmaConfig) else c)
+                            for limit, c in ours)  # fmt: skip
     other = 1 if default[-1][1].m_tiles == 2 else 2
     half = tuple(
         (limit, replace(cfg, stages=max(2, cfg.stages // 2)) if cfg.w_smem else cfg)

@@ -130,6 +130,8 @@ class WideMmaConfig:
 
     cols: int = 16
     stages: int = 6
+    # sm_90a: the ring's first weight tiles load before the wait for X's producer
+    early: bool = False
 
     @property
     def wgmma(self) -> WgmmaConfig:

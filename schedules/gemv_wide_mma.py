@@ -5,8 +5,10 @@ At 16-64 rows the weight is the only large operand. The GEMV streams it through 
 reads X from L2 once a warp and step; here sm_90a's wgmma ring (schedules/matmul_wgmma.py:
 TMA, 128-byte swizzle, mbarriers) moves a block's 128 weight rows and its `cols` batch rows
 into shared memory, and the tensor cores read both from there, so no weight byte passes through
-a register and X is loaded once a block and k tile. sm_80 runs mma.sync over the same block
-(schedules/mma_rows.py: 8 warps of 16 rows) in the same launch, behind ptx.is_sm90a.
+a register and X is loaded once a block and k tile. With `early` (WideMmaConfig), the ring's
+first weight tiles load before the kernel waits for the producer of X (schedules/pdl.py).
+sm_80 runs mma.sync over the same block (schedules/mma_rows.py: 8 warps of 16 rows) in the
+same launch, behind ptx.is_sm90a.
 
 A block: 128 weight rows x `cols` batch rows, 256 threads (wgmma's two warpgroups of m64). With
 a SwiGLU (`pair`), its rows are 64 gate rows and their 64 up rows (two TMA boxes), so each
@@ -120,7 +122,7 @@ def wide_mma_launch(
 
     accumulate = wgmma_tile(
         cols, k, wg, None, False, accumulate_only=True, a_pair=n_out if paired else 0,
-        stage_hook=squares_of_stage if rms else None,
+        stage_hook=squares_of_stage if rms else None, early_a=cfg.early,
     )  # fmt: skip
     maps, encode = tensor_maps(k, wg, a_halves=paired)
     block = mma_rows(k, DTYPE, WARPS, 1, cols // 8, weight_row)
@@ -185,14 +187,18 @@ def wide_mma_launch(
                                 T.writes()
                                 acc = T.sblock_alloc_buffer((n_acc,), "float32", scope="local")
                                 sq = T.sblock_alloc_buffer((sq_n,), "float32", scope="local")
-                                T.evaluate(wait_for_producers(True))  # first: schedules/pdl.py
-                                T.evaluate(release_dependents(True))
+                                if not cfg.early:  # first: schedules/pdl.py
+                                    T.evaluate(wait_for_producers(True))
+                                    T.evaluate(release_dependents(True))
                                 tid: T.let[T.int32] = ty * 32 + tx
                                 for i in T.unroll(sq_n):
                                     sq[i] = T.float32(0)
                                 if is_sm90a():
                                     accumulate(w, x, acc, n, smem, bx, by, tid, maps, sq)
                                 else:
+                                    if cfg.early:  # the ring's macro waits on sm_90a
+                                        T.evaluate(wait_for_producers(True))
+                                        T.evaluate(release_dependents(True))
                                     block(x, w, acc, batch, bx, ty, tx, by)
                                     if rms:
                                         squares_of_x(x, sq, 0, by, tid, batch)

@@ -32,6 +32,7 @@ from tvm.script import tirx as T
 from .activation import swiglu_of
 from .gemm_layout import acc_coords, copy_coords, tile_offset
 from .gemm_match import DTYPE, Epilogue
+from .pdl import release_dependents, wait_for_producers
 from .ptx import cp_async_16, wgmma_bf16, wgmma_desc_sw128
 from .split_k import k_range, partial_store
 
@@ -169,6 +170,7 @@ def wgmma_tile(
     accumulate_only: bool = False,
     a_pair: int = 0,
     stage_hook=None,
+    early_a: bool = False,
 ):
     """A macro computing the tile (bx, by) with THREADS threads (`tid`), its ring in `smem` (a
     bf16 shared buffer of at least cfg.shared_bytes). Rows of A past m (B past n) are clamped
@@ -181,10 +183,12 @@ def wgmma_tile(
     is two boxes of 64 rows, bx * 64 and `a_pair` rows further (a SwiGLU's gate rows and their
     up rows), the first warpgroup's and the second's; `stage_hook(smem, at, tid, state)` runs
     in every thread once a stage has landed, `at` its B tile's first element, `state` what
-    the caller passed `accumulate`."""
+    the caller passed `accumulate`. With `early_a`, the ring's first A tiles load before the
+    kernel waits for its producer, which the macro does (and releases its dependents); the
+    caller must not wait before it."""
     cfg.check()
-    if (a_pair or stage_hook is not None) and not (accumulate_only and cfg.tma):
-        raise ValueError(f"{cfg}: a_pair and stage_hook are for accumulate_only with TMA")
+    if (a_pair or stage_hook is not None or early_a) and not (accumulate_only and cfg.tma):
+        raise ValueError(f"{cfg}: a_pair, stage_hook, early_a: for accumulate_only with TMA")
     bn, stages = cfg.block_n, cfg.stages
     chunks = BLOCK_K // 8
     a_copies, b_copies = BLOCK_M * chunks // THREADS, bn * chunks // THREADS
@@ -258,9 +262,7 @@ def wgmma_tile(
             T.evaluate(T.ptx.wgmma.wait_group.sync.aligned(1))
 
     @T.macro
-    def tma_stage(maps, smem, pad, bars, s, kt, bx, by):
-        # thread 0: the stage's full barrier expects its bytes, then TMA loads fill it
-        T.evaluate(T.ptx.mbarrier.arrive.expect_tx.shared.b64(bars(s), T.uint32(cfg.stage_bytes)))
+    def tma_a(maps, smem, pad, bars, s, kt, bx):
         for half in T.unroll(a_boxes):
             T.evaluate(
                 T.ptx[
@@ -273,6 +275,9 @@ def wgmma_tile(
                     bars(s),
                 )
             )
+
+    @T.macro
+    def tma_b(maps, smem, pad, bars, s, kt, by):
         for half in T.unroll(b_boxes):
             T.evaluate(
                 T.ptx[
@@ -286,6 +291,13 @@ def wgmma_tile(
                     bars(s),
                 )
             )
+
+    @T.macro
+    def tma_stage(maps, smem, pad, bars, s, kt, bx, by):
+        # thread 0: the stage's full barrier expects its bytes, then TMA loads fill it
+        T.evaluate(T.ptx.mbarrier.arrive.expect_tx.shared.b64(bars(s), T.uint32(cfg.stage_bytes)))
+        tma_a(maps, smem, pad, bars, s, kt, bx)
+        tma_b(maps, smem, pad, bars, s, kt, by)
 
     @T.macro
     def init_barriers(smem, bar0, tid):
@@ -331,7 +343,22 @@ def wgmma_tile(
             for s in T.unroll(stages):
                 if s < iters:
                     kt, bx, by = T.meta_var(at(s))
-                    tma_stage(maps, smem, pad, full, s, kt, bx, by)
+                    if early_a:
+                        T.evaluate(T.ptx.mbarrier.arrive.expect_tx.shared.b64(
+                            full(s), T.uint32(cfg.stage_bytes)))  # fmt: skip
+                        tma_a(maps, smem, pad, full, s, kt, bx)
+                    else:
+                        tma_stage(maps, smem, pad, full, s, kt, bx, by)
+        if early_a:
+            # A (a weight) is constant: its first stages load while the producer of B still
+            # runs; B's after the wait (schedules/pdl.py)
+            T.evaluate(wait_for_producers(True))
+            T.evaluate(release_dependents(True))
+            if tid == 0:
+                for s in T.unroll(stages):
+                    if s < iters:
+                        kt, bx, by = T.meta_var(at(s))
+                        tma_b(maps, smem, pad, full, s, kt, by)
 
     @T.macro
     def mainloop_tma(maps, acc, smem, pad, ring, bx, by, tid, kt0, kc, state):
