@@ -165,3 +165,23 @@ def test_both_arches_compile_without_spills(tmp_path, n, kw) -> None:
                str(tmp_path / f"{arch}.cubin"), str(tmp_path / "g.cu")]  # fmt: skip
         info = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
         assert re.findall(r"(\d+) bytes spill stores", info) == ["0"] * 4, (arch, info)
+
+
+@pytest.mark.parametrize("early", [False, True])
+def test_early_loads_the_first_weight_tiles_before_the_wait(early: bool) -> None:
+    """With `early`, sm_90a's branch issues its first (weight) tensor copies before it waits
+    for X's producer, and its X copies after; sm_80's waits first. Without, both wait first."""
+    target, _ = make_target("cuda", "sm_80,sm_90")
+    func = gemv_kernel(12352, 2560, target, WideMmaConfig(16, early=early), out_dtype="bfloat16",
+                       rms_eps=EPS)  # fmt: skip
+    lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "g")}), target=target)
+    (cuda,) = [m for m in lib.mod.imports if m.kind == "cuda"]
+    (body,) = [c for c in cuda.inspect_source().split("__global__")[1:] if "{\n" in c[:400]]
+    at = body.index("qwen35_sm90a()")
+    ring, rest = body[at:].split("} else {", 1)
+    copies = [m.start() for m in re.finditer(r"cp_async_bulk_tensor\w*\(", ring)]
+    wait = ring.find("griddepcontrol_wait()")
+    if early:
+        assert 0 < copies[0] < wait < copies[-1] and rest.index("griddepcontrol_wait()") < 400
+    else:
+        assert wait < 0 and body.index("griddepcontrol_wait()") < at
