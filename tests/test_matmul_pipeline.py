@@ -193,11 +193,16 @@ def test_4b_gemm_builds_mma_sass_for_sm80_and_sm90(tmp_path, n, k, residual) -> 
     # decode: our GEMV (schedules/gemv.py), mma from registers, no shared-memory tiles; at
     # 4B's shapes its weight streams through sm_90's bulk ring (gemv_rule.DECODE_BULK), the
     # copy engine's cp.async.bulk and no other cp.async;
-    # decode_wide: a kernel a batch bucket (8, 16, 32, 64 rows a pass), the 8-row one decode's,
-    # the 16-row one's weight ring in registers (4B shapes: gemv_config.ring_in_registers),
-    # the 32- and 64-row ones with the weight streamed through shared memory by cp.async
+    # decode_wide: a kernel a batch bucket (8, 16, 32, 64 rows a pass), the 8-row one decode's;
+    # in_proj's others the swapped tensor-core GEMM (schedules/gemv_wide_mma.py: sm_90a's
+    # wgmma ring fed by TMA, mma.sync elsewhere); down's (20 blocks of 128 rows: too few) the
+    # GEMV, the 16-row one's weight ring in registers (gemv_config.ring_in_registers), the 32-
+    # and 64-row ones with the weight streamed through shared memory by cp.async
     assert all(MMA in s and "ldmatrix" not in s for s in decode[1:])
     assert all(0 < s.count("cp_async_bulk") == s.count("cp_async") for s in decode[1:])
     wide = [s for s in wide if s.split("\n", 1)[0].rstrip().endswith("{")]  # definitions
     assert len(wide) == 4 and all(MMA in s and "ldmatrix" not in s for s in wide)
-    assert sum("cp_async" in s for s in wide) == 2
+    ring = [s for s in wide if f"{SM90A_FN}()" in s]
+    assert all("wgmma" in s and "bulk_tensor" in s for s in ring)
+    assert len(ring) == (0 if residual else 3)
+    assert sum("cp_async" in s and "bulk_tensor" not in s for s in wide) == (2 if residual else 0)
