@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .matmul_wgmma import BLOCK_M, SM80_SHARED_BYTES, THREADS, WgmmaConfig
+from .wgmma_config import BLOCK_M, SM80_SHARED_BYTES, THREADS, WgmmaConfig
 
 VEC = 8  # bf16 elements of one 128-bit load
 # bf16 after each row of a bulk stage: a row pitch of 64 bytes past a multiple of 128 puts the
