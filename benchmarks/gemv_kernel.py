@@ -19,8 +19,9 @@ small, wide or both), as
                      norm without weight, which conversion puts in W's columns)
           gate_up:   ours_swiglu, ours_rms_swiglu and swiglu, decode's SwiGLU folded into
                      the GEMV, and the SwiGLU kernel alone (benchmarks/gemv_swiglu.py)
-  wide:   gemv       the GEMV's own plan, where ours runs the swapped tensor-core GEMM
-                     (schedules/gemv_wide_mma.py); mma4-6: that GEMM's ring 4-6 stages deep,
+  wide:   gemv, mma  the GEMV's own plan and the swapped tensor-core GEMM's where it applies
+                     (schedules/gemv_wide_mma.py; ours is one of them, by
+                     gemv_config.WIDE_MMA); mma4-6: that GEMM's ring 4-6 stages deep,
                      mmae: its first weight tiles loaded before the wait for X's producer
                      (gate_up: *_rms_swiglu, as decode_wide runs it)
           regs       the 16-64 row buckets with the weight ring in registers

@@ -111,8 +111,9 @@ def bulk_variants(n: int, k: int, default) -> dict[str, object]:
 
 
 def wide_variants(n: int, k: int) -> dict[str, object]:
-    """Bucket plans around the default: the GEMV's own plan ("gemv": every bucket the GEMV,
-    none the swapped tensor-core GEMM), its ring in registers, the other m-tile count, half the
+    """Bucket plans around the default: the GEMV's own plan ("gemv": every bucket the GEMV)
+    and the swapped tensor-core GEMM's ("mma", gemv_config.WIDE_MMA's; where it applies), the
+    GEMV's ring in registers, the other m-tile count, half the
     shared ring, deeper register rings ("deep"); the tensor-core GEMM's rings at 4-6 stages
     ("mma4".."mma6", where it applies), and its weight's first tiles loaded before the wait for
     X's producer ("mmae")."""
@@ -121,7 +122,7 @@ def wide_variants(n: int, k: int) -> dict[str, object]:
     from qwen35_tvm.schedules.gemv_config import SM80_SHARED_BYTES, WideMmaConfig, wide_buckets
 
     default = wide_buckets(n, k, mma=False)
-    ours = wide_buckets(n, k)
+    ours = wide_buckets(n, k, mma=True)
     mma = {}
     for stages in (4, 5, 6) if ours != default else ():
         plan = tuple((limit, replace(c, stages=stages) if isinstance(c, WideMmaConfig) else c)
@@ -143,7 +144,7 @@ def wide_variants(n: int, k: int) -> dict[str, object]:
         if k % cfg.chunk == 0:
             bulk16[f"bulk16u{unroll}s{stages}"] = (default[0], (16, cfg), *default[2:])
     return {
-        **({"gemv": default} if ours != default else {}),
+        **({"gemv": default, "mma": ours} if ours != default else {}),
         **mma,
         **bulk16,
         "regs": wide_buckets(n, k, mma=False, w_smem=False),

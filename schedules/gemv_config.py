@@ -32,8 +32,10 @@ MAX_REGISTERS = 232  # per thread: 255, less a margin for est_registers' error
 # measured there.
 START_AFTER_PRODUCER_TILES = SMS * 3 // 2
 # decode_wide's 16-64-row buckets of the wide projections as a swapped tensor-core GEMM
-# (schedules/gemv_wide_mma.py) rather than the GEMV
-WIDE_MMA = True
+# (schedules/gemv_wide_mma.py) rather than the GEMV. Off until its values and speed are
+# measured on a GPU (session 43 got none): benchmarks/gemv_kernel.py --rows wide (ours with
+# this on, "gemv") and engine_throughput's c16 decide it.
+WIDE_MMA = False
 
 
 def cdiv(a: int, b: int) -> int:
@@ -287,17 +289,18 @@ def wide_mma_config(n: int, k: int, cols: int) -> WideMmaConfig | None:
     """The swapped tensor-core GEMM's bucket for a weight of n rows (a SwiGLU's too: 64
     outputs a block, so the same n / 128 blocks) where its 128-row blocks still give most SMs
     one, else None (n = 2,560 would leave 112 of 132 SMs idle); the deepest ring that fits."""
-    if not WIDE_MMA or cdiv(n, BLOCK_M) < SMS // 2 or k % (2 * 64):
+    if cdiv(n, BLOCK_M) < SMS // 2 or k % (2 * 64):
         return None
     return next(c for s in (6, 5, 4) if (c := WideMmaConfig(cols, s)).shared_bytes
                 <= SM80_SHARED_BYTES)  # fmt: skip
 
 
-def wide_buckets(n: int, k: int, mma: bool = True, **options) -> Buckets:
+def wide_buckets(n: int, k: int, mma: bool | None = None, **options) -> Buckets:
     """decode_wide's buckets: 8 rows as decode's GEMV, then 16, 32 and 64 columns a pass (a
     batch past 64 takes more blocks): the swapped tensor-core GEMM where `wide_mma_config`
-    gives one and `mma`, else the GEMV, whose options go to wide_config; without `w_smem`,
-    `ring_in_registers` places each bucket's weight ring."""
+    gives one and `mma` (None: WIDE_MMA), else the GEMV, whose options go to wide_config;
+    without `w_smem`, `ring_in_registers` places each bucket's weight ring."""
+    mma = WIDE_MMA if mma is None else mma
 
     def bucket(t: int) -> GemvConfig | WideMmaConfig:
         if mma and t > 1 and (cfg := wide_mma_config(n, k, 8 * t)) is not None:

@@ -120,9 +120,14 @@ def test_emulated_ring_pairs_gate_and_up_rows(n_out: int, batch: int) -> None:
     np.testing.assert_array_equal(got, ref)
 
 
-def test_pipeline_takes_it_where_its_blocks_fill_the_gpu() -> None:
-    """The 16-64-row buckets of 4B's and 9B's wide projections (in_proj, qkv, gate_up); the
-    n = 2,560 / 4,096 ones (20-32 blocks) keep the GEMV; every config fits sm_80's launch."""
+def test_pipeline_takes_it_where_its_blocks_fill_the_gpu(monkeypatch) -> None:
+    """With gemv_config.WIDE_MMA: the 16-64-row buckets of 4B's and 9B's wide projections
+    (in_proj, qkv, gate_up); the n = 2,560 / 4,096 ones (20-32 blocks) keep the GEMV; every
+    config fits sm_80's launch. Without it, none."""
+    assert not any(isinstance(c, WideMmaConfig) for _, c in wide_buckets(12352, 2560, mma=False))
+    monkeypatch.setattr(gemv_config, "WIDE_MMA", False)
+    assert not any(isinstance(c, WideMmaConfig) for _, c in wide_buckets(12352, 2560))
+    monkeypatch.setattr(gemv_config, "WIDE_MMA", True)
     for n, k in ((12352, 2560), (10240, 2560), (18432, 2560), (24576, 4096), (16448, 4096)):
         kinds = [type(c) for _, c in wide_buckets(n, k)]
         assert kinds[0] is not WideMmaConfig and kinds[1:] == [WideMmaConfig] * 3, (n, k)
@@ -130,12 +135,12 @@ def test_pipeline_takes_it_where_its_blocks_fill_the_gpu() -> None:
             assert cfg.shared_bytes <= SM80_SHARED_BYTES and cfg.cols in (16, 32, 64)
     for n, k in ((2560, 4096), (2560, 9216), (4096, 4096), (4096, 12288)):
         assert not any(isinstance(c, WideMmaConfig) for _, c in wide_buckets(n, k)), (n, k)
-    assert not any(isinstance(c, WideMmaConfig) for _, c in wide_buckets(12352, 2560, mma=False))
 
 
 def _source(n: int, k: int, **kw) -> str:
     target, _ = make_target("cuda", "sm_80,sm_90")
-    func = gemv_kernel(n, k, target, gemv_config.wide_buckets(n, k), out_dtype="bfloat16", **kw)
+    plan = gemv_config.wide_buckets(n, k, mma=True)
+    func = gemv_kernel(n, k, target, plan, out_dtype="bfloat16", **kw)
     lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "g")}), target=target)
     (cuda,) = [m for m in lib.mod.imports if m.kind == "cuda"]
     return cuda.inspect_source()

@@ -18,6 +18,7 @@ from qwen35_tvm.compile.pipeline import fusion_passes, relax_pipeline
 from qwen35_tvm.compile.random_model import SHAPES
 from qwen35_tvm.compile.targets import make_target
 from qwen35_tvm.compile.vocab import VocabWidths
+from qwen35_tvm.schedules import gemv_config
 from qwen35_tvm.schedules import matmul_config as mc
 from qwen35_tvm.schedules import matmul_rule as rule
 from qwen35_tvm.schedules.gemm_match import match_gemm
@@ -194,15 +195,17 @@ def test_4b_gemm_builds_mma_sass_for_sm80_and_sm90(tmp_path, n, k, residual) -> 
     # 4B's shapes its weight streams through sm_90's bulk ring (gemv_rule.DECODE_BULK), the
     # copy engine's cp.async.bulk and no other cp.async;
     # decode_wide: a kernel a batch bucket (8, 16, 32, 64 rows a pass), the 8-row one decode's;
-    # in_proj's others the swapped tensor-core GEMM (schedules/gemv_wide_mma.py: sm_90a's
-    # wgmma ring fed by TMA, mma.sync elsewhere); down's (20 blocks of 128 rows: too few) the
-    # GEMV, the 16-row one's weight ring in registers (gemv_config.ring_in_registers), the 32-
-    # and 64-row ones with the weight streamed through shared memory by cp.async
+    # with gemv_config.WIDE_MMA in_proj's others are the swapped tensor-core GEMM (sm_90a's
+    # wgmma ring fed by TMA, mma.sync elsewhere); down's (20 blocks of 128 rows: too few), or
+    # every one without it, the GEMV: the 16-row one's weight ring in registers
+    # (gemv_config.ring_in_registers), the 32- and 64-row ones streaming it through shared
+    # memory by cp.async
     assert all(MMA in s and "ldmatrix" not in s for s in decode[1:])
     assert all(0 < s.count("cp_async_bulk") == s.count("cp_async") for s in decode[1:])
     wide = [s for s in wide if s.split("\n", 1)[0].rstrip().endswith("{")]  # definitions
     assert len(wide) == 4 and all(MMA in s and "ldmatrix" not in s for s in wide)
     ring = [s for s in wide if f"{SM90A_FN}()" in s]
     assert all("wgmma" in s and "bulk_tensor" in s for s in ring)
-    assert len(ring) == (0 if residual else 3)
-    assert sum("cp_async" in s and "bulk_tensor" not in s for s in wide) == (2 if residual else 0)
+    mma = gemv_config.WIDE_MMA and not residual
+    assert len(ring) == (3 if mma else 0)
+    assert sum("cp_async" in s and "bulk_tensor" not in s for s in wide) == (0 if mma else 2)
