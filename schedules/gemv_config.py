@@ -286,13 +286,23 @@ def ring_in_registers(n: int, k: int, n_tiles: int) -> bool:
 
 
 def wide_mma_config(n: int, k: int, cols: int) -> WideMmaConfig | None:
-    """The swapped tensor-core GEMM's bucket for a weight of n rows (a SwiGLU's too: 64
-    outputs a block, so the same n / 128 blocks) where its 128-row blocks still give most SMs
-    one, else None (n = 2,560 would leave 112 of 132 SMs idle); the deepest ring that fits."""
-    if cdiv(n, BLOCK_M) < SMS // 2 or k % (2 * 64):
+    """The swapped tensor-core GEMM's bucket of `cols` rows for a weight of n rows (a SwiGLU's
+    too: 64 outputs a block, so the same n / 128 blocks), or None where the GEMV streams
+    better. Its blocks must give most SMs one (n = 2,560 would leave 112 of 132 idle), and
+    at 16 rows seven in ten (qkv's 80 blocks: 73.5% of copy bandwidth against the GEMV's
+    77.8%; in_proj's 97: 84.0 against 81.0). The ring: the deepest (6 stages; 4 at 64 rows)
+    with which one wave holds every block, as two blocks an SM must for gate_up's 144
+    (6 stages, one an SM: 77.2% at 16 rows against 85.5 with 5 and 87.0 with 4).
+    H100, alone: docs/results/gemv_kernel_wide_mma_h100_s43.json."""
+    tiles = cdiv(n, BLOCK_M)
+    if k % (2 * 64) or tiles < SMS // 2 or cols == 16 and 10 * tiles < 7 * SMS:
         return None
-    return next(c for s in (6, 5, 4) if (c := WideMmaConfig(cols, s)).shared_bytes
-                <= SM80_SHARED_BYTES)  # fmt: skip
+    per_sm = cdiv(tiles, SMS)
+    for stages in (6, 5, 4, 3) if cols < 64 else (4, 3):
+        cfg = WideMmaConfig(cols, stages)
+        if per_sm * (cfg.shared_bytes + 1024) <= SHARED_PER_SM:
+            return cfg
+    return None
 
 
 def wide_buckets(n: int, k: int, mma: bool | None = None, **options) -> Buckets:
