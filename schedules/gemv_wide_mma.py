@@ -38,6 +38,7 @@ from .ptx import is_sm90a
 
 WARPS = THREADS // 32
 CHUNK = 8  # bf16 of one 16-byte chunk of an X tile row
+ROW_CHUNKS = BLOCK_K // CHUNK  # chunks of an X tile row: a k tile of one batch row
 
 
 def paired_row(bx, r, n_out: int):
@@ -50,13 +51,13 @@ def paired_row(bx, r, n_out: int):
 def row_chunk(row, c):
     """The c-th of a k tile's 16-byte chunks of X tile row `row` (chunk p is squared by thread
     p % THREADS, p // THREADS its slot: square_chunks)."""
-    return row * (BLOCK_K // CHUNK) + c
+    return row * ROW_CHUNKS + c
 
 
 def square_chunks(cols: int) -> int:
     """16-byte chunks of a k tile's X rows that one thread squares: thread t takes chunks
-    t + THREADS * i, of row (t + THREADS * i) // 8."""
-    return cdiv(cols * BLOCK_K // CHUNK, THREADS)
+    t + THREADS * i, of row (t + THREADS * i) // ROW_CHUNKS."""
+    return cdiv(cols * ROW_CHUNKS, THREADS)
 
 
 def wide_mma_launch(
@@ -101,7 +102,7 @@ def wide_mma_launch(
     def squares_of_stage(smem, at, tid, sq):
         for i in T.unroll(sq_n):
             p: T.let[T.int32] = tid + i * THREADS
-            if p < cols * BLOCK_K // CHUNK:
+            if p < cols * ROW_CHUNKS:
                 for v in T.unroll(CHUNK):
                     xv: T.let[T.float32] = T.Cast("float32", smem[at + p * CHUNK + v])
                     sq[i] = sq[i] + xv * xv
@@ -112,11 +113,11 @@ def wide_mma_launch(
         for kt in T.serial(k_tiles):
             for i in T.unroll(sq_n):
                 p: T.let[T.int32] = tid + i * THREADS
-                if p < cols * BLOCK_K // CHUNK and by * cols + p // CHUNK < batch:
+                if p < cols * ROW_CHUNKS and by * cols + p // ROW_CHUNKS < batch:
                     for v in T.serial(CHUNK):
                         xv = T.meta_var(
-                            T.Cast("float32", x[by * cols + p // CHUNK, kt * BLOCK_K + p % CHUNK
-                                                * CHUNK + v])
+                            T.Cast("float32", x[by * cols + p // ROW_CHUNKS,
+                                                kt * BLOCK_K + p % ROW_CHUNKS * CHUNK + v])
                         )  # fmt: skip
                         sq[sq_base + i] = sq[sq_base + i] + xv * xv
 
@@ -145,7 +146,7 @@ def wide_mma_launch(
         if rms:
             if tid < cols:
                 total[0] = T.float32(0)
-                for c in T.unroll(BLOCK_K // CHUNK):
+                for c in T.unroll(ROW_CHUNKS):
                     p = T.meta_var(row_chunk(tid, c))
                     total[0] = total[0] + sq_part[p % THREADS, p // THREADS]
                 rstd[tid] = T.rsqrt(total[0] / T.float32(k) + T.float32(rms_eps))
