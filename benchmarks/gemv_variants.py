@@ -111,12 +111,11 @@ def bulk_variants(n: int, k: int, default) -> dict[str, object]:
 
 
 def wide_variants(n: int, k: int) -> dict[str, object]:
-    """Bucket plans around the default: the GEMV's own plan ("gemv": every bucket the GEMV)
-    and the swapped tensor-core GEMM's ("mma", gemv_config.WIDE_MMA's; where it applies), the
-    GEMV's ring in registers, the other m-tile count, half the
-    shared ring, deeper register rings ("deep"); the tensor-core GEMM's rings at 4-6 stages
-    ("mma4".."mma6", where it applies), and its weight's first tiles loaded before the wait for
-    X's producer ("mmae")."""
+    """Bucket plans around the default: the GEMV's own plan ("gemv": every bucket the GEMV) and
+    the swapped tensor-core GEMM's ("mma", gemv_config.WIDE_MMA's; where it applies); the
+    GEMV's ring in registers, the other m-tile count, half the shared ring, deeper register
+    rings ("deep"); the tensor-core GEMM's rings at 4-6 stages ("mma4".."mma6") and its
+    weight's first tiles loaded before the wait for X's producer ("mmae")."""
     from dataclasses import replace
 
     from qwen35_tvm.schedules.gemv_config import SM80_SHARED_BYTES, WideMmaConfig, wide_buckets

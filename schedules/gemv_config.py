@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .wgmma_config import BLOCK_M, SM80_SHARED_BYTES, THREADS, WgmmaConfig
+from .wgmma_config import BLOCK_K, BLOCK_M, SM80_SHARED_BYTES, THREADS, WgmmaConfig
 
 VEC = 8  # bf16 elements of one 128-bit load
 # bf16 after each row of a bulk stage: a row pitch of 64 bytes past a multiple of 128 puts the
@@ -140,10 +140,15 @@ class WideMmaConfig:
         return WgmmaConfig(block_n=self.cols, stages=self.stages, tma=True)
 
     @property
+    def square_chunks(self) -> int:
+        """16-byte chunks of a k tile's X rows that one thread squares for a folded norm:
+        thread t takes chunks t + THREADS * i, of row (t + THREADS * i) // 8."""
+        return cdiv(self.cols * BLOCK_K // 8, THREADS)
+
+    @property
     def shared_bytes(self) -> int:
         # the ring, then at most: the up values handed over, the squares, the rows' 1 / rms
-        sq_chunks = -(-self.cols * 8 // THREADS)
-        extra = (THREADS // 2 * self.cols // 2 + THREADS * sq_chunks + self.cols) * 4
+        extra = (THREADS // 2 * self.cols // 2 + THREADS * self.square_chunks + self.cols) * 4
         return self.wgmma.shared_bytes + extra
 
     def check(self) -> None:
@@ -295,7 +300,7 @@ def wide_mma_config(n: int, k: int, cols: int) -> WideMmaConfig | None:
     (6 stages, one an SM: 77.2% at 16 rows against 85.5 with 5 and 87.0 with 4).
     H100, alone: docs/results/gemv_kernel_wide_mma_h100_s43.json."""
     tiles = cdiv(n, BLOCK_M)
-    if k % (2 * 64) or tiles < SMS // 2 or cols == 16 and 10 * tiles < 7 * SMS:
+    if k % (2 * BLOCK_K) or tiles < SMS // 2 or cols == 16 and 10 * tiles < 7 * SMS:
         return None
     per_sm = cdiv(tiles, SMS)
     for stages in (6, 5, 4, 3) if cols < 64 else (4, 3):

@@ -50,14 +50,8 @@ def paired_row(bx, r, n_out: int):
 
 def row_chunk(row, c):
     """The c-th of a k tile's 16-byte chunks of X tile row `row` (chunk p is squared by thread
-    p % THREADS, p // THREADS its slot: square_chunks)."""
+    p % THREADS, p // THREADS its slot: WideMmaConfig.square_chunks)."""
     return row * ROW_CHUNKS + c
-
-
-def square_chunks(cols: int) -> int:
-    """16-byte chunks of a k tile's X rows that one thread squares: thread t takes chunks
-    t + THREADS * i, of row (t + THREADS * i) // ROW_CHUNKS."""
-    return cdiv(cols * ROW_CHUNKS, THREADS)
 
 
 def wide_mma_launch(
@@ -79,7 +73,7 @@ def wide_mma_launch(
     cols, paired, rms = cfg.cols, pair is not None, rms_eps is not None
     n_out = n // 2 if paired else n
     outs = BLOCK_M // 2 if paired else BLOCK_M  # output columns a block
-    tiles, n_acc, sq_n = cdiv(n_out, outs), cols // 2, square_chunks(cols)
+    tiles, n_acc, sq_n = cdiv(n_out, outs), cols // 2, cfg.square_chunks
     k_tiles = k // BLOCK_K
     up_elems = (THREADS // 2) * n_acc if paired else 1
     wg = cfg.wgmma

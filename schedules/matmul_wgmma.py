@@ -211,6 +211,8 @@ def wgmma_tile(
 
     @T.macro
     def tma_a(maps, smem, pad, bars, s, kt, bx):
+        # thread 0: the stage's full barrier expects its bytes (B's too), then A's boxes
+        T.evaluate(T.ptx.mbarrier.arrive.expect_tx.shared.b64(bars(s), T.uint32(cfg.stage_bytes)))
         for half in T.unroll(a_boxes):
             T.evaluate(
                 T.ptx[
@@ -242,8 +244,6 @@ def wgmma_tile(
 
     @T.macro
     def tma_stage(maps, smem, pad, bars, s, kt, bx, by):
-        # thread 0: the stage's full barrier expects its bytes, then TMA loads fill it
-        T.evaluate(T.ptx.mbarrier.arrive.expect_tx.shared.b64(bars(s), T.uint32(cfg.stage_bytes)))
         tma_a(maps, smem, pad, bars, s, kt, bx)
         tma_b(maps, smem, pad, bars, s, kt, by)
 
@@ -292,8 +292,6 @@ def wgmma_tile(
                 if s < iters:
                     kt, bx, by = T.meta_var(at(s))
                     if early_a:
-                        T.evaluate(T.ptx.mbarrier.arrive.expect_tx.shared.b64(
-                            full(s), T.uint32(cfg.stage_bytes)))  # fmt: skip
                         tma_a(maps, smem, pad, full, s, kt, bx)
                     else:
                         tma_stage(maps, smem, pad, full, s, kt, bx, by)
