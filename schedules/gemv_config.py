@@ -19,6 +19,7 @@ SMS = 132
 MAX_THREADS_PER_SM = 2048
 REGISTERS_PER_SM = 65536
 SHARED_PER_SM = 228 * 1024  # H100/H200; each resident block also takes 1 KB of it
+BLOCK_RESERVED = 1024
 # what decode_wide's weight rings may take of it: the rest of the 256 KB stays L1, where the
 # blocks of an SM meet the same X
 WIDE_SHARED_PER_SM = 160 * 1024
@@ -40,6 +41,11 @@ WIDE_MMA = False
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)  # ceil(a / b)
+
+
+def resident_bytes(cfg: GemvConfig | WideMmaConfig) -> int:
+    """Shared memory one resident block of `cfg` takes from its SM."""
+    return cfg.shared_bytes + BLOCK_RESERVED
 
 
 @dataclass(frozen=True)
@@ -194,7 +200,7 @@ def min_blocks_per_sm(n: int, cfg: GemvConfig) -> int:
     if cfg.bulk:
         return cfg.bulk
     need = cdiv(cdiv(n, cfg.rows), SMS)
-    most = min(MAX_THREADS_PER_SM // cfg.threads, 32, SHARED_PER_SM // (cfg.shared_bytes + 1024))
+    most = min(MAX_THREADS_PER_SM // cfg.threads, 32, SHARED_PER_SM // resident_bytes(cfg))
     while most > 1 and register_cap(cfg.threads, most) < est_registers(cfg):
         most -= 1
     return max(1, min(need, most))
@@ -204,7 +210,7 @@ def one_wave(n: int, k: int, cfg: GemvConfig, shared: int = SHARED_PER_SM) -> bo
     """Whether every row tile runs in one wave, each warp with at least one k step, within
     the register file and `shared` bytes of shared memory an SM."""
     blocks = min_blocks_per_sm(n, cfg)
-    fits = cdiv(n, cfg.rows) <= SMS * blocks and blocks * (cfg.shared_bytes + 1024) <= shared
+    fits = cdiv(n, cfg.rows) <= SMS * blocks and blocks * resident_bytes(cfg) <= shared
     return fits and cfg.warps_k <= cdiv(k, cfg.step) and est_registers(cfg) <= MAX_REGISTERS
 
 
@@ -305,7 +311,7 @@ def wide_mma_config(n: int, k: int, cols: int) -> WideMmaConfig | None:
     per_sm = cdiv(tiles, SMS)
     for stages in (6, 5, 4, 3) if cols < 64 else (4, 3):
         cfg = WideMmaConfig(cols, stages)
-        if per_sm * (cfg.shared_bytes + 1024) <= SHARED_PER_SM:
+        if per_sm * resident_bytes(cfg) <= SHARED_PER_SM:
             return cfg
     return None
 
