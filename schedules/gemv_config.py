@@ -32,11 +32,9 @@ MAX_REGISTERS = 232  # per thread: 255, less a margin for est_registers' error
 # engine_gemv2560_a2_experiment.json; c16 unchanged). 9B's (256+ tiles) keep the overlap: not
 # measured there.
 START_AFTER_PRODUCER_TILES = SMS * 3 // 2
-# decode_wide's 16-64-row buckets of the wide projections as a swapped tensor-core GEMM
-# (schedules/gemv_wide_mma.py) rather than the GEMV. Off until its values and speed are
-# measured on a GPU (session 43 got none): benchmarks/gemv_kernel.py --rows wide (ours with
-# this on, "gemv") and engine_throughput's c16 decide it.
-WIDE_MMA = False
+# decode_wide's 32- and 64-row buckets of the wide projections as a swapped tensor-core GEMM
+# (schedules/gemv_wide_mma.py) rather than the GEMV (wide_mma_config says where and why)
+WIDE_MMA = True
 
 
 def cdiv(a: int, b: int) -> int:
@@ -297,16 +295,21 @@ def ring_in_registers(n: int, k: int, n_tiles: int) -> bool:
 
 
 def wide_mma_config(n: int, k: int, cols: int) -> WideMmaConfig | None:
-    """The swapped tensor-core GEMM's bucket of `cols` rows for a weight of n rows (a SwiGLU's
-    too: 64 outputs a block, so the same n / 128 blocks), or None where the GEMV streams
-    better. Its blocks must give most SMs one (n = 2,560 would leave 112 of 132 idle), and
-    at 16 rows seven in ten (qkv's 80 blocks: 73.5% of copy bandwidth against the GEMV's
-    77.8%; in_proj's 97: 84.0 against 81.0). The ring: the deepest (6 stages; 4 at 64 rows)
-    with which one wave holds every block, as two blocks an SM must for gate_up's 144
-    (6 stages, one an SM: 77.2% at 16 rows against 85.5 with 5 and 87.0 with 4).
-    H100, alone: docs/results/gemv_kernel_wide_mma_h100_s43.json."""
+    """The swapped tensor-core GEMM's bucket of `cols` (32 or 64) rows for a weight of n rows
+    (a SwiGLU's too: 64 outputs a block, so the same n / 128 blocks), or None where the GEMV
+    streams better. Its blocks must give most SMs one (n = 2,560 would leave 112 of 132
+    idle). The ring: the deepest (6 stages; 4 at 64 rows) with which one wave holds every
+    block, as two blocks an SM must for gate_up's 144 (6 stages, one an SM: 77.2% of copy
+    bandwidth at 16 rows against 85.5 with 5 and 87.0 with 4; H100, alone:
+    docs/results/gemv_kernel_wide_mma_h100_s43.json).
+
+    16 rows keep the GEMV. Alone on an H100 the GEMM won there too (in_proj 84.0% against
+    81.0), but in the H200's engine it lost: c16's decode step 3.655 -> 3.844 ms (in the step
+    in_proj took 29 µs a call and gate_up 36, against the GEMVs' 21 and 31 in session 34's
+    profile), while c32's went 4.990 -> 4.869 and c64's 7.938 -> 7.640
+    (docs/results/wide_mma_h200_s44/)."""
     tiles = cdiv(n, BLOCK_M)
-    if k % (2 * BLOCK_K) or tiles < SMS // 2 or cols == 16 and 10 * tiles < 7 * SMS:
+    if cols < 32 or k % (2 * BLOCK_K) or tiles < SMS // 2:
         return None
     per_sm = cdiv(tiles, SMS)
     for stages in (6, 5, 4, 3) if cols < 64 else (4, 3):

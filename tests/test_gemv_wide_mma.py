@@ -121,18 +121,16 @@ def test_emulated_ring_pairs_gate_and_up_rows(n_out: int, batch: int) -> None:
 
 
 def test_pipeline_takes_it_where_its_blocks_fill_the_gpu(monkeypatch) -> None:
-    """With gemv_config.WIDE_MMA: the 16-64-row buckets of 4B's and 9B's wide projections
-    (in_proj, qkv, gate_up); the n = 2,560 / 4,096 ones (20-32 blocks) keep the GEMV; every
-    config fits sm_80's launch. Without it, none."""
+    """With gemv_config.WIDE_MMA: the 32- and 64-row buckets of 4B's and 9B's wide projections
+    (in_proj, qkv, gate_up); the 8- and 16-row ones, and the n = 2,560 / 4,096 ones (20-32
+    blocks), keep the GEMV; every config fits sm_80's launch. Without it, none."""
     assert not any(isinstance(c, WideMmaConfig) for _, c in wide_buckets(12352, 2560, mma=False))
     monkeypatch.setattr(gemv_config, "WIDE_MMA", False)
     assert not any(isinstance(c, WideMmaConfig) for _, c in wide_buckets(12352, 2560))
     monkeypatch.setattr(gemv_config, "WIDE_MMA", True)
     for n, k in ((12352, 2560), (10240, 2560), (18432, 2560), (24576, 4096), (16448, 4096)):
         kinds = [type(c) for _, c in wide_buckets(n, k)]
-        # qkv's 80 blocks leave too many SMs idle at 16 rows, where the GEMV is quicker
-        first = GemvConfig if n == 10240 else WideMmaConfig
-        assert kinds == [GemvConfig, first, WideMmaConfig, WideMmaConfig], (n, k)
+        assert kinds == [GemvConfig, GemvConfig, WideMmaConfig, WideMmaConfig], (n, k)
         blocks = -(-n // 128)
         for _, cfg in wide_buckets(n, k)[1:]:
             if isinstance(cfg, WideMmaConfig):
@@ -157,11 +155,11 @@ def test_kernels_branch_to_the_ring_on_sm90a_and_to_mma_sync_elsewhere() -> None
     src = _source(18432, 2560, rms_eps=EPS, swiglu=True)
     bodies = [c for c in src.split("__global__")[1:] if c.split("\n", 1)[0].endswith("{")]
     ring = [b for b in bodies if "qwen35_sm90a()" in b]
-    assert len(bodies) == 4 and len(ring) == 3  # the 8-row bucket is the GEMV
+    assert len(bodies) == 4 and len(ring) == 2  # the 8- and 16-row buckets are the GEMV
     for body in ring:
         at = body.index("qwen35_sm90a()")
         assert "cp_async_bulk_tensor" in body[at:] and "mma.sync" in body[at:]
-    assert {re.search(r"m64n(\d+)k16", b).group(1) for b in ring} == {"16", "32", "64"}
+    assert {re.search(r"m64n(\d+)k16", b).group(1) for b in ring} == {"32", "64"}
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
