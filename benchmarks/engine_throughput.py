@@ -89,7 +89,7 @@ def _artifacts(libs: Path, work: Path, shape: str, variants: list[str]) -> dict[
         for f in meta["weights"]:
             target = dirs[name] / f
             if not target.exists():
-                os.symlink(weights / f, target)
+                os.symlink((weights / f).resolve(), target)  # a relative work dir too
         m = json.loads((dirs[name] / "artifact.json").read_text())
         m["weights"] = meta["weights"]
         (dirs[name] / "artifact.json").write_text(json.dumps(m, indent=2))
