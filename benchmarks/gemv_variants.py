@@ -115,10 +115,16 @@ def wide_variants(n: int, k: int) -> dict[str, object]:
     the swapped tensor-core GEMM's ("mma", gemv_config.WIDE_MMA's; where it applies); the
     GEMV's ring in registers, the other m-tile count, half the shared ring, deeper register
     rings ("deep"); the tensor-core GEMM's rings at 4-6 stages ("mma4".."mma6") and its
-    weight's first tiles loaded before the wait for X's producer ("mmae")."""
+    weight's first tiles loaded before the wait for X's producer ("mmae"); for a narrow weight,
+    its 16- and 32-row buckets with each tile's k split over 4, 6 or 8 blocks ("sk4".."sk8")."""
     from dataclasses import replace
 
-    from qwen35_tvm.schedules.gemv_config import SM80_SHARED_BYTES, WideMmaConfig, wide_buckets
+    from qwen35_tvm.schedules.gemv_config import (
+        SM80_SHARED_BYTES,
+        WideMmaConfig,
+        split_config,
+        wide_buckets,
+    )
 
     default = wide_buckets(n, k, mma=False)
     ours = wide_buckets(n, k, mma=True)
@@ -131,6 +137,10 @@ def wide_variants(n: int, k: int) -> dict[str, object]:
     if mma:  # the first weight tiles loaded before the wait for X's producer
         mma["mmae"] = tuple((limit, replace(c, early=True) if isinstance(c, WideMmaConfig) else c)
                             for limit, c in ours)  # fmt: skip
+    for splits in (4, 6, 8) if all(not isinstance(c, WideMmaConfig) for _, c in ours) else ():
+        split = {cols: split_config(n, k, cols, splits) for cols in (16, 32)}
+        if all(split.values()) and k // 64 >= 2 * splits:
+            mma[f"sk{splits}"] = tuple((limit, split.get(limit) or c) for limit, c in default)
     other = 1 if default[-1][1].m_tiles == 2 else 2
     half = tuple(
         (limit, replace(cfg, stages=max(2, cfg.stages // 2)) if cfg.w_smem else cfg)

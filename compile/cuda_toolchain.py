@@ -24,6 +24,7 @@ import tempfile
 from pathlib import Path
 
 from ..schedules.sm90a import SM90A_PRELUDE
+from ..schedules.split_tickets import PRELUDE as SPLIT_PRELUDE
 
 _STUB_SOURCE = Path(__file__).with_name("cuda_stub.c")
 _FATBIN_MAGIC = 0xBA55ED50
@@ -105,7 +106,7 @@ def compile_fatbin(code: str, arches: list[str]) -> bytes:
     nvcc = find_nvcc()
     with tempfile.TemporaryDirectory(prefix="qwen35-tvm-nvcc-") as tmp:
         source, output = Path(tmp) / "kernels.cu", Path(tmp) / "kernels.fatbin"
-        source.write_text(SM90A_PRELUDE + guard_sm90_asm(code))
+        source.write_text(SM90A_PRELUDE + SPLIT_PRELUDE + guard_sm90_asm(code))
         proc = subprocess.run(
             nvcc_command(nvcc, arches, source, output),
             stdout=subprocess.PIPE,

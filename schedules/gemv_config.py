@@ -35,6 +35,10 @@ START_AFTER_PRODUCER_TILES = SMS * 3 // 2
 # decode_wide's 32- and 64-row buckets of the wide projections as a swapped tensor-core GEMM
 # (schedules/gemv_wide_mma.py) rather than the GEMV (wide_mma_config says where and why)
 WIDE_MMA = True
+# ... and its 16- and 32-row buckets of the narrow projections (n = 2,560 / 4,096: 20-32 row
+# tiles), each tile's k split over blocks (WideMmaConfig.splits). Off until measured on a GPU:
+# benchmarks/gemv_kernel.py --rows wide ("sk*") and engine_throughput's c16 decide it.
+WIDE_SPLIT_K = False
 
 
 def cdiv(a: int, b: int) -> int:
@@ -138,6 +142,9 @@ class WideMmaConfig:
     stages: int = 6
     # sm_90a: the ring's first weight tiles load before the wait for X's producer
     early: bool = False
+    # sm_90a: blocks a row tile's k is split over, their partials summed in split order by
+    # the last to finish (schedules/split_tickets.py); sm_80 runs the tile whole in split 0
+    splits: int = 1
 
     @property
     def wgmma(self) -> WgmmaConfig:
@@ -158,6 +165,9 @@ class WideMmaConfig:
     def check(self) -> None:
         if self.cols not in (16, 32, 64):
             raise ValueError(f"{self}: cols 16, 32 or 64")
+        # a split's partials fill one workspace slot: one batch block, 32 columns at most
+        if not 1 <= self.splits <= 16 or self.splits > 1 and self.cols > 32:
+            raise ValueError(f"{self}: splits 1-16, and only with 16 or 32 columns")
         self.wgmma.check()
         if self.shared_bytes > SM80_SHARED_BYTES:  # the launch is sm_80's too
             raise ValueError(f"{self}: {self.shared_bytes} bytes of shared memory")
@@ -309,7 +319,11 @@ def wide_mma_config(n: int, k: int, cols: int) -> WideMmaConfig | None:
     profile), while c32's went 4.990 -> 4.869 and c64's 7.938 -> 7.640
     (docs/results/wide_mma_h200_s44/)."""
     tiles = cdiv(n, BLOCK_M)
-    if cols < 32 or k % (2 * BLOCK_K) or tiles < SMS // 2:
+    if k % (2 * BLOCK_K):
+        return None
+    if tiles < SMS // 2:
+        return split_config(n, k, cols) if WIDE_SPLIT_K else None
+    if cols < 32:
         return None
     per_sm = cdiv(tiles, SMS)
     for stages in (6, 5, 4, 3) if cols < 64 else (4, 3):
@@ -317,6 +331,19 @@ def wide_mma_config(n: int, k: int, cols: int) -> WideMmaConfig | None:
         if per_sm * resident_bytes(cfg) <= SHARED_PER_SM:
             return cfg
     return None
+
+
+def split_config(n: int, k: int, cols: int, splits: int | None = None) -> WideMmaConfig | None:
+    """A narrow weight's bucket of 16 or 32 rows with each row tile's k split over `splits`
+    blocks (default: the most, up to 8, that keep one block an SM: 6 for 4B's 20 tiles, 4 for
+    9B's 32), each with at least two k tiles; 6-stage rings. Session 40's probe put the
+    ticketed split at 74.9% of copy bandwidth for down and 61.2% for o_proj at 16 rows (H100,
+    wgmma_stream_probe_ticket2_h100_s40.json), against ~64 and ~55% for the GEMV in a step."""
+    tiles, k_tiles = cdiv(n, BLOCK_M), k // BLOCK_K
+    splits = splits or min(8, SMS // tiles, k_tiles // 2)
+    if cols > 32 or splits < 2:
+        return None
+    return WideMmaConfig(cols, 6, splits=splits)
 
 
 def wide_buckets(n: int, k: int, mma: bool | None = None, **options) -> Buckets:

@@ -35,6 +35,8 @@ from .matmul_wgmma import BLOCK_K, BLOCK_M, THREADS, tensor_maps, wgmma_tile
 from .mma_rows import mma_rows
 from .pdl import release_dependents, wait_for_producers
 from .ptx import is_sm90a
+from .split_k import k_range
+from .split_tickets import SLOT_FLOATS, SLOTS, TICKETS
 
 WARPS = THREADS // 32
 CHUNK = 8  # bf16 of one 16-byte chunk of an X tile row
@@ -74,7 +76,11 @@ def wide_mma_launch(
     n_out = n // 2 if paired else n
     outs = BLOCK_M // 2 if paired else BLOCK_M  # output columns a block
     tiles, n_acc, sq_n = cdiv(n_out, outs), cols // 2, cfg.square_chunks
-    k_tiles = k // BLOCK_K
+    k_tiles, splits = k // BLOCK_K, cfg.splits
+    if splits > 1 and (paired or rms or tiles > TICKETS or tiles * splits > SLOTS
+                       or n_acc * THREADS > SLOT_FLOATS or splits * 2 > k_tiles):  # fmt: skip
+        raise ValueError(f"{cfg} for {n} x {k}: a split tile takes no norm or SwiGLU, and "
+                         f"{TICKETS} tiles, {SLOTS} blocks, 2 k tiles a split at most")
     up_elems = (THREADS // 2) * n_acc if paired else 1
     wg = cfg.wgmma
 
@@ -162,46 +168,93 @@ def wide_mma_launch(
                     else:
                         out[b, c] = epilogue(gate, b, c, extras)
 
+    def slot_at(bx, z, j, tid):
+        # split z's accumulator j of thread tid, threads adjacent (coalesced)
+        return ((bx * splits + z) * n_acc + j) * THREADS + tid
+
+    @T.macro
+    def reduce_splits(acc, ticket, bx, z, tid):
+        # publish this split's partial; the block that draws the last ticket sums all of them
+        # in split order (its own too, from memory, so the order never depends on timing)
+        for j in T.unroll(n_acc):
+            T.evaluate(T.call_extern("void", "qwen35_ws_store", slot_at(bx, z, j, tid), acc[j]))
+        T.tvm_storage_sync("shared")
+        if tid == 0:
+            ticket[0] = T.call_extern("int32", "qwen35_ticket_take", bx)
+        T.tvm_storage_sync("shared")
+        last: T.let[T.bool] = ticket[0] == splits - 1
+        if last:
+            for j in T.unroll(n_acc):
+                acc[j] = T.float32(0)
+                for zz in T.serial(splits):
+                    acc[j] = acc[j] + T.call_extern(
+                        "float32", "qwen35_ws_load", slot_at(bx, zz, j, tid)
+                    )
+            if tid == 0:
+                T.evaluate(T.call_extern("void", "qwen35_ticket_reset", bx))
+
+    @T.macro
+    def block_gpu(x, w, out, extras, batch, maps, bx, by, z):
+        with T.sblock("block"):
+            T.reads()
+            T.writes()
+            smem = T.sblock_alloc_buffer((wg.shared_bytes // 2,), DTYPE, scope="shared.dyn")
+            sq_part = T.sblock_alloc_buffer((THREADS, sq_n), "float32", scope="shared")
+            rstd = T.sblock_alloc_buffer((cols,), "float32", scope="shared")
+            up_sh = T.sblock_alloc_buffer((up_elems,), "float32", scope="shared")
+            ticket = T.sblock_alloc_buffer((1,), "int32", scope="shared")
+            for ty in T.thread_binding(WARPS, thread="threadIdx.y"):
+                for tx in T.thread_binding(32, thread="threadIdx.x"):
+                    with T.sblock("gemv"):
+                        T.reads()
+                        T.writes()
+                        acc = T.sblock_alloc_buffer((n_acc,), "float32", scope="local")
+                        sq = T.sblock_alloc_buffer((sq_n,), "float32", scope="local")
+                        if not cfg.early:  # first: schedules/pdl.py
+                            T.evaluate(wait_for_producers(True))
+                            T.evaluate(release_dependents(True))
+                        tid: T.let[T.int32] = ty * 32 + tx
+                        for i in T.unroll(sq_n):
+                            sq[i] = T.float32(0)
+                        if is_sm90a():
+                            kt0, kc = T.meta_var(k_range(z, splits, k_tiles))
+                            accumulate(w, x, acc, n, smem, bx, by, tid, maps, sq, kt0, kc)
+                            if splits > 1:
+                                reduce_splits(acc, ticket, bx, z, tid)
+                        else:
+                            if cfg.early:  # the ring's macro waits on sm_90a
+                                T.evaluate(wait_for_producers(True))
+                                T.evaluate(release_dependents(True))
+                            if splits > 1:  # sm_80: split 0 runs the tile whole
+                                if z == 0:
+                                    block(x, w, acc, batch, bx, ty, tx, by)
+                                if tid == 0:
+                                    ticket[0] = T.if_then_else(z == 0, splits - 1, 0)
+                            else:
+                                block(x, w, acc, batch, bx, ty, tx, by)
+                            if rms:
+                                squares_of_x(x, sq, 0, by, tid, batch)
+                        hand_over(acc, 0, sq, 0, sq_part, up_sh, tid)
+                        T.tvm_storage_sync("shared")
+                        row_norms(sq_part, rstd, tid)
+                        T.tvm_storage_sync("shared")
+                        if splits > 1:
+                            mine: T.let[T.bool] = ticket[0] == splits - 1
+                            if mine:
+                                store(acc, 0, up_sh, rstd, out, extras, bx, by, tid, batch)
+                        else:
+                            store(acc, 0, up_sh, rstd, out, extras, bx, by, tid, batch)
+
     @T.macro
     def launch_gpu(x, w, out, extras, batch):
         encode(w, x, n, batch)  # on the host: rows past either read as zeros
         for bx in T.thread_binding(tiles, thread="blockIdx.x"):
             for by in T.thread_binding(T.ceildiv(batch, cols), thread="blockIdx.y"):
-                with T.sblock("block"):
-                    T.reads()
-                    T.writes()
-                    smem = T.sblock_alloc_buffer((wg.shared_bytes // 2,), DTYPE,
-                                                 scope="shared.dyn")  # fmt: skip
-                    sq_part = T.sblock_alloc_buffer((THREADS, sq_n), "float32", scope="shared")
-                    rstd = T.sblock_alloc_buffer((cols,), "float32", scope="shared")
-                    up_sh = T.sblock_alloc_buffer((up_elems,), "float32", scope="shared")
-                    for ty in T.thread_binding(WARPS, thread="threadIdx.y"):
-                        for tx in T.thread_binding(32, thread="threadIdx.x"):
-                            with T.sblock("gemv"):
-                                T.reads()
-                                T.writes()
-                                acc = T.sblock_alloc_buffer((n_acc,), "float32", scope="local")
-                                sq = T.sblock_alloc_buffer((sq_n,), "float32", scope="local")
-                                if not cfg.early:  # first: schedules/pdl.py
-                                    T.evaluate(wait_for_producers(True))
-                                    T.evaluate(release_dependents(True))
-                                tid: T.let[T.int32] = ty * 32 + tx
-                                for i in T.unroll(sq_n):
-                                    sq[i] = T.float32(0)
-                                if is_sm90a():
-                                    accumulate(w, x, acc, n, smem, bx, by, tid, maps, sq)
-                                else:
-                                    if cfg.early:  # the ring's macro waits on sm_90a
-                                        T.evaluate(wait_for_producers(True))
-                                        T.evaluate(release_dependents(True))
-                                    block(x, w, acc, batch, bx, ty, tx, by)
-                                    if rms:
-                                        squares_of_x(x, sq, 0, by, tid, batch)
-                                hand_over(acc, 0, sq, 0, sq_part, up_sh, tid)
-                                T.tvm_storage_sync("shared")
-                                row_norms(sq_part, rstd, tid)
-                                T.tvm_storage_sync("shared")
-                                store(acc, 0, up_sh, rstd, out, extras, bx, by, tid, batch)
+                if splits > 1:
+                    for z in T.thread_binding(splits, thread="blockIdx.z"):
+                        block_gpu(x, w, out, extras, batch, maps, bx, by, z)
+                else:
+                    block_gpu(x, w, out, extras, batch, maps, bx, by, 0)
 
     @T.macro
     def launch_cpu(x, w, out, extras, batch):

@@ -17,7 +17,7 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from .gemm_layout import acc_coords
-from .matmul_wgmma import WgmmaConfig, tensor_maps, wgmma_tile
+from .matmul_wgmma import BLOCK_K, WgmmaConfig, tensor_maps, wgmma_tile
 from .mma_rows import mma_rows
 from .pdl import release_dependents, wait_for_producers
 from .pick_triples import CHUNK_COLS, merge, start, take, warp_merge
@@ -122,7 +122,8 @@ def _wide_launch(hidden: int, live: int, decodable: int, selection: int, dtype: 
                                 tid: T.let[T.int32] = ty * 32 + tx
                                 if is_sm90a():
                                     # the weight is A (a block's 128 rows), the batch B
-                                    accumulate(w, x, acc, selection, smem, bx, by, tid, maps, None)
+                                    accumulate(w, x, acc, selection, smem, bx, by, tid, maps,
+                                               None, 0, hidden // BLOCK_K)  # fmt: skip
                                 else:
                                     block(x, w, acc, batch, bx, ty, tx, by)
                                 finish(acc, out, ws_val, ws_idx, batch, red_val, red_idx, bx,

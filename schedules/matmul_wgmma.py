@@ -123,9 +123,9 @@ def wgmma_tile(
     """A macro computing the tile (bx, by) with THREADS threads (`tid`), its ring in `smem` (a
     bf16 shared buffer of at least cfg.shared_bytes). Rows of A past m (B past n) are clamped
     to the last row: they feed only accumulators that are never stored. With `accumulate_only`,
-    the macro `accumulate(a, b, acc, m, smem, bx, by, tid, maps, state)` instead: the tile's
-    whole k into a thread's bn / 2 fp32 `acc` (zeroed first; wgmma's D layout), for an
-    epilogue of the caller's own.
+    the macro `accumulate(a, b, acc, m, smem, bx, by, tid, maps, state, kt0, kc)` instead:
+    the tile's k tiles [kt0, kt0 + kc) into a thread's bn / 2 fp32 `acc` (zeroed first;
+    wgmma's D layout), for an epilogue of the caller's own.
 
     For the swapped GEMMs whose A is a weight (accumulate_only, TMA): with `a_pair`, A's tile
     is two boxes of 64 rows, bx * 64 and `a_pair` rows further (a SwiGLU's gate rows and their
@@ -352,8 +352,8 @@ def wgmma_tile(
         store_tile(out, extras, acc, m, bx, by, tid, ws, z, splits)
 
     @T.macro
-    def accumulate(a, b, acc, m, smem, bx, by, tid, maps, state):
-        accumulate_range(a, b, acc, m, smem, bx, by, tid, maps, 0, k_tiles, state)
+    def accumulate(a, b, acc, m, smem, bx, by, tid, maps, state, kt0, kc):
+        accumulate_range(a, b, acc, m, smem, bx, by, tid, maps, kt0, kc, state)
         T.evaluate(T.ptx.wgmma.wait_group.sync.aligned(0))
 
     @T.macro

@@ -1,0 +1,38 @@
+"""What a k-split decode GEMM (schedules/gemv_wide_mma.py, WideMmaConfig.splits) reduces its
+partials through: device globals every CUDA translation unit defines
+(compile/cuda_toolchain.py prepends PRELUDE), so no kernel signature changes and no state
+threads through the model.
+
+A split writes its fp32 accumulators into its slot of the workspace, then takes a ticket of
+its tile (an acquire-release add after a block barrier, as GDN's decode kernel does); the
+block that draws the last ticket sums every split's slot in split order, so the result does
+not depend on which split finished last, stores the tile and sets the ticket back to zero.
+Tickets start at zero when the module loads. Kernels of one stream that use them never run
+their post-wait parts at once (each waits for its producer, which waited for its own:
+schedules/pdl.py), so they share the globals; two streams running such kernels of one loaded
+library at once would not be safe, and the engine runs one. No TVM import here, as in
+sm90a.py: the toolchain loads before TVM does.
+"""
+
+TICKETS = 1024  # row tiles a split kernel may have
+SLOT_FLOATS = 256 * 16  # a block's partial: THREADS x accumulators of a 32-column tile
+SLOTS = 264  # (tile, split) blocks: two an SM of 132
+PRELUDE = f"""
+static __device__ int qwen35_tickets[{TICKETS}];
+static __device__ float qwen35_split_ws[{SLOTS * SLOT_FLOATS}];
+__device__ __forceinline__ int qwen35_ticket_take(int i) {{
+  int old;
+  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;"
+               : "=r"(old) : "l"(qwen35_tickets + i) : "memory");
+  return old;
+}}
+__device__ __forceinline__ void qwen35_ticket_reset(int i) {{ qwen35_tickets[i] = 0; }}
+__device__ __forceinline__ void qwen35_ws_store(int i, float v) {{ qwen35_split_ws[i] = v; }}
+__device__ __forceinline__ float qwen35_ws_load(int i) {{
+  float v;  // other blocks wrote it: from L2, not a stale L1 line
+  asm volatile("ld.relaxed.gpu.global.f32 %0, [%1];"
+               : "=f"(v) : "l"(qwen35_split_ws + i) : "memory");
+  return v;
+}}
+"""
+
