@@ -36,7 +36,7 @@ from .mma_rows import mma_rows
 from .pdl import release_dependents, wait_for_producers
 from .ptx import is_sm90a
 from .split_k import k_range
-from .split_tickets import SLOT_FLOATS, SLOTS, TICKETS
+from .split_tickets import LOAD, RESET, SLOT_FLOATS, SLOTS, STORE, TAKE, TICKETS
 
 WARPS = THREADS // 32
 CHUNK = 8  # bf16 of one 16-byte chunk of an X tile row
@@ -54,6 +54,13 @@ def row_chunk(row, c):
     """The c-th of a k tile's 16-byte chunks of X tile row `row` (chunk p is squared by thread
     p % THREADS, p // THREADS its slot: WideMmaConfig.square_chunks)."""
     return row * ROW_CHUNKS + c
+
+
+def split_slot(bx, z, j, tid, splits: int, n_acc: int):
+    """Where split z of row tile bx keeps thread tid's accumulator j in the workspace
+    (schedules/split_tickets.py): a tile's splits side by side, a thread's values THREADS
+    apart, so a warp's stores and loads are coalesced."""
+    return ((bx * splits + z) * n_acc + j) * THREADS + tid
 
 
 def wide_mma_launch(
@@ -168,30 +175,26 @@ def wide_mma_launch(
                     else:
                         out[b, c] = epilogue(gate, b, c, extras)
 
-    def slot_at(bx, z, j, tid):
-        # split z's accumulator j of thread tid, threads adjacent (coalesced)
-        return ((bx * splits + z) * n_acc + j) * THREADS + tid
-
     @T.macro
     def reduce_splits(acc, ticket, bx, z, tid):
         # publish this split's partial; the block that draws the last ticket sums all of them
         # in split order (its own too, from memory, so the order never depends on timing)
         for j in T.unroll(n_acc):
-            T.evaluate(T.call_extern("void", "qwen35_ws_store", slot_at(bx, z, j, tid), acc[j]))
+            at = T.meta_var(split_slot(bx, z, j, tid, splits, n_acc))
+            T.evaluate(T.call_extern("void", STORE, at, acc[j]))
         T.tvm_storage_sync("shared")
         if tid == 0:
-            ticket[0] = T.call_extern("int32", "qwen35_ticket_take", bx)
+            ticket[0] = T.call_extern("int32", TAKE, bx)
         T.tvm_storage_sync("shared")
         last: T.let[T.bool] = ticket[0] == splits - 1
         if last:
             for j in T.unroll(n_acc):
                 acc[j] = T.float32(0)
                 for zz in T.serial(splits):
-                    acc[j] = acc[j] + T.call_extern(
-                        "float32", "qwen35_ws_load", slot_at(bx, zz, j, tid)
-                    )
+                    at = T.meta_var(split_slot(bx, zz, j, tid, splits, n_acc))
+                    acc[j] = acc[j] + T.call_extern("float32", LOAD, at)
             if tid == 0:
-                T.evaluate(T.call_extern("void", "qwen35_ticket_reset", bx))
+                T.evaluate(T.call_extern("void", RESET, bx))
 
     @T.macro
     def block_gpu(x, w, out, extras, batch, maps, bx, by, z):
@@ -269,16 +272,22 @@ def wide_mma_launch(
                     sq_part = T.sblock_alloc_buffer((THREADS, sq_n), "float32")
                     rstd = T.sblock_alloc_buffer((cols,), "float32")
                     up_sh = T.sblock_alloc_buffer((up_elems,), "float32")
+                    part = T.sblock_alloc_buffer((1,), "float32")
                     for tid in T.serial(THREADS):
                         for j in T.serial(n_acc):
                             b, _c = T.meta_var(out_coords(bx, by, tid // 32, tid % 32, j))
                             er, _ec = T.meta_var(acc_coords(tid % 32, j % 4))
                             row: T.let[T.int32] = weight_row(bx, tid // 32 * 16 + er)
                             acc[tid * n_acc + j] = T.float32(0)
-                            for kk in T.serial(k):
-                                acc[tid * n_acc + j] = acc[tid * n_acc + j] + T.Cast(
-                                    "float32", w[row, kk]
-                                ) * T.Cast("float32", x[T.min(b, batch - 1), kk])
+                            for z in T.serial(splits):  # the GPU's partials, in split order
+                                kt0, kc = T.meta_var(k_range(z, splits, k_tiles))
+                                part[0] = T.float32(0)
+                                for kk in T.serial(kc * BLOCK_K):
+                                    at: T.let[T.int32] = kt0 * BLOCK_K + kk
+                                    part[0] = part[0] + T.Cast("float32", w[row, at]) * T.Cast(
+                                        "float32", x[T.min(b, batch - 1), at]
+                                    )
+                                acc[tid * n_acc + j] = acc[tid * n_acc + j] + part[0]
                         for i in T.serial(sq_n):
                             sq[tid * sq_n + i] = T.float32(0)
                         if rms:

@@ -17,18 +17,21 @@ sm90a.py: the toolchain loads before TVM does.
 TICKETS = 1024  # row tiles a split kernel may have
 SLOT_FLOATS = 256 * 16  # a block's partial: THREADS x accumulators of a 32-column tile
 SLOTS = 264  # (tile, split) blocks: two an SM of 132
+# the prelude's functions, for kernels' T.call_extern
+TAKE, RESET = "qwen35_ticket_take", "qwen35_ticket_reset"
+STORE, LOAD = "qwen35_ws_store", "qwen35_ws_load"
 PRELUDE = f"""
 static __device__ int qwen35_tickets[{TICKETS}];
 static __device__ float qwen35_split_ws[{SLOTS * SLOT_FLOATS}];
-__device__ __forceinline__ int qwen35_ticket_take(int i) {{
+__device__ __forceinline__ int {TAKE}(int i) {{
   int old;
   asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;"
                : "=r"(old) : "l"(qwen35_tickets + i) : "memory");
   return old;
 }}
-__device__ __forceinline__ void qwen35_ticket_reset(int i) {{ qwen35_tickets[i] = 0; }}
-__device__ __forceinline__ void qwen35_ws_store(int i, float v) {{ qwen35_split_ws[i] = v; }}
-__device__ __forceinline__ float qwen35_ws_load(int i) {{
+__device__ __forceinline__ void {RESET}(int i) {{ qwen35_tickets[i] = 0; }}
+__device__ __forceinline__ void {STORE}(int i, float v) {{ qwen35_split_ws[i] = v; }}
+__device__ __forceinline__ float {LOAD}(int i) {{
   float v;  // other blocks wrote it: from L2, not a stale L1 line
   asm volatile("ld.relaxed.gpu.global.f32 %0, [%1];"
                : "=f"(v) : "l"(qwen35_split_ws + i) : "memory");

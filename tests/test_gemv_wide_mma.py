@@ -21,7 +21,9 @@ from qwen35_tvm.compile.targets import make_target
 from qwen35_tvm.schedules import gemv_config, gemv_wide_mma
 from qwen35_tvm.schedules.gemv import gemv_kernel
 from qwen35_tvm.schedules.gemv_config import GemvConfig, WideMmaConfig, wide_buckets
-from qwen35_tvm.schedules.matmul_wgmma import SM80_SHARED_BYTES
+from qwen35_tvm.schedules.matmul_wgmma import BLOCK_K, SM80_SHARED_BYTES
+from qwen35_tvm.schedules.split_k import k_range
+from qwen35_tvm.schedules.split_tickets import PRELUDE, SLOT_FLOATS, SLOTS
 
 LLVM = tvm.target.Target("llvm")
 BF16 = ml_dtypes.bfloat16
@@ -33,7 +35,9 @@ def _exact(rng: np.random.Generator, shape) -> np.ndarray:
     return (rng.integers(-8, 9, shape) / 8).astype(BF16)
 
 
-def _run(n: int, k: int, batch: int, cols: int, kind: str) -> tuple[np.ndarray, np.ndarray]:
+def _run(
+    n: int, k: int, batch: int, cols: int, kind: str, splits: int = 1
+) -> tuple[np.ndarray, np.ndarray]:
     """(kernel's, numpy's) output of one bucket config on the CPU. `kind`: plain, residual
     (+ a [batch, n] bf16 extra), rms (the folded norm) or swiglu (with the norm)."""
     rng = np.random.default_rng(n * 7 + k + batch + cols)
@@ -60,7 +64,7 @@ def _run(n: int, k: int, batch: int, cols: int, kind: str) -> tuple[np.ndarray, 
         n_out = n // 2
         gate, up = ref[:, :n_out], ref[:, n_out:]
         ref = gate / (1 + np.exp(-gate)) * up
-    func = gemv_kernel(n, k, LLVM, WideMmaConfig(cols, stages=4), **kw)
+    func = gemv_kernel(n, k, LLVM, WideMmaConfig(cols, stages=4, splits=splits), **kw)
     lib = tvm.compile(tvm.IRModule({"main": func}), target=LLVM)
     args = [tvm.runtime.tensor(a) for a in [*arrays, np.zeros((batch, n_out), np.float32)]]
     lib["main"](*args)
@@ -86,6 +90,100 @@ CASES = [
 def test_cpu_variant_matches_numpy(n, k, batch, cols, kind) -> None:
     got, ref = _run(n, k, batch, cols, kind)
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+# a narrow weight's k split: uneven runs (8 k tiles in 3: 2, 3, 3), a batch of one, a full
+# 16-row block, a partial 32-row one, a partial last row tile
+SPLIT_CASES = [(300, 512, 1, 16, 3), (300, 512, 16, 16, 3), (256, 1024, 20, 32, 8)]
+
+
+@pytest.mark.parametrize("n, k, batch, cols, splits", SPLIT_CASES)
+def test_split_tiles_sum_their_k_runs(n, k, batch, cols, splits) -> None:
+    """The CPU variant sums the splits' partials in split order over split_k.k_range's runs,
+    as the GPU's last block does."""
+    got, ref = _run(n, k, batch, cols, "residual", splits)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+def test_split_runs_that_miss_a_tile_are_caught(monkeypatch) -> None:
+    monkeypatch.setattr(gemv_wide_mma, "k_range", lambda z, s, t: (z * t // s, t // s))
+    got, ref = _run(300, 512, 16, 16, "residual", 3)
+    assert not np.allclose(got, ref, rtol=1e-3)
+
+
+def test_split_rule_runs_and_slots(monkeypatch) -> None:
+    """With gemv_config.WIDE_SPLIT_K: the narrow weights' (20-32 row tiles) 16- and 32-row
+    buckets split each tile's k over blocks, one an SM, 2+ k tiles each, in runs that cover k
+    in order; the 64-row bucket (the last, which takes any batch) never splits; every (tile,
+    split, accumulator, thread) of them has its own workspace slot. Without it, none split."""
+    narrow = ((2560, 4096), (2560, 9216), (4096, 4096), (4096, 12288))
+    monkeypatch.setattr(gemv_config, "WIDE_SPLIT_K", False)
+    assert not any(isinstance(c, WideMmaConfig) for n, k in narrow for _, c in wide_buckets(n, k))
+    monkeypatch.setattr(gemv_config, "WIDE_SPLIT_K", True)
+    for n, k in narrow:
+        plan = wide_buckets(n, k)
+        assert [type(c) for _, c in plan] == [GemvConfig, WideMmaConfig, WideMmaConfig, GemvConfig]
+        tiles, k_tiles = n // 128, k // BLOCK_K
+        for limit, cfg in plan[1:3]:
+            s, n_acc = cfg.splits, cfg.cols // 2
+            assert limit == cfg.cols and 1 < s and tiles * s <= gemv_config.SMS
+            runs = [k_range(z, s, k_tiles) for z in range(s)]
+            assert [a for a, _ in runs] == [0, *np.cumsum([c for _, c in runs])[:-1]]
+            assert sum(c for _, c in runs) == k_tiles and min(c for _, c in runs) >= 2
+            slots = {gemv_wide_mma.split_slot(bx, z, j, t, s, n_acc)
+                     for bx in range(tiles) for z in range(s) for j in range(n_acc)
+                     for t in range(256)}  # fmt: skip
+            assert len(slots) == tiles * s * n_acc * 256 and max(slots) < SLOTS * SLOT_FLOATS
+    for n, k in ((12352, 2560), (18432, 2560)):  # wide weights: no split
+        assert all(getattr(c, "splits", 1) == 1 for _, c in wide_buckets(n, k))
+
+
+def _split_source() -> str:
+    target, _ = make_target("cuda", "sm_80,sm_90")
+    plan = ((8, GemvConfig()), (16, WideMmaConfig(16, 6, splits=6)))
+    def add(acc, r, c, e):
+        return acc + tvm.tirx.Cast("float32", e[0][r, c])
+
+    residual = dict(extra_shapes=("mn",), extra_dtypes=("bfloat16",), epilogue=add)
+    func = gemv_kernel(2560, 4096, target, plan, out_dtype="bfloat16", **residual)
+    lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "g")}), target=target)
+    (cuda,) = [m for m in lib.mod.imports if m.kind == "cuda"]
+    return cuda.inspect_source()
+
+
+def test_split_kernel_reduces_after_the_last_ticket_in_split_order() -> None:
+    """sm_90a: a split stores its partial, then (between barriers) thread 0 takes the tile's
+    ticket; the block holding ticket splits - 1 loads the six splits' slots in order, resets
+    the ticket, and only it stores outputs. sm_80: split 0 runs the tile whole."""
+    src = _split_source()
+    (body,) = [c for c in src.split("__global__")[1:] if "{\n" in c[:400] and "blockIdx.z" in c]
+    at = body.index("qwen35_sm90a()")
+    ring, rest = body[at:].split("} else {", 1)
+    store, take = ring.index("qwen35_ws_store("), ring.index("qwen35_ticket_take(")
+    syncs = [m.start() for m in re.finditer(r"__syncthreads\(\)", ring)]
+    assert store < max(s for s in syncs if s < take) and any(s > take for s in syncs)
+    last = ring.index("bool last = (ticket_ptr[0] == 5)")
+    loop = ring.index("for (int zz = 0; zz < 6; ++zz)")
+    assert take < last < loop < ring.index("qwen35_ws_load(")
+    assert last < ring.index("qwen35_ticket_reset(")
+    z0 = rest.index("if (((int)blockIdx.z) == 0) {")
+    assert "mma.sync" in rest[z0:] and "mma.sync" not in rest[:z0]
+    mine = body.index("bool mine = (ticket_ptr[0] == 5)")
+    assert mine > body.index("qwen35_ticket_reset(") and body.index("out_ptr[", mine) > mine
+    assert "out_ptr[" not in body[:mine]
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_split_kernel_compiles_without_spills(tmp_path) -> None:
+    from qwen35_tvm.compile.cuda_toolchain import guard_sm90_asm
+    from qwen35_tvm.schedules.sm90a import SM90A_PRELUDE
+
+    (tmp_path / "g.cu").write_text(SM90A_PRELUDE + PRELUDE + guard_sm90_asm(_split_source()))
+    for arch in ("sm_90a", "sm_80"):
+        cmd = ["nvcc", f"-arch={arch}", "-cubin", "-Xptxas", "-v", "-o",
+               str(tmp_path / f"{arch}.cubin"), str(tmp_path / "g.cu")]  # fmt: skip
+        info = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
+        assert set(re.findall(r"(\d+) bytes spill stores", info)) == {"0"}, (arch, info)
 
 
 def test_gate_and_up_rows_swapped_are_caught(monkeypatch) -> None:
