@@ -170,6 +170,19 @@ def shape_of(n: int) -> tvm.runtime.ShapeTuple:
     return tvm.runtime.ShapeTuple([n])
 
 
+def copy_rows(src: tvm.runtime.Tensor, rows: list[int], dst: tvm.runtime.Tensor) -> None:
+    """dst[j] = src[rows[j]] for int32 vectors on the device: a copy a run of consecutive rows
+    (usually one run, or two around a row that left)."""
+    j = 0
+    while j < len(rows):
+        n = 1
+        while j + n < len(rows) and rows[j + n] == rows[j] + n:
+            n += 1
+        piece = src._create_view(shape_of(n), "int32", 4 * rows[j])
+        dst._create_view(shape_of(n), "int32", 4 * j).copyfrom(piece)
+        j += n
+
+
 class DeviceInputs:
     """A step's int32 inputs on the device, each in a buffer of its own kept from call to call
     under its name, crossing from `UploadStaging`'s page-locked memory."""

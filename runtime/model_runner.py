@@ -42,6 +42,7 @@ from .host_picks import (
     PickBuffer,
     StepLogits,
     UploadStaging,
+    copy_rows,
     shape_of,
 )
 from .sampler import SamplingParams
@@ -52,19 +53,6 @@ WIDE_DECODE_FROM = 8
 
 
 INT32 = "int32"
-
-
-def _copy_rows(src: tvm.runtime.Tensor, rows: list[int], dst: tvm.runtime.Tensor) -> None:
-    """dst[j] = src[rows[j]] for int32 vectors on the device: a copy a run of consecutive rows
-    (usually one run, or two around a row that left)."""
-    j = 0
-    while j < len(rows):
-        n = 1
-        while j + n < len(rows) and rows[j + n] == rows[j] + n:
-            n += 1
-        piece = src._create_view(shape_of(n), INT32, 4 * rows[j])
-        dst._create_view(shape_of(n), INT32, 4 * j).copyfrom(piece)
-        j += n
 
 
 class ModelRunner:
@@ -294,7 +282,7 @@ class ModelRunner:
             rows=rows,
         )
         if fed:
-            _copy_rows(self._in_flight[0], fed, inputs[0])
+            copy_rows(self._in_flight[0], fed, inputs[0])
         prompts_only = all(len(t) > 1 for t in tokens)
         fn = self._prefill_prompts if prompts_only else self._prefill
         out = fn(*inputs, *self._state())
@@ -344,7 +332,7 @@ class ModelRunner:
         if rows == list(range(len(rows))):
             return src._create_view(shape_of(len(rows)), INT32, 0)
         out = self._gathered._create_view(shape_of(len(rows)), INT32, 0)
-        _copy_rows(src, rows, out)
+        copy_rows(src, rows, out)
         return out
 
     def _fetch(self, best: tvm.runtime.Tensor, logprob: tvm.runtime.Tensor) -> PendingPicks:
