@@ -64,7 +64,8 @@ def _run(
         n_out = n // 2
         gate, up = ref[:, :n_out], ref[:, n_out:]
         ref = gate / (1 + np.exp(-gate)) * up
-    func = gemv_kernel(n, k, LLVM, WideMmaConfig(cols, stages=4, splits=splits), **kw)
+    plan = ((cols, WideMmaConfig(cols, stages=4, splits=splits)), (1 << 30, WideMmaConfig(64, 4)))
+    func = gemv_kernel(n, k, LLVM, plan if splits > 1 else plan[0][1], **kw)
     lib = tvm.compile(tvm.IRModule({"main": func}), target=LLVM)
     args = [tvm.runtime.tensor(a) for a in [*arrays, np.zeros((batch, n_out), np.float32)]]
     lib["main"](*args)
@@ -105,6 +106,11 @@ def test_split_tiles_sum_their_k_runs(n, k, batch, cols, splits) -> None:
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
 
+def test_a_split_bucket_cannot_take_every_batch() -> None:
+    with pytest.raises(ValueError, match="cannot be the last"):
+        gemv_kernel(2560, 4096, LLVM, WideMmaConfig(16, splits=6))
+
+
 def test_split_runs_that_miss_a_tile_are_caught(monkeypatch) -> None:
     monkeypatch.setattr(gemv_wide_mma, "k_range", lambda z, s, t: (z * t // s, t // s))
     got, ref = _run(300, 512, 16, 16, "residual", 3)
@@ -140,7 +146,7 @@ def test_split_rule_runs_and_slots(monkeypatch) -> None:
 
 def _split_source() -> str:
     target, _ = make_target("cuda", "sm_80,sm_90")
-    plan = ((8, GemvConfig()), (16, WideMmaConfig(16, 6, splits=6)))
+    plan = ((8, GemvConfig()), (16, WideMmaConfig(16, 6, splits=6)), (1 << 30, GemvConfig()))
     def add(acc, r, c, e):
         return acc + tvm.tirx.Cast("float32", e[0][r, c])
 
