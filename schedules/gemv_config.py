@@ -339,9 +339,8 @@ def split_config(n: int, k: int, cols: int, splits: int | None = None) -> WideMm
     9B's 32), each with at least two k tiles; 6-stage rings. Alone at 16 rows on an H100 the
     probe's ticketed split streamed down at 74.9% of copy bandwidth and o_proj at 61.2%
     (wgmma_stream_probe_ticket2_h100_s40.json), the GEMV 74.6 and 68.0% (session 36): no
-    gain alone. In the H200's c16 step the GEMV falls to 61 and 44%, with 100-112 of 132 SMs
-    idle or on a second tile; whether the split holds up better there is what WIDE_SPLIT_K's
-    engine run decides."""
+    gain alone. In the H200's c16 step the GEMV falls to 61 and 44%; whether the split holds
+    up better there is what WIDE_SPLIT_K's engine run decides."""
     tiles, k_tiles = cdiv(n, BLOCK_M), k // BLOCK_K
     splits = splits or min(8, SMS // tiles, k_tiles // 2)
     if cols > 32 or splits < 2:
