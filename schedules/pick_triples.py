@@ -96,3 +96,22 @@ CHUNK_COLS = 128
 def pick_chunks(selection: int) -> int:
     """Chunks of a logits row of `selection` columns, the last one partial."""
     return -(-selection // CHUNK_COLS)
+
+
+@T.macro
+def warps_triples(run, arg, tw, tx, gpu: bool):
+    """Each warp's (max, sum of exp) triple, merged by shuffles, into tw[warp] (the CPU's one
+    lane writes its own)."""
+    if gpu:
+        warp_merge(run, arg, 1, 5)
+    if tx % 32 == 0:
+        tw[tx // 32, 0] = run[0]
+        tw[tx // 32, 1] = run[1]
+
+
+@T.macro
+def merged_warps(run, arg, tw, warps: int):
+    """run = the merge of the warps' triples tw (one thread)."""
+    start(run, arg)
+    for w in T.serial(warps):
+        merge(run, arg, tw[w, 0], 0, tw[w, 1])

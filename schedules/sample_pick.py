@@ -38,7 +38,7 @@ from .draw_hash import DRAW, mix, row_key, uniform
 from .greedy import CHUNKS
 from .loops import block_loop, thread_loop
 from .pdl import release_dependents, wait_for_producers
-from .pick_triples import FULL_MASK, merge, start, take, warp_merge
+from .pick_triples import FULL_MASK, merge, merged_warps, start, take, warps_triples
 
 K_MAX = 64  # the largest top_k sampled here: a chunk's list, the merge's shared memory
 THREADS = 256
@@ -77,25 +77,6 @@ def warp_best(v, j):
         if ov > v[0] or (ov == v[0] and oj < j[0]):
             v[0] = ov
             j[0] = oj
-
-
-@T.macro
-def warps_triples(run, arg, tw, tx, gpu: bool):
-    """Each warp's (max, sum of exp) triple, merged by shuffles, into tw[warp] (the CPU's one
-    lane writes its own)."""
-    if gpu:
-        warp_merge(run, arg, 1, 5)
-    if tx % 32 == 0:
-        tw[tx // 32, 0] = run[0]
-        tw[tx // 32, 1] = run[1]
-
-
-@T.macro
-def merged_warps(run, arg, tw, warps: int):
-    """run = the merge of the warps' triples tw (one thread)."""
-    start(run, arg)
-    for w in T.serial(warps):
-        merge(run, arg, tw[w, 0], 0, tw[w, 1])
 
 
 def sample_pick(decodable: int, selection: int, target: Target, nucleus_rows: bool = True
