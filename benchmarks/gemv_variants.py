@@ -139,7 +139,7 @@ def wide_variants(n: int, k: int) -> dict[str, object]:
                             for limit, c in ours)  # fmt: skip
     for splits in (4, 6, 8) if all(not isinstance(c, WideMmaConfig) for _, c in ours) else ():
         split = {cols: split_config(n, k, cols, splits) for cols in (16, 32)}
-        if all(split.values()) and k // 64 >= 2 * splits:
+        if all(split.values()):
             mma[f"sk{splits}"] = tuple((limit, split.get(limit) or c) for limit, c in default)
     other = 1 if default[-1][1].m_tiles == 2 else 2
     half = tuple(

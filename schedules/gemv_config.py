@@ -336,14 +336,14 @@ def wide_mma_config(n: int, k: int, cols: int) -> WideMmaConfig | None:
 def split_config(n: int, k: int, cols: int, splits: int | None = None) -> WideMmaConfig | None:
     """A narrow weight's bucket of 16 or 32 rows with each row tile's k split over `splits`
     blocks (default: the most, up to 8, that keep one block an SM: 6 for 4B's 20 tiles, 4 for
-    9B's 32), each with at least two k tiles; 6-stage rings. Alone at 16 rows on an H100 the
-    probe's ticketed split streamed down at 74.9% of copy bandwidth and o_proj at 61.2%
+    9B's 32), each with at least two k tiles (else None); 6-stage rings. Alone at 16 rows on an
+    H100 the probe's ticketed split streamed down at 74.9% of copy bandwidth and o_proj at 61.2%
     (wgmma_stream_probe_ticket2_h100_s40.json), the GEMV 74.6 and 68.0% (session 36): no
     gain alone. In the H200's c16 step the GEMV falls to 61 and 44%; whether the split holds
     up better there is what WIDE_SPLIT_K's engine run decides."""
     tiles, k_tiles = cdiv(n, BLOCK_M), k // BLOCK_K
     splits = splits or min(8, SMS // tiles, k_tiles // 2)
-    if cols > 32 or splits < 2:
+    if cols > 32 or splits < 2 or 2 * splits > k_tiles:
         return None
     return WideMmaConfig(cols, 6, splits=splits)
 

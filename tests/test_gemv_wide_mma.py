@@ -140,6 +140,7 @@ def test_split_rule_runs_and_slots(monkeypatch) -> None:
                      for bx in range(tiles) for z in range(s) for j in range(n_acc)
                      for t in range(256)}  # fmt: skip
             assert len(slots) == tiles * s * n_acc * 256 and max(slots) < SLOTS * SLOT_FLOATS
+    assert gemv_config.split_config(2560, 256, 16, 3) is None  # 4 k tiles: 3 splits too many
     for n, k in ((12352, 2560), (18432, 2560)):  # wide weights: no split
         assert all(getattr(c, "splits", 1) == 1 for _, c in wide_buckets(n, k))
 
