@@ -14,8 +14,10 @@ library at once would not be safe, and the engine runs one. No TVM import here, 
 sm90a.py: the toolchain loads before TVM does.
 """
 
+from .wgmma_config import THREADS  # no TVM there either
+
 TICKETS = 1024  # row tiles a split kernel may have
-SLOT_FLOATS = 256 * 16  # a block's partial: THREADS x accumulators of a 32-column tile
+SLOT_FLOATS = THREADS * 32 // 2  # a block's partial: each thread's accumulators, 32 columns
 SLOTS = 264  # (tile, split) blocks: two an SM of 132
 # the prelude's functions, for kernels' T.call_extern
 TAKE, RESET = "qwen35_ticket_take", "qwen35_ticket_reset"
