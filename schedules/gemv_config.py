@@ -145,6 +145,9 @@ class WideMmaConfig:
     # sm_90a: blocks a row tile's k is split over, their partials summed in split order by
     # the last to finish (schedules/split_tickets.py); sm_80 runs the tile whole in split 0
     splits: int = 1
+    # launched beside its producer, waiting inside (schedules/pdl.py); False: launched once
+    # the producer has ended, so its blocks take no SM room from the producer's tail
+    dependent: bool = True
 
     @property
     def wgmma(self) -> WgmmaConfig:
@@ -168,6 +171,8 @@ class WideMmaConfig:
         # a split's partials fill one workspace slot: one batch block, 32 columns at most
         if not 1 <= self.splits <= 16 or self.splits > 1 and self.cols > 32:
             raise ValueError(f"{self}: splits 1-16, and only with 16 or 32 columns")
+        if self.early and not self.dependent:
+            raise ValueError(f"{self}: loading early needs a dependent launch")
         self.wgmma.check()
         if self.shared_bytes > SM80_SHARED_BYTES:  # the launch is sm_80's too
             raise ValueError(f"{self}: {self.shared_bytes} bytes of shared memory")

@@ -213,7 +213,7 @@ def wide_mma_launch(
                         T.writes()
                         acc = T.sblock_alloc_buffer((n_acc,), "float32", scope="local")
                         sq = T.sblock_alloc_buffer((sq_n,), "float32", scope="local")
-                        if not cfg.early:  # first: schedules/pdl.py
+                        if cfg.dependent and not cfg.early:  # first: schedules/pdl.py
                             T.evaluate(wait_for_producers(True))
                             T.evaluate(release_dependents(True))
                         tid: T.let[T.int32] = ty * 32 + tx

@@ -282,13 +282,15 @@ def test_both_arches_compile_without_spills(tmp_path, n, kw) -> None:
         assert re.findall(r"(\d+) bytes spill stores", info) == ["0"] * 4, (arch, info)
 
 
-@pytest.mark.parametrize("early", [False, True])
-def test_early_loads_the_first_weight_tiles_before_the_wait(early: bool) -> None:
+@pytest.mark.parametrize("early, dependent", [(False, True), (True, True), (False, False)])
+def test_early_loads_the_first_weight_tiles_before_the_wait(early: bool, dependent: bool) -> None:
     """With `early`, sm_90a's branch issues its first (weight) tensor copies before it waits
-    for X's producer, and its X copies after; sm_80's waits first. Without, both wait first."""
+    for X's producer, and its X copies after; sm_80's waits first. Without, both wait first.
+    A launch that is not dependent never waits (the pipeline then launches it after its
+    producer's end: schedules/pdl.py)."""
     target, _ = make_target("cuda", "sm_80,sm_90")
-    func = gemv_kernel(12352, 2560, target, WideMmaConfig(16, early=early), out_dtype="bfloat16",
-                       rms_eps=EPS)  # fmt: skip
+    cfg = WideMmaConfig(16, early=early, dependent=dependent)
+    func = gemv_kernel(12352, 2560, target, cfg, out_dtype="bfloat16", rms_eps=EPS)
     lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "g")}), target=target)
     (cuda,) = [m for m in lib.mod.imports if m.kind == "cuda"]
     (body,) = [c for c in cuda.inspect_source().split("__global__")[1:] if "{\n" in c[:400]]
@@ -296,7 +298,14 @@ def test_early_loads_the_first_weight_tiles_before_the_wait(early: bool) -> None
     ring, rest = body[at:].split("} else {", 1)
     copies = [m.start() for m in re.finditer(r"cp_async_bulk_tensor\w*\(", ring)]
     wait = ring.find("griddepcontrol_wait()")
-    if early:
+    if not dependent:
+        assert "griddepcontrol" not in body and copies
+    elif early:
         assert 0 < copies[0] < wait < copies[-1] and rest.index("griddepcontrol_wait()") < 400
     else:
         assert wait < 0 and body.index("griddepcontrol_wait()") < at
+
+
+def test_early_loads_need_a_dependent_launch() -> None:
+    with pytest.raises(ValueError, match="dependent launch"):
+        WideMmaConfig(16, early=True, dependent=False).check()
