@@ -36,8 +36,7 @@ START_AFTER_PRODUCER_TILES = SMS * 3 // 2
 # (schedules/gemv_wide_mma.py) rather than the GEMV (wide_mma_config says where and why)
 WIDE_MMA = True
 # ... and its 16- and 32-row buckets of the narrow projections (n = 2,560 / 4,096: 20-32 row
-# tiles), each tile's k split over blocks (WideMmaConfig.splits). Off until measured on a GPU:
-# benchmarks/gemv_kernel.py --rows wide ("sk*") and engine_throughput's c16 decide it.
+# tiles), each tile's k split over blocks (WideMmaConfig.splits). Off: slower (split_config)
 WIDE_SPLIT_K = False
 
 
@@ -146,7 +145,8 @@ class WideMmaConfig:
     # the last to finish (schedules/split_tickets.py); sm_80 runs the tile whole in split 0
     splits: int = 1
     # launched beside its producer, waiting inside (schedules/pdl.py); False: launched once
-    # the producer has ended, so its blocks take no SM room from the producer's tail
+    # the producer has ended, so its blocks take no SM room from the producer's tail, and
+    # releasing its dependents at once (the GDN kernel behind in_proj then loads its state)
     dependent: bool = True
 
     @property
@@ -322,7 +322,10 @@ def wide_mma_config(n: int, k: int, cols: int) -> WideMmaConfig | None:
     81.0), but in the H200's engine it lost: c16's decode step 3.655 -> 3.844 ms (in the step
     in_proj took 29 µs a call and gate_up 36, against the GEMVs' 21 and 31 in session 34's
     profile), while c32's went 4.990 -> 4.869 and c64's 7.938 -> 7.640
-    (docs/results/wide_mma_h200_s44/)."""
+    (docs/results/wide_mma_h200_s44/). No launch mode saves it (H100, c16 4.79 ms with the
+    GEMV): launched after its producer, the GEMM leaves the GDN kernel behind in_proj
+    unreleased until it ends (4.93, wide_nodep_h100_s45/); releasing it at once, the GDN
+    kernel's state loads slow in_proj's GEMM instead (in_proj alone: 4.86, wide_rel_h100_s45/)."""
     tiles = cdiv(n, BLOCK_M)
     if k % (2 * BLOCK_K):
         return None
@@ -341,16 +344,17 @@ def wide_mma_config(n: int, k: int, cols: int) -> WideMmaConfig | None:
 def split_config(n: int, k: int, cols: int, splits: int | None = None) -> WideMmaConfig | None:
     """A narrow weight's bucket of 16 or 32 rows with each row tile's k split over `splits`
     blocks (default: the most, up to 8, that keep one block an SM: 6 for 4B's 20 tiles, 4 for
-    9B's 32), each with at least two k tiles (else None); 6-stage rings. Alone at 16 rows on an
-    H100 the probe's ticketed split streamed down at 74.9% of copy bandwidth and o_proj at 61.2%
-    (wgmma_stream_probe_ticket2_h100_s40.json), the GEMV 74.6 and 68.0% (session 36): no
-    gain alone. In the H200's c16 step the GEMV falls to 61 and 44%; whether the split holds
-    up better there is what WIDE_SPLIT_K's engine run decides."""
+    9B's 32), each with at least two k tiles (else None); 6-stage rings, launched after the
+    producer's end. Measured and off (H100, docs/results/split_k_h100_s45/ and
+    wide_nodep_h100_s45/): alone at 16 rows it streams down at 70.5-71.1% of copy bandwidth
+    and out_proj at 58.0-59.5% against the GEMV's 73.6 and 68.6; in the engine c16 TPOT is
+    4.787 -> 4.880 ms. A dependent launch was far worse (6.404 ms): its blocks, resident while
+    gate_up ran, held the SMs gate_up's later blocks needed."""
     tiles, k_tiles = cdiv(n, BLOCK_M), k // BLOCK_K
     splits = splits or min(8, SMS // tiles, k_tiles // 2)
     if cols > 32 or splits < 2 or 2 * splits > k_tiles:
         return None
-    return WideMmaConfig(cols, 6, splits=splits)
+    return WideMmaConfig(cols, 6, splits=splits, dependent=False)
 
 
 def wide_buckets(n: int, k: int, mma: bool | None = None, **options) -> Buckets:

@@ -216,6 +216,8 @@ def wide_mma_launch(
                         if cfg.dependent and not cfg.early:  # first: schedules/pdl.py
                             T.evaluate(wait_for_producers(True))
                             T.evaluate(release_dependents(True))
+                        elif not cfg.dependent:  # its producer has ended: nothing to wait for
+                            T.evaluate(release_dependents(True))
                         tid: T.let[T.int32] = ty * 32 + tx
                         for i in T.unroll(sq_n):
                             sq[i] = T.float32(0)

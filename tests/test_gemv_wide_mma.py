@@ -287,7 +287,7 @@ def test_early_loads_the_first_weight_tiles_before_the_wait(early: bool, depende
     """With `early`, sm_90a's branch issues its first (weight) tensor copies before it waits
     for X's producer, and its X copies after; sm_80's waits first. Without, both wait first.
     A launch that is not dependent never waits (the pipeline then launches it after its
-    producer's end: schedules/pdl.py)."""
+    producer's end: schedules/pdl.py) and releases its dependents first."""
     target, _ = make_target("cuda", "sm_80,sm_90")
     cfg = WideMmaConfig(16, early=early, dependent=dependent)
     func = gemv_kernel(12352, 2560, target, cfg, out_dtype="bfloat16", rms_eps=EPS)
@@ -299,7 +299,8 @@ def test_early_loads_the_first_weight_tiles_before_the_wait(early: bool, depende
     copies = [m.start() for m in re.finditer(r"cp_async_bulk_tensor\w*\(", ring)]
     wait = ring.find("griddepcontrol_wait()")
     if not dependent:
-        assert "griddepcontrol" not in body and copies
+        assert "griddepcontrol_wait" not in body and copies
+        assert body.index("griddepcontrol_launch_dependents()") < at
     elif early:
         assert 0 < copies[0] < wait < copies[-1] and rest.index("griddepcontrol_wait()") < 400
     else:
