@@ -14,6 +14,9 @@ The contract, one statement each, at the top of every block's threads:
   producer of several waves whose dependent is one wave of long blocks releases at its end
   instead (gdn_chunk_prep): released early, those blocks pile onto the first SMs to free up.
   So does a decode GEMV's persistent grid whose dependent is not a GEMV (gemv_bulk.bulk_nest).
+  A kernel that does not wait (launched after its producer's end) may release at its start:
+  what its dependent reads before waiting was written two or more kernels back
+  (gemv_config.WideMmaConfig.dependent).
 
 Two kernels of a mixed step may run beside their producer on purpose (switched:
 gdn_chunked.MIXED_ROWS_BESIDE_SCAN, attention_decode_mma.MIXED_ROWS_SPLIT): the ragged forms
