@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from sampling_reference import draw
 from test_engine import GREEDY, loaded, prompt
-from test_launch_ahead import _run
+from test_launch_ahead_engine import _run
 
 from qwen35_tvm.runtime.device_sampling import DEVICE_TOP_K, drawn_on_device, seed_words
 from qwen35_tvm.runtime.model_runner import ModelRunner
