@@ -116,7 +116,8 @@ def wide_variants(n: int, k: int) -> dict[str, object]:
     GEMV's ring in registers, the other m-tile count, half the shared ring, deeper register
     rings ("deep"); the tensor-core GEMM's rings at 4-6 stages ("mma4".."mma6") and its
     weight's first tiles loaded before the wait for X's producer ("mmae"); for a narrow weight,
-    its 16- and 32-row buckets with each tile's k split over 4, 6 or 8 blocks ("sk4".."sk8")."""
+    its 16-, 32- and 64-row buckets with each tile's k split over 4, 6 or 8 blocks
+    ("sk4".."sk8")."""
     from dataclasses import replace
 
     from qwen35_tvm.schedules.gemv_config import (
@@ -138,7 +139,7 @@ def wide_variants(n: int, k: int) -> dict[str, object]:
         mma["mmae"] = tuple((limit, replace(c, early=True) if isinstance(c, WideMmaConfig) else c)
                             for limit, c in ours)  # fmt: skip
     for splits in (4, 6, 8) if all(not isinstance(c, WideMmaConfig) for _, c in ours) else ():
-        split = {cols: split_config(n, k, cols, splits) for cols in (16, 32)}
+        split = {cols: split_config(n, k, cols, splits) for cols in (16, 32, 64)}
         if all(split.values()):
             mma[f"sk{splits}"] = tuple((limit, split.get(limit) or c) for limit, c in default)
     other = 1 if default[-1][1].m_tiles == 2 else 2

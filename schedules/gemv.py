@@ -66,9 +66,6 @@ def _dispatch(n: int, k: int, buckets: Buckets, gpu: bool, *fold):
     (each bucket its own kernel, with its own registers and launch bounds). `fold`: the
     epilogue, rms_eps, pair and extra shapes of gemv_body.pass_kernel."""
     (limit, cfg), rest = buckets[0], buckets[1:]
-    if isinstance(cfg, WideMmaConfig) and cfg.splits > 1 and not rest:
-        # a split tile's tickets and partials hold one batch block: the last bucket takes any
-        raise ValueError(f"{cfg}: a split bucket cannot be the last, which takes every batch")
     if isinstance(cfg, WideMmaConfig):
         epilogue, rms_eps, pair, _ = fold
         first = wide_mma_launch(n, k, cfg, gpu, epilogue, rms_eps, pair)

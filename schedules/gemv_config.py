@@ -35,9 +35,11 @@ START_AFTER_PRODUCER_TILES = SMS * 3 // 2
 # decode_wide's 32- and 64-row buckets of the wide projections as a swapped tensor-core GEMM
 # (schedules/gemv_wide_mma.py) rather than the GEMV (wide_mma_config says where and why)
 WIDE_MMA = True
-# ... and its 16- and 32-row buckets of the narrow projections (n = 2,560 / 4,096: 20-32 row
-# tiles), each tile's k split over blocks (WideMmaConfig.splits). Off: slower (split_config)
-WIDE_SPLIT_K = False
+# ... and which of its buckets (batch columns) of the narrow projections (n = 2,560 / 4,096:
+# 20-32 row tiles) split each tile's k over blocks (WideMmaConfig.splits): none. 16 and 32 rows
+# were measured slower (split_config); 64 rows, where the GEMV streams at 37-40% of copy
+# bandwidth against cuBLAS's 72-74% (H100), is built and not yet measured
+WIDE_SPLIT_K: frozenset[int] = frozenset()
 
 
 def cdiv(a: int, b: int) -> int:
@@ -168,9 +170,8 @@ class WideMmaConfig:
     def check(self) -> None:
         if self.cols not in (16, 32, 64):
             raise ValueError(f"{self}: cols 16, 32 or 64")
-        # a split's partials fill one workspace slot: one batch block, 32 columns at most
-        if not 1 <= self.splits <= 16 or self.splits > 1 and self.cols > 32:
-            raise ValueError(f"{self}: splits 1-16, and only with 16 or 32 columns")
+        if not 1 <= self.splits <= 16:
+            raise ValueError(f"{self}: splits 1-16")
         if self.early and not self.dependent:
             raise ValueError(f"{self}: loading early needs a dependent launch")
         self.wgmma.check()
@@ -330,7 +331,7 @@ def wide_mma_config(n: int, k: int, cols: int) -> WideMmaConfig | None:
     if k % (2 * BLOCK_K):
         return None
     if tiles < SMS // 2:
-        return split_config(n, k, cols) if WIDE_SPLIT_K else None
+        return split_config(n, k, cols) if cols in WIDE_SPLIT_K else None
     if cols < 32:
         return None
     per_sm = cdiv(tiles, SMS)
@@ -342,7 +343,7 @@ def wide_mma_config(n: int, k: int, cols: int) -> WideMmaConfig | None:
 
 
 def split_config(n: int, k: int, cols: int, splits: int | None = None) -> WideMmaConfig | None:
-    """A narrow weight's bucket of 16 or 32 rows with each row tile's k split over `splits`
+    """A narrow weight's bucket of `cols` rows with each row tile's k split over `splits`
     blocks (default: the most, up to 8, that keep one block an SM: 6 for 4B's 20 tiles, 4 for
     9B's 32), each with at least two k tiles (else None); 6-stage rings, launched after the
     producer's end. Measured and off (H100, docs/results/split_k_h100_s45/ and
@@ -352,7 +353,7 @@ def split_config(n: int, k: int, cols: int, splits: int | None = None) -> WideMm
     gate_up ran, held the SMs gate_up's later blocks needed."""
     tiles, k_tiles = cdiv(n, BLOCK_M), k // BLOCK_K
     splits = splits or min(8, SMS // tiles, k_tiles // 2)
-    if cols > 32 or splits < 2 or 2 * splits > k_tiles:
+    if splits < 2 or 2 * splits > k_tiles:
         return None
     return WideMmaConfig(cols, 6, splits=splits, dependent=False)
 

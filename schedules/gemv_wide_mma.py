@@ -176,17 +176,24 @@ def wide_mma_launch(
                         out[b, c] = epilogue(gate, b, c, extras)
 
     @T.macro
-    def reduce_splits(acc, ticket, bx, z, tid):
+    def reduce_splits(acc, ticket, bx, by, z, tid):
         # publish this split's partial; the block that draws the last ticket sums all of them
-        # in split order (its own too, from memory, so the order never depends on timing)
-        for j in T.unroll(n_acc):
-            at = T.meta_var(split_slot(bx, z, j, tid, splits, n_acc))
-            T.evaluate(T.call_extern("void", STORE, at, acc[j]))
+        # in split order (its own too, from memory, so the order never depends on timing).
+        # The workspace and tickets hold one batch block: a later one ran its tile whole in
+        # split 0, which alone stores
+        split_here: T.let[T.bool] = by == 0
+        if split_here:
+            for j in T.unroll(n_acc):
+                at = T.meta_var(split_slot(bx, z, j, tid, splits, n_acc))
+                T.evaluate(T.call_extern("void", STORE, at, acc[j]))
         T.tvm_storage_sync("shared")
         if tid == 0:
-            ticket[0] = T.call_extern("int32", TAKE, bx)
+            if split_here:
+                ticket[0] = T.call_extern("int32", TAKE, bx)
+            else:
+                ticket[0] = T.if_then_else(z == 0, splits - 1, 0)
         T.tvm_storage_sync("shared")
-        last: T.let[T.bool] = ticket[0] == splits - 1
+        last: T.let[T.bool] = ticket[0] == splits - 1 and by == 0
         if last:
             for j in T.unroll(n_acc):
                 acc[j] = T.float32(0)
@@ -222,10 +229,18 @@ def wide_mma_launch(
                         for i in T.unroll(sq_n):
                             sq[i] = T.float32(0)
                         if is_sm90a():
-                            kt0, kc = T.meta_var(k_range(z, splits, k_tiles))
-                            accumulate(w, x, acc, n, smem, bx, by, tid, maps, sq, kt0, kc)
-                            if splits > 1:
-                                reduce_splits(acc, ticket, bx, z, tid)
+                            if splits > 1:  # a later batch block's split 0: the whole tile
+                                kt0, kc = T.meta_var(k_range(z, splits, k_tiles))
+                                # (arithmetic: a select here becomes a branch at every use)
+                                split_block: T.let[T.int32] = T.Cast("int32", by == 0)
+                                first: T.let[T.int32] = split_block * kt0
+                                count: T.let[T.int32] = k_tiles + split_block * (kc - k_tiles)
+                                if by == 0 or z == 0:
+                                    accumulate(w, x, acc, n, smem, bx, by, tid, maps, sq, first,
+                                               count)  # fmt: skip
+                                reduce_splits(acc, ticket, bx, by, z, tid)
+                            else:
+                                accumulate(w, x, acc, n, smem, bx, by, tid, maps, sq, 0, k_tiles)
                         else:
                             if cfg.early:  # the ring's macro waits on sm_90a
                                 T.evaluate(wait_for_producers(True))
@@ -281,8 +296,10 @@ def wide_mma_launch(
                             er, _ec = T.meta_var(acc_coords(tid % 32, j % 4))
                             row: T.let[T.int32] = weight_row(bx, tid // 32 * 16 + er)
                             acc[tid * n_acc + j] = T.float32(0)
-                            for z in T.serial(splits):  # the GPU's partials, in split order
-                                kt0, kc = T.meta_var(k_range(z, splits, k_tiles))
+                            # the GPU's partials, in split order (a later batch block: one)
+                            n_z: T.let[T.int32] = T.if_then_else(by == 0, splits, 1)
+                            for z in T.serial(n_z):
+                                kt0, kc = T.meta_var(k_range(z, n_z, k_tiles))
                                 part[0] = T.float32(0)
                                 for kk in T.serial(kc * BLOCK_K):
                                     at: T.let[T.int32] = kt0 * BLOCK_K + kk

@@ -3,13 +3,14 @@ partials through: device globals every CUDA translation unit defines
 (compile/cuda_toolchain.py prepends PRELUDE), so no kernel signature changes and no state
 threads through the model.
 
-A split writes its fp32 accumulators into its slot of the workspace, then takes a ticket of
-its tile (an acquire-release add after a block barrier, as GDN's decode kernel does); the
-block that draws the last ticket sums every split's slot in split order, so the result does
-not depend on which split finished last, stores the tile and sets the ticket back to zero.
-Tickets start at zero when the module loads. Kernels of one stream that use them never run
-their post-wait parts at once (each waits for its producer, which waited for its own:
-schedules/pdl.py), so they share the globals; two streams running such kernels of one loaded
+A split of the first batch block (blockIdx.y 0; later ones run their tiles whole in split 0)
+writes its fp32 accumulators into its slot of the workspace, then takes a ticket of its tile
+(an acquire-release add after a block barrier, as GDN's decode kernel does); the block that
+draws the last ticket sums every split's slot in split order, so the result does not depend on
+which split finished last, stores the tile and sets the ticket back to zero.
+Tickets start at zero when the module loads. Kernels of one stream never use them at once
+(each waits for its producer's end, or starts after it: schedules/pdl.py), so they share the
+globals; two streams running such kernels of one loaded
 library at once would not be safe, and the engine runs one. No TVM import here, as in
 sm90a.py: the toolchain loads before TVM does.
 """
@@ -17,7 +18,7 @@ sm90a.py: the toolchain loads before TVM does.
 from .wgmma_config import THREADS  # no TVM there either
 
 TICKETS = 1024  # row tiles a split kernel may have
-SLOT_FLOATS = THREADS * 32 // 2  # a block's partial: each thread's accumulators, 32 columns
+SLOT_FLOATS = THREADS * 64 // 2  # a block's partial: each thread's accumulators, 64 columns
 SLOTS = 264  # (tile, split) blocks: two an SM of 132
 # the prelude's functions, for kernels' T.call_extern
 TAKE, RESET = "qwen35_ticket_take", "qwen35_ticket_reset"

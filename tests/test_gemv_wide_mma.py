@@ -36,10 +36,11 @@ def _exact(rng: np.random.Generator, shape) -> np.ndarray:
 
 
 def _run(
-    n: int, k: int, batch: int, cols: int, kind: str, splits: int = 1
+    n: int, k: int, batch: int, cols: int, kind: str, splits: int = 1, last: bool = False
 ) -> tuple[np.ndarray, np.ndarray]:
     """(kernel's, numpy's) output of one bucket config on the CPU. `kind`: plain, residual
-    (+ a [batch, n] bf16 extra), rms (the folded norm) or swiglu (with the norm)."""
+    (+ a [batch, n] bf16 extra), rms (the folded norm) or swiglu (with the norm). `last`: a
+    split bucket takes every batch."""
     rng = np.random.default_rng(n * 7 + k + batch + cols)
     x, w = _exact(rng, (batch, k)), _exact(rng, (n, k))
     xf, wf = x.astype(np.float32), w.astype(np.float32)
@@ -65,7 +66,7 @@ def _run(
         gate, up = ref[:, :n_out], ref[:, n_out:]
         ref = gate / (1 + np.exp(-gate)) * up
     plan = ((cols, WideMmaConfig(cols, stages=4, splits=splits)), (1 << 30, WideMmaConfig(64, 4)))
-    func = gemv_kernel(n, k, LLVM, plan if splits > 1 else plan[0][1], **kw)
+    func = gemv_kernel(n, k, LLVM, plan[0][1] if splits == 1 or last else plan, **kw)
     lib = tvm.compile(tvm.IRModule({"main": func}), target=LLVM)
     args = [tvm.runtime.tensor(a) for a in [*arrays, np.zeros((batch, n_out), np.float32)]]
     lib["main"](*args)
@@ -94,8 +95,9 @@ def test_cpu_variant_matches_numpy(n, k, batch, cols, kind) -> None:
 
 
 # a narrow weight's k split: uneven runs (8 k tiles in 3: 2, 3, 3), a batch of one, a full
-# 16-row block, a partial 32-row one, a partial last row tile
-SPLIT_CASES = [(300, 512, 1, 16, 3), (300, 512, 16, 16, 3), (256, 1024, 20, 32, 8)]
+# 16-row block, a partial 32- and 64-row one, a partial last row tile
+SPLIT_CASES = [(300, 512, 1, 16, 3), (300, 512, 16, 16, 3), (256, 1024, 20, 32, 8),
+               (300, 768, 50, 64, 6)]  # fmt: skip
 
 
 @pytest.mark.parametrize("n, k, batch, cols, splits", SPLIT_CASES)
@@ -106,9 +108,12 @@ def test_split_tiles_sum_their_k_runs(n, k, batch, cols, splits) -> None:
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
 
-def test_a_split_bucket_cannot_take_every_batch() -> None:
-    with pytest.raises(ValueError, match="cannot be the last"):
-        gemv_kernel(2560, 4096, LLVM, WideMmaConfig(16, splits=6))
+@pytest.mark.parametrize("batch, cols", [(33, 16), (129, 64)])
+def test_a_last_split_bucket_runs_later_batch_blocks_whole(batch: int, cols: int) -> None:
+    """The workspace and tickets hold one batch block: a split bucket that takes every batch
+    splits its first block's tiles and runs later blocks' whole (the CPU variant as the GPU)."""
+    got, ref = _run(300, 512, batch, cols, "residual", 3, last=True)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
 
 def test_split_runs_that_miss_a_tile_are_caught(monkeypatch) -> None:
@@ -118,19 +123,21 @@ def test_split_runs_that_miss_a_tile_are_caught(monkeypatch) -> None:
 
 
 def test_split_rule_runs_and_slots(monkeypatch) -> None:
-    """With gemv_config.WIDE_SPLIT_K: the narrow weights' (20-32 row tiles) 16- and 32-row
-    buckets split each tile's k over blocks, one an SM, 2+ k tiles each, in runs that cover k
-    in order; the 64-row bucket (the last, which takes any batch) never splits; every (tile,
-    split, accumulator, thread) of them has its own workspace slot. Without it, none split."""
+    """The narrow weights' (20-32 row tiles) buckets named in gemv_config.WIDE_SPLIT_K split
+    each tile's k over blocks, one an SM, 2+ k tiles each, in runs that cover k in order;
+    every (tile, split, accumulator, thread) of them has its own workspace slot. Other buckets
+    keep the GEMV."""
     narrow = ((2560, 4096), (2560, 9216), (4096, 4096), (4096, 12288))
-    monkeypatch.setattr(gemv_config, "WIDE_SPLIT_K", False)
+    monkeypatch.setattr(gemv_config, "WIDE_SPLIT_K", frozenset())
     assert not any(isinstance(c, WideMmaConfig) for n, k in narrow for _, c in wide_buckets(n, k))
-    monkeypatch.setattr(gemv_config, "WIDE_SPLIT_K", True)
+    monkeypatch.setattr(gemv_config, "WIDE_SPLIT_K", frozenset({64}))
+    assert [type(c) for _, c in wide_buckets(2560, 9216)] == [GemvConfig] * 3 + [WideMmaConfig]
+    monkeypatch.setattr(gemv_config, "WIDE_SPLIT_K", frozenset({16, 32, 64}))
     for n, k in narrow:
         plan = wide_buckets(n, k)
-        assert [type(c) for _, c in plan] == [GemvConfig, WideMmaConfig, WideMmaConfig, GemvConfig]
+        assert [type(c) for _, c in plan] == [GemvConfig] + [WideMmaConfig] * 3
         tiles, k_tiles = n // 128, k // BLOCK_K
-        for limit, cfg in plan[1:3]:
+        for limit, cfg in plan[1:]:
             s, n_acc = cfg.splits, cfg.cols // 2
             assert limit == cfg.cols and 1 < s and tiles * s <= gemv_config.SMS
             runs = [k_range(z, s, k_tiles) for z in range(s)]
@@ -178,6 +185,25 @@ def test_split_kernel_reduces_after_the_last_ticket_in_split_order() -> None:
     mine = body.index("bool mine = (ticket_ptr[0] == 5)")
     assert mine > body.index("qwen35_ticket_reset(") and body.index("out_ptr[", mine) > mine
     assert "out_ptr[" not in body[:mine]
+
+
+def test_a_last_split_bucket_keeps_later_batch_blocks_off_the_workspace() -> None:
+    """sm_90a, a split bucket that takes every batch: only batch block 0 stores partials, takes
+    tickets and sums the workspace; a later block's split 0 runs every k tile and stores."""
+    target, _ = make_target("cuda", "sm_80,sm_90")
+    plan = ((8, GemvConfig()), (1 << 30, WideMmaConfig(64, 4, splits=6, dependent=False)))
+    func = gemv_kernel(2560, 9216, target, plan, out_dtype="bfloat16")
+    lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "g")}), target=target)
+    (cuda,) = [m for m in lib.mod.imports if m.kind == "cuda"]
+    (body,) = [c for c in cuda.inspect_source().split("__global__")[1:] if "blockIdx.z" in c]
+    ring = body[body.index("qwen35_sm90a()") :]
+    y0 = "if (((int)blockIdx.y) == 0) {"
+    for call in ("qwen35_ws_store(", "qwen35_ticket_take("):  # each inside block 0's branch
+        at = ring.index(call)
+        assert "}" not in ring[ring.rindex(y0, 0, at) + len(y0) : at], call
+    assert "bool last = ((ticket_ptr[0] == 5) && (((int)blockIdx.y) == 0));" in ring
+    assert "int count = (144 - (((int)(((int)blockIdx.y) == 0)) * 120));" in ring
+    assert "if ((((int)blockIdx.y) == 0) || (((int)blockIdx.z) == 0)) {" in ring
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
