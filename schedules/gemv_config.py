@@ -345,9 +345,10 @@ def wide_mma_config(n: int, k: int, cols: int) -> WideMmaConfig | None:
 def split_config(n: int, k: int, cols: int, splits: int | None = None) -> WideMmaConfig | None:
     """A narrow weight's bucket of `cols` rows with each row tile's k split over `splits`
     blocks (default: the most, up to 8, that keep one block an SM: 6 for 4B's 20 tiles, 4 for
-    9B's 32), each with at least two k tiles (else None); 6-stage rings, launched after the
-    producer's end. Measured and off (H100, docs/results/split_k_h100_s45/ and
-    wide_nodep_h100_s45/): alone at 16 rows it streams down at 70.5-71.1% of copy bandwidth
+    9B's 32), each with at least two k tiles (else None); 6-stage rings (4 at 64 rows),
+    launched after the producer's end. At 16 and 32 rows measured and off (H100,
+    docs/results/split_k_h100_s45/, wide_nodep_h100_s45/): alone at 16 rows it streams down at
+    70.5-71.1% of copy bandwidth
     and out_proj at 58.0-59.5% against the GEMV's 73.6 and 68.6; in the engine c16 TPOT is
     4.787 -> 4.880 ms. A dependent launch was far worse (6.404 ms): its blocks, resident while
     gate_up ran, held the SMs gate_up's later blocks needed."""
@@ -355,7 +356,8 @@ def split_config(n: int, k: int, cols: int, splits: int | None = None) -> WideMm
     splits = splits or min(8, SMS // tiles, k_tiles // 2)
     if splits < 2 or 2 * splits > k_tiles:
         return None
-    return WideMmaConfig(cols, 6, splits=splits, dependent=False)
+    # 64 columns: 4 stages, within sm_80's shared memory as wide_mma_config's 64-row rings
+    return WideMmaConfig(cols, 6 if cols < 64 else 4, splits=splits, dependent=False)
 
 
 def wide_buckets(n: int, k: int, mma: bool | None = None, **options) -> Buckets:

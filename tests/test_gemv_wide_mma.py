@@ -138,6 +138,7 @@ def test_split_rule_runs_and_slots(monkeypatch) -> None:
         assert [type(c) for _, c in plan] == [GemvConfig] + [WideMmaConfig] * 3
         tiles, k_tiles = n // 128, k // BLOCK_K
         for limit, cfg in plan[1:]:
+            cfg.check()  # buildable: within sm_80's shared memory too
             s, n_acc = cfg.splits, cfg.cols // 2
             assert limit == cfg.cols and 1 < s and tiles * s <= gemv_config.SMS
             runs = [k_range(z, s, k_tiles) for z in range(s)]
