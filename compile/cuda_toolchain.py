@@ -23,8 +23,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ..schedules import split_tickets
 from ..schedules.sm90a import SM90A_PRELUDE
-from ..schedules.split_tickets import PRELUDE as SPLIT_PRELUDE
 
 _STUB_SOURCE = Path(__file__).with_name("cuda_stub.c")
 _FATBIN_MAGIC = 0xBA55ED50
@@ -101,12 +101,19 @@ def guard_sm90_asm(code: str) -> str:
     return _SM90_ASM.sub(r"#if __CUDA_ARCH__ >= 900\n\1\2\n#endif", code)
 
 
+def translation_unit(code: str) -> str:
+    """TVM's CUDA source as nvcc compiles it: the sm_90a helpers, the split GEMM's tickets
+    where a kernel calls them (schedules/split_tickets.py), sm_90's asm guarded."""
+    split = split_tickets.PRELUDE if split_tickets.needed_by(code) else ""
+    return SM90A_PRELUDE + split + guard_sm90_asm(code)
+
+
 def compile_fatbin(code: str, arches: list[str]) -> bytes:
     """Compile one CUDA translation unit to a fatbin; on failure keep the source for a look."""
     nvcc = find_nvcc()
     with tempfile.TemporaryDirectory(prefix="qwen35-tvm-nvcc-") as tmp:
         source, output = Path(tmp) / "kernels.cu", Path(tmp) / "kernels.fatbin"
-        source.write_text(SM90A_PRELUDE + SPLIT_PRELUDE + guard_sm90_asm(code))
+        source.write_text(translation_unit(code))
         proc = subprocess.run(
             nvcc_command(nvcc, arches, source, output),
             stdout=subprocess.PIPE,

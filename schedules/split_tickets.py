@@ -1,5 +1,5 @@
 """What a k-split decode GEMM (schedules/gemv_wide_mma.py, WideMmaConfig.splits) reduces its
-partials through: device globals every CUDA translation unit defines
+partials through: device globals that every CUDA translation unit calling them defines
 (compile/cuda_toolchain.py prepends PRELUDE), so no kernel signature changes and no state
 threads through the model.
 
@@ -23,6 +23,12 @@ SLOTS = 264  # (tile, split) blocks: two an SM of 132
 # the prelude's functions, for kernels' T.call_extern
 TAKE, RESET = "qwen35_ticket_take", "qwen35_ticket_reset"
 STORE, LOAD = "qwen35_ws_store", "qwen35_ws_load"
+
+
+def needed_by(code: str) -> bool:
+    """Whether a CUDA translation unit calls the prelude's functions: only such a unit gets
+    it, since its globals (8.6 MB) are allocated wherever a module defines them."""
+    return any(f"{name}(" in code for name in (TAKE, RESET, STORE, LOAD))
 PRELUDE = f"""
 static __device__ int qwen35_tickets[{TICKETS}];
 static __device__ float qwen35_split_ws[{SLOTS * SLOT_FLOATS}];

@@ -207,6 +207,15 @@ def test_a_last_split_bucket_keeps_later_batch_blocks_off_the_workspace() -> Non
     assert "if ((((int)blockIdx.y) == 0) || (((int)blockIdx.z) == 0)) {" in ring
 
 
+def test_only_split_kernels_carry_the_ticket_globals() -> None:
+    """The tickets and workspace (8.6 MB of device globals) go only into translation units
+    that call them, not into every library."""
+    from qwen35_tvm.compile.cuda_toolchain import translation_unit
+
+    assert PRELUDE in translation_unit(_split_source())
+    assert PRELUDE not in translation_unit(_source(12352, 2560, rms_eps=EPS))
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 def test_split_kernel_compiles_without_spills(tmp_path) -> None:
     from qwen35_tvm.compile.cuda_toolchain import guard_sm90_asm
