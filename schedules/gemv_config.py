@@ -348,10 +348,9 @@ def split_config(n: int, k: int, cols: int, splits: int | None = None) -> WideMm
     9B's 32), each with at least two k tiles (else None); 6-stage rings (4 at 64 rows),
     launched after the producer's end. At 16 and 32 rows measured and off (H100,
     docs/results/split_k_h100_s45/, wide_nodep_h100_s45/): alone at 16 rows it streams down at
-    70.5-71.1% of copy bandwidth
-    and out_proj at 58.0-59.5% against the GEMV's 73.6 and 68.6; in the engine c16 TPOT is
-    4.787 -> 4.880 ms. A dependent launch was far worse (6.404 ms): its blocks, resident while
-    gate_up ran, held the SMs gate_up's later blocks needed."""
+    70.5-71.1% of copy bandwidth and out_proj at 58.0-59.5% against the GEMV's 73.6 and 68.6;
+    in the engine c16 TPOT is 4.787 -> 4.880 ms. A dependent launch was far worse (6.404 ms):
+    its blocks, resident while gate_up ran, held the SMs gate_up's later blocks needed."""
     tiles, k_tiles = cdiv(n, BLOCK_M), k // BLOCK_K
     splits = splits or min(8, SMS // tiles, k_tiles // 2)
     if splits < 2 or 2 * splits > k_tiles:

@@ -7,12 +7,11 @@ A split of the first batch block (blockIdx.y 0; later ones run their tiles whole
 writes its fp32 accumulators into its slot of the workspace, then takes a ticket of its tile
 (an acquire-release add after a block barrier, as GDN's decode kernel does); the block that
 draws the last ticket sums every split's slot in split order, so the result does not depend on
-which split finished last, stores the tile and sets the ticket back to zero.
-Tickets start at zero when the module loads. Kernels of one stream never use them at once
-(each waits for its producer's end, or starts after it: schedules/pdl.py), so they share the
-globals; two streams running such kernels of one loaded
-library at once would not be safe, and the engine runs one. No TVM import here, as in
-sm90a.py: the toolchain loads before TVM does.
+which split finished last, stores the tile and sets the ticket back to zero. Tickets start at
+zero when the module loads. Kernels of one stream never use them at once (each waits for its
+producer's end, or starts after it: schedules/pdl.py), so they share the globals; two streams
+running such kernels of one loaded library at once would not be safe, and the engine runs one.
+No TVM import here, as in sm90a.py: the toolchain loads before TVM does.
 """
 
 from .wgmma_config import THREADS  # no TVM there either
