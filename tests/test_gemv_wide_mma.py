@@ -153,17 +153,24 @@ def test_split_rule_runs_and_slots(monkeypatch) -> None:
         assert all(getattr(c, "splits", 1) == 1 for _, c in wide_buckets(n, k))
 
 
-def _split_source() -> str:
+def _source(n: int, k: int, plan=None, **kw) -> str:
+    """The CUDA source of the sm_80 + sm_90 build of `plan` (default: the pipeline's buckets)."""
     target, _ = make_target("cuda", "sm_80,sm_90")
+    plan = gemv_config.wide_buckets(n, k, mma=True) if plan is None else plan
+    func = gemv_kernel(n, k, target, plan, out_dtype="bfloat16", **kw)
+    lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "g")}), target=target)
+    (cuda,) = [m for m in lib.mod.imports if m.kind == "cuda"]
+    return cuda.inspect_source()
+
+
+def _split_source() -> str:
     plan = ((8, GemvConfig()), (16, WideMmaConfig(16, 6, splits=6)), (1 << 30, GemvConfig()))
+
     def add(acc, r, c, e):
         return acc + tvm.tirx.Cast("float32", e[0][r, c])
 
     residual = dict(extra_shapes=("mn",), extra_dtypes=("bfloat16",), epilogue=add)
-    func = gemv_kernel(2560, 4096, target, plan, out_dtype="bfloat16", **residual)
-    lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "g")}), target=target)
-    (cuda,) = [m for m in lib.mod.imports if m.kind == "cuda"]
-    return cuda.inspect_source()
+    return _source(2560, 4096, plan, **residual)
 
 
 def test_split_kernel_reduces_after_the_last_ticket_in_split_order() -> None:
@@ -191,12 +198,9 @@ def test_split_kernel_reduces_after_the_last_ticket_in_split_order() -> None:
 def test_a_last_split_bucket_keeps_later_batch_blocks_off_the_workspace() -> None:
     """sm_90a, a split bucket that takes every batch: only batch block 0 stores partials, takes
     tickets and sums the workspace; a later block's split 0 runs every k tile and stores."""
-    target, _ = make_target("cuda", "sm_80,sm_90")
     plan = ((8, GemvConfig()), (1 << 30, WideMmaConfig(64, 4, splits=6, dependent=False)))
-    func = gemv_kernel(2560, 9216, target, plan, out_dtype="bfloat16")
-    lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "g")}), target=target)
-    (cuda,) = [m for m in lib.mod.imports if m.kind == "cuda"]
-    (body,) = [c for c in cuda.inspect_source().split("__global__")[1:] if "blockIdx.z" in c]
+    source = _source(2560, 9216, plan)
+    (body,) = [c for c in source.split("__global__")[1:] if "blockIdx.z" in c]
     ring = body[body.index("qwen35_sm90a()") :]
     y0 = "if (((int)blockIdx.y) == 0) {"
     for call in ("qwen35_ws_store(", "qwen35_ticket_take("):  # each inside block 0's branch
@@ -283,15 +287,6 @@ def test_pipeline_takes_it_where_its_blocks_fill_the_gpu(monkeypatch) -> None:
         assert not any(isinstance(c, WideMmaConfig) for _, c in wide_buckets(n, k)), (n, k)
 
 
-def _source(n: int, k: int, **kw) -> str:
-    target, _ = make_target("cuda", "sm_80,sm_90")
-    plan = gemv_config.wide_buckets(n, k, mma=True)
-    func = gemv_kernel(n, k, target, plan, out_dtype="bfloat16", **kw)
-    lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "g")}), target=target)
-    (cuda,) = [m for m in lib.mod.imports if m.kind == "cuda"]
-    return cuda.inspect_source()
-
-
 def test_kernels_branch_to_the_ring_on_sm90a_and_to_mma_sync_elsewhere() -> None:
     src = _source(18432, 2560, rms_eps=EPS, swiglu=True)
     bodies = [c for c in src.split("__global__")[1:] if c.split("\n", 1)[0].endswith("{")]
@@ -324,12 +319,9 @@ def test_early_loads_the_first_weight_tiles_before_the_wait(early: bool, depende
     for X's producer, and its X copies after; sm_80's waits first. Without, both wait first.
     A launch that is not dependent never waits (the pipeline then launches it after its
     producer's end: schedules/pdl.py) and releases its dependents first."""
-    target, _ = make_target("cuda", "sm_80,sm_90")
     cfg = WideMmaConfig(16, early=early, dependent=dependent)
-    func = gemv_kernel(12352, 2560, target, cfg, out_dtype="bfloat16", rms_eps=EPS)
-    lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "g")}), target=target)
-    (cuda,) = [m for m in lib.mod.imports if m.kind == "cuda"]
-    (body,) = [c for c in cuda.inspect_source().split("__global__")[1:] if "{\n" in c[:400]]
+    source = _source(12352, 2560, cfg, rms_eps=EPS)
+    (body,) = [c for c in source.split("__global__")[1:] if "{\n" in c[:400]]
     at = body.index("qwen35_sm90a()")
     ring, rest = body[at:].split("} else {", 1)
     copies = [m.start() for m in re.finditer(r"cp_async_bulk_tensor\w*\(", ring)]
