@@ -41,6 +41,8 @@ import traceback
 from pathlib import Path
 
 PREFILL_M = (16, 64, 128, 256, 512, 1024, 4096)
+# `run --ms 1024,2048,4096` measures those M alone (children read it from the environment)
+PREFILL_M = tuple(int(m) for m in os.environ.get("GEMM_BENCH_MS", "").split(",") if m) or PREFILL_M
 DECODE_M = (1, 4, 16, 64)
 MANIFEST = "gemm_bench.json"
 
@@ -101,7 +103,7 @@ def _measure(out: Path, file: str, kernels: list[str]) -> None:
 
     def ms_of(kernel: str) -> tuple[int, ...]:
         if kernel == "torch":
-            return (*PREFILL_M, *DECODE_M)
+            return (*PREFILL_M, *DECODE_M) if "GEMM_BENCH_MS" not in os.environ else PREFILL_M
         return DECODE_M if kernel.startswith("decode") else PREFILL_M
 
     ms = sorted({m for kernel in kernels for m in ms_of(kernel)})
@@ -183,7 +185,8 @@ def run(out: Path, timeout: int) -> None:
         for r in got:
             print(_line(r, rows), file=sys.stderr, flush=True)
     result = {"arch": manifest["arch"], "rows": _with_cublas_ratio(rows)}
-    result["summary"] = _summary(result["rows"])
+    big = tuple(sorted({r["m"] for r in result["rows"] if r.get("m", 0) >= 1024}))
+    result["summary"] = _summary(result["rows"], big or (1024, 4096))
     print(_summary_text(result["summary"]), file=sys.stderr, flush=True)
     (out / "gemm_bench_result.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result))
@@ -297,7 +300,10 @@ def main() -> None:
     )
     p.add_argument("--only", help="build: kernels matching one of these globs (a,b*,...)")
     p.add_argument("--timeout", type=int, default=300, help="seconds a child process (run)")
+    p.add_argument("--ms", help="run: prefill M values alone, e.g. 1024,2048,4096")
     args = p.parse_args()
+    if args.ms:
+        os.environ["GEMM_BENCH_MS"] = args.ms
     if args.step == "build":
         build(args.dir, args.arch, tuple(args.shapes.split(",")), args.baselines, args.only)
     elif args.step == "run":

@@ -34,6 +34,7 @@ from tvm.script import tirx as T
 from .gemm_layout import (
     acc_coords,
     copy_coords,
+    grouped_tile,
     ldmatrix_a_coords,
     ldmatrix_b_coords,
     paired_weight_row,
@@ -63,6 +64,8 @@ from .split_k import (
 
 # ---- the kernel ----------------------------------------------------------------------------
 
+GROUP_M = 0  # m tiles a band of the launch order (gemm_layout.grouped_tile); 0: no bands
+
 
 def gemm_kernel(
     n: int,
@@ -75,6 +78,7 @@ def gemm_kernel(
     wgmma: WgmmaConfig | None = None,
     swiglu: bool = False,
     split_k: bool = True,
+    group_m: int = GROUP_M,
 ) -> tirx.PrimFunc:
     """The kernel with parameters (A [m, k], B [n, k], *extras, out [m, n]); each extra input
     is indexed [m, n], [n] or [m] (`extra_shapes` "mn", "n", "m"). `epilogue(acc, row, col,
@@ -87,7 +91,9 @@ def gemm_kernel(
     With `swiglu`, B is a gate_up weight [n = 2 inter, k] and out [m, inter] takes
     silu(gate) · up of the epilogue's values (rounded as the SwiGLU kernel rounds them): each
     block's B tile pairs its output columns' gate and up rows (gemm_layout.paired_weight_row).
-    With `wgmma` and `split_k`, an m whose tiles leave SMs idle splits k (schedules/split_k.py)."""
+    With `wgmma` and `split_k`, an m whose tiles leave SMs idle splits k (schedules/split_k.py).
+    `group_m` > 0: blocks take their tiles in bands of that many m tiles
+    (gemm_layout.grouped_tile); 0: m fastest over all of m."""
     config.check()
     if swiglu and (extra_shapes or n % 2 or wgmma is not None and not wgmma.tma):
         raise ValueError("a SwiGLU epilogue takes no extra inputs, an even n and TMA on sm_90a")
@@ -329,21 +335,34 @@ def gemm_kernel(
             else:
                 tile(a, b, out, extras, m, smem, bx, by, ty, tx, ws, z, splits)
 
+    def tile_of(bx0, by0, m):
+        # blocks launch x fastest: the lin-th in bands of group_m m tiles (gemm_layout)
+        if not group_m:
+            return bx0, by0
+        m_tiles = T.ceildiv(m, bm)
+        return grouped_tile(by0 * m_tiles + bx0, m_tiles, n_tiles, group_m, T.min)
+
     @T.macro
     def grid(a, b, out, extras, m):
-        for bx in T.thread_binding(T.ceildiv(m, bm), thread="blockIdx.x"):
-            for by in T.thread_binding(n_tiles, thread="blockIdx.y"):
+        for bx0 in T.thread_binding(T.ceildiv(m, bm), thread="blockIdx.x"):
+            for by0 in T.thread_binding(n_tiles, thread="blockIdx.y"):
                 for ty in T.thread_binding(threads // 32, thread="threadIdx.y"):
                     for tx in T.thread_binding(32, thread="threadIdx.x"):
+                        bx_, by_ = T.meta_var(tile_of(bx0, by0, m))
+                        bx: T.let[T.int32] = bx_
+                        by: T.let[T.int32] = by_
                         gemm_block(a, b, out, extras, m, bx, by, ty, tx, None, 0, 1)
 
     @T.macro
     def split_grid(a, b, out, extras, m, ws, splits):
         for z in T.thread_binding(splits, thread="blockIdx.z"):
-            for bx in T.thread_binding(T.ceildiv(m, bm), thread="blockIdx.x"):
-                for by in T.thread_binding(n_tiles, thread="blockIdx.y"):
+            for bx0 in T.thread_binding(T.ceildiv(m, bm), thread="blockIdx.x"):
+                for by0 in T.thread_binding(n_tiles, thread="blockIdx.y"):
                     for ty in T.thread_binding(threads // 32, thread="threadIdx.y"):
                         for tx in T.thread_binding(32, thread="threadIdx.x"):
+                            bx_, by_ = T.meta_var(tile_of(bx0, by0, m))
+                            bx: T.let[T.int32] = bx_
+                            by: T.let[T.int32] = by_
                             gemm_block(a, b, out, extras, m, bx, by, ty, tx, ws, z, splits)
 
     # prefill's GEMMs whose tiles can leave most SMs idle get a split-K launch beside the

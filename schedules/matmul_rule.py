@@ -37,6 +37,7 @@ def gemm_for(
     wgmma: WgmmaConfig | Literal["default"] | None = None,
     swiglu: bool = False,
     split_k: bool = True,
+    group_m: int | None = None,
 ) -> tirx.PrimFunc | None:
     """The tensor-core kernel standing in for `func`, parameters in `func`'s order; None if
     `func` is not a fused bf16 GEMM this kernel covers. Without `config`, `default_config`.
@@ -44,7 +45,7 @@ def gemm_for(
     `shared_launch_config` (k a multiple of 64; else `config` alone). With `swiglu`, `func` is a
     gate_up projection without extra inputs and the kernel stores the SwiGLU of its output,
     [m, n / 2] (gemm_kernel's `swiglu`). `split_k`: gemm_kernel's (off for the benchmark's
-    before-and-after rows)."""
+    before-and-after rows). `group_m`: gemm_kernel's (None: its default)."""
     match = match_gemm(func)
     if match is None or swiglu and (match.extra_shapes or match.n % 2):
         return None
@@ -69,6 +70,7 @@ def gemm_for(
         wgmma,
         swiglu,
         split_k,
+        **({} if group_m is None else {"group_m": group_m}),
     )
     # the kernel's own order is (A, B, *extras, out); put each where `func` has it
     order = [match.a_param, match.b_param, *match.extra_params, match.out_param]

@@ -270,6 +270,34 @@ def test_swizzle_is_a_permutation_and_conflict_free() -> None:
                     assert len(groups) == 8
 
 
+@pytest.mark.parametrize(
+    "m_tiles, n_tiles, group", [(32, 16, 16), (37, 5, 16), (7, 3, 2), (5, 4, 8)]
+)
+def test_grouped_launch_order_visits_each_tile_once_a_band_at_a_time(m_tiles, n_tiles, group):
+    """gemm_layout.grouped_tile: a bijection of launch order onto tiles; the blocks of band b
+    launch together and hold m tiles [b group, (b + 1) group) only (the last band fewer); with
+    m_tiles <= group the order is m fastest, the launch's own."""
+    order = [mm.grouped_tile(i, m_tiles, n_tiles, group) for i in range(m_tiles * n_tiles)]
+    assert sorted(order) == [(x, y) for x in range(m_tiles) for y in range(n_tiles)]
+    for i, (x, _) in enumerate(order):
+        assert x // group == i // (group * n_tiles)
+    if m_tiles <= group:
+        assert order == [(i % m_tiles, i // m_tiles) for i in range(m_tiles * n_tiles)]
+    else:  # mutation check: bands all `group` wide miss the last band's tiles
+        wrong = [
+            mm.grouped_tile(i, m_tiles, n_tiles, group, lambda a, b: a)
+            for i in range(m_tiles * n_tiles)
+        ]
+        assert m_tiles % group == 0 or sorted(wrong) != sorted(order)
+
+
+def test_kernel_launches_in_m_bands() -> None:
+    """gemm_kernel's `group_m` maps its blocks through grouped_tile; 0 keeps m fastest."""
+    banded = mm.gemm_kernel(200, 64, mc.GemmConfig(), out_dtype="bfloat16", group_m=16).script()
+    plain = mm.gemm_kernel(200, 64, mc.GemmConfig(), out_dtype="bfloat16", group_m=0).script()
+    assert "T.min(16, " in banded and "T.min(16, " not in plain
+
+
 def test_pair_store_lanes_own_adjacent_even_columns() -> None:
     # the bf16x2 epilogue stores acc elements 2 eh and 2 eh + 1 of a lane at (r, c), (r, c + 1)
     for lane in range(32):
