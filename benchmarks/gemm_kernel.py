@@ -116,7 +116,9 @@ def _measure(out: Path, file: str, kernels: list[str]) -> None:
         # the SwiGLU of the GEMM as gate_up reaches the SwiGLU kernel: bf16 halves
         gate, up = ref[:, : n // 2].bfloat16().float(), ref[:, n // 2 :].bfloat16().float()
         refs = {SWIGLU: torch.nn.functional.silu(gate) * up}
-        for kernel in kernels:
+        # `run --reverse`: the other order, so a second pass evens out what runs early or late
+        order = kernels[::-1] if os.environ.get("GEMM_BENCH_REVERSE") else kernels
+        for kernel in order:
             if m not in ms_of(kernel):
                 continue
             row = {"file": file, "kernel": kernel, "m": m, "n": n, "k": k}
@@ -301,9 +303,12 @@ def main() -> None:
     p.add_argument("--only", help="build: kernels matching one of these globs (a,b*,...)")
     p.add_argument("--timeout", type=int, default=300, help="seconds a child process (run)")
     p.add_argument("--ms", help="run: prefill M values alone, e.g. 1024,2048,4096")
+    p.add_argument("--reverse", action="store_true", help="run: each M's kernels last to first")
     args = p.parse_args()
     if args.ms:
         os.environ["GEMM_BENCH_MS"] = args.ms
+    if args.reverse:
+        os.environ["GEMM_BENCH_REVERSE"] = "1"
     if args.step == "build":
         build(args.dir, args.arch, tuple(args.shapes.split(",")), args.baselines, args.only)
     elif args.step == "run":

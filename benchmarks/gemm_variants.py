@@ -173,7 +173,7 @@ def variant_kernels(
         makers[f"prefill_{name}"] = lambda f=fields: gemm_for(large, None, WgmmaConfig(**f))
     # the launch order's m bands (schedules/gemm_layout.grouped_tile): none (m fastest over
     # all of m, as before them) and other widths, each tiling at its own
-    for g in (0, 8, 32):
+    for g in (0, 8, 16):
         makers[f"prefill_g{g}"] = lambda g=g: gemm_for(large, None, "default", group_m=g)
         for name, fields in WGMMA_VARIANTS.items():
             makers[f"prefill_{name}_g{g}"] = lambda f=fields, g=g: gemm_for(
@@ -191,11 +191,11 @@ def variant_kernels(
                 makers[f"{SWIGLU}_{name}"] = lambda f=fields: gemm_for(
                     large, None, WgmmaConfig(**f), swiglu=True
                 )
-                for g in (0, 8, 32):
+                for g in (0, 8, 16):
                     makers[f"{SWIGLU}_{name}_g{g}"] = lambda f=fields, g=g: gemm_for(
                         large, None, WgmmaConfig(**f), swiglu=True, group_m=g
                     )
-        for g in (0, 8, 32):
+        for g in (0, 8, 16):
             makers[f"{SWIGLU}_g{g}"] = lambda g=g: gemm_for(
                 large, None, "default", swiglu=True, group_m=g
             )
