@@ -40,9 +40,9 @@ import sys
 import traceback
 from pathlib import Path
 
-PREFILL_M = (16, 64, 128, 256, 512, 1024, 4096)
-# `run --ms 1024,2048,4096` measures those M alone (children read it from the environment)
-PREFILL_M = tuple(int(m) for m in os.environ.get("GEMM_BENCH_MS", "").split(",") if m) or PREFILL_M
+# `run --ms 1024,2048,4096` measures those M alone, cuBLAS too (children read the environment)
+ONLY_M = tuple(int(m) for m in os.environ.get("GEMM_BENCH_MS", "").split(",") if m)
+PREFILL_M = ONLY_M or (16, 64, 128, 256, 512, 1024, 4096)
 DECODE_M = (1, 4, 16, 64)
 MANIFEST = "gemm_bench.json"
 
@@ -103,7 +103,7 @@ def _measure(out: Path, file: str, kernels: list[str]) -> None:
 
     def ms_of(kernel: str) -> tuple[int, ...]:
         if kernel == "torch":
-            return (*PREFILL_M, *DECODE_M) if "GEMM_BENCH_MS" not in os.environ else PREFILL_M
+            return ONLY_M or (*PREFILL_M, *DECODE_M)
         return DECODE_M if kernel.startswith("decode") else PREFILL_M
 
     ms = sorted({m for kernel in kernels for m in ms_of(kernel)})

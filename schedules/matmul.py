@@ -335,12 +335,20 @@ def gemm_kernel(
             else:
                 tile(a, b, out, extras, m, smem, bx, by, ty, tx, ws, z, splits)
 
-    def tile_of(bx0, by0, m):
-        # blocks launch x fastest: the lin-th takes its tile in bands of group_m m tiles
-        # (gemm_layout); the caller keeps them in registers: as lets, TVM re-derived the
-        # divisions at every use and the kernel ran ~20% slower (H100, session 46)
-        m_tiles = T.ceildiv(m, bm)
-        return grouped_tile(by0 * m_tiles + bx0, m_tiles, n_tiles, group_m, T.min)
+    @T.macro
+    def launched_block(a, b, out, extras, m, bx0, by0, ty, tx, ws, z, splits):
+        # blocks launch x fastest; with group_m the lin-th takes its tile in bands of group_m
+        # m tiles (gemm_layout), kept in registers: as lets, TVM re-derived the divisions at
+        # every use and the kernel ran ~20% slower (H100, session 46)
+        if group_m > 0:
+            m_tiles = T.meta_var(T.ceildiv(m, bm))
+            x, y = T.meta_var(grouped_tile(by0 * m_tiles + bx0, m_tiles, n_tiles, group_m, T.min))
+            at = T.alloc_local((2,), "int32")
+            at[0] = x
+            at[1] = y
+            gemm_block(a, b, out, extras, m, at[0], at[1], ty, tx, ws, z, splits)
+        else:
+            gemm_block(a, b, out, extras, m, bx0, by0, ty, tx, ws, z, splits)
 
     @T.macro
     def grid(a, b, out, extras, m):
@@ -348,14 +356,7 @@ def gemm_kernel(
             for by0 in T.thread_binding(n_tiles, thread="blockIdx.y"):
                 for ty in T.thread_binding(threads // 32, thread="threadIdx.y"):
                     for tx in T.thread_binding(32, thread="threadIdx.x"):
-                        if group_m > 0:
-                            at = T.alloc_local((2,), "int32")
-                            x, y = T.meta_var(tile_of(bx0, by0, m))
-                            at[0] = x
-                            at[1] = y
-                            gemm_block(a, b, out, extras, m, at[0], at[1], ty, tx, None, 0, 1)
-                        else:
-                            gemm_block(a, b, out, extras, m, bx0, by0, ty, tx, None, 0, 1)
+                        launched_block(a, b, out, extras, m, bx0, by0, ty, tx, None, 0, 1)
 
     @T.macro
     def split_grid(a, b, out, extras, m, ws, splits):
@@ -364,15 +365,7 @@ def gemm_kernel(
                 for by0 in T.thread_binding(n_tiles, thread="blockIdx.y"):
                     for ty in T.thread_binding(threads // 32, thread="threadIdx.y"):
                         for tx in T.thread_binding(32, thread="threadIdx.x"):
-                            if group_m > 0:
-                                at = T.alloc_local((2,), "int32")
-                                x, y = T.meta_var(tile_of(bx0, by0, m))
-                                at[0] = x
-                                at[1] = y
-                                gemm_block(a, b, out, extras, m, at[0], at[1], ty, tx, ws, z,
-                                           splits)  # fmt: skip
-                            else:
-                                gemm_block(a, b, out, extras, m, bx0, by0, ty, tx, ws, z, splits)
+                            launched_block(a, b, out, extras, m, bx0, by0, ty, tx, ws, z, splits)
 
     # prefill's GEMMs whose tiles can leave most SMs idle get a split-K launch beside the
     # plain one (split_k.py), chosen on the host by m
