@@ -8,10 +8,12 @@ prefilled (in 2,048-token chunks), then 16 more tokens are fed one at a time (te
 every position's logprobs (over the decodable vocabulary) are compared with one HF forward over
 the same ids. Prompts of LONG tokens or more (`--lengths 8192,32768`) compare only the last
 prompt position and the decode steps: full logits of 32k positions would not fit.
-fp32: max |Δ| over HF's top-20 (bound 1e-3). bf16: mean and p99 of |Δ| over HF's top-8
-(bounds 0.03 and 0.10); for bf16 the same statistics are also given for ours and for HF's
-bf16 run each against HF's fp32 run, which shows how much of the gap is bf16 rounding
-amplified by the random model rather than our implementation.
+fp32: max |Δ| over HF's top-20 (bound 1e-3). bf16: mean and p99 of |Δ| over HF's top-8,
+against HF's bf16 run and, for ours and for HF's bf16 run alike, against HF's fp32 run. The
+bf16 verdict is relative (`bf16_pass`): ours may stray from fp32 at most BF16_SLACK times as far
+as HF's own bf16 run does. Two bf16 runs each ~0.023 from fp32 land ~0.03 from each other on
+the 4B shape, so the absolute bounds against HF bf16 (mean 0.03, p99 0.10, set on 0.8B) measure
+rounding more than us; they stay in the row as `within_abs_bounds`.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ DTYPES = ("float32", "bfloat16")
 LENGTHS = (1, 7, 64, 65, 300, 1100)
 DECODE_STEPS = 16
 LONG = 4096
+# Correct builds sit at 0.91-0.98x (mean) and 0.94-1.00x (p99) of HF bf16's own distance from
+# fp32 (0.8B and 4B, sessions 8-38); session 38's broken sm_80 PTX was 9.8x / 64x.
+BF16_SLACK = 1.10
 
 
 def build(
@@ -65,6 +70,13 @@ def _stats(ours: np.ndarray, ref: np.ndarray, k: int) -> np.ndarray:
 def _summary(d: list[np.ndarray]) -> dict:
     x = np.concatenate([a.ravel() for a in d])
     return dict(max=float(x.max()), mean=float(x.mean()), p99=float(np.quantile(x, 0.99)))
+
+
+def bf16_pass(row: dict) -> bool:
+    """A bf16 row's verdict: ours is at most BF16_SLACK times as far from HF fp32 as HF's own
+    bf16 run is, by mean and by p99."""
+    ours, hf = row["ours_vs_hf_fp32"], row["hf_bf16_vs_hf_fp32"]
+    return all(ours[s] <= BF16_SLACK * hf[s] for s in ("mean", "p99"))
 
 
 def _ours_tail(gen, ids: list[int], length: int) -> np.ndarray:
@@ -141,14 +153,13 @@ def run(
                 )
             row = dict(shape=shape, dtype=dtype, **_summary(vs_hf), setup_s=round(setup, 1))
             row["lengths"] = list(lengths)
-            row["pass"] = (
-                (row["max"] <= 1e-3)
-                if dtype == "float32"
-                else (row["mean"] <= 0.03 and row["p99"] <= 0.10)
-            )
-            if dtype != "float32":
+            if dtype == "float32":
+                row["pass"] = row["max"] <= 1e-3
+            else:
                 row["ours_vs_hf_fp32"] = _summary(ours_vs_fp32)
                 row["hf_bf16_vs_hf_fp32"] = _summary(hf_vs_fp32)
+                row["within_abs_bounds"] = row["mean"] <= 0.03 and row["p99"] <= 0.10
+                row["pass"] = bf16_pass(row)
             results.append(row)
             print(json.dumps(row), flush=True)
             del hf, gen
