@@ -171,14 +171,6 @@ def variant_kernels(
             makers[f"prefill_{name}"] = lambda f=fields: gemm_for(large, GemmConfig(**f))
     for name, fields in WGMMA_VARIANTS.items():
         makers[f"prefill_{name}"] = lambda f=fields: gemm_for(large, None, WgmmaConfig(**f))
-    # the launch order's m bands (schedules/gemm_layout.grouped_tile): none (m fastest over
-    # all of m, as before them) and other widths, each tiling at its own
-    for g in (0, 8, 16):
-        makers[f"prefill_g{g}"] = lambda g=g: gemm_for(large, None, "default", group_m=g)
-        for name, fields in WGMMA_VARIANTS.items():
-            makers[f"prefill_{name}_g{g}"] = lambda f=fields, g=g: gemm_for(
-                large, None, WgmmaConfig(**f), group_m=g
-            )
     # the pipeline's kernel without split-K (schedules/split_k.py), as before it
     makers["prefill_nosplit"] = lambda: gemm_for(large, None, "default", split_k=False)
     # ... and with the default ring at every m (no large-m launch: large_m_wgmma_config)
@@ -193,14 +185,6 @@ def variant_kernels(
                 makers[f"{SWIGLU}_{name}"] = lambda f=fields: gemm_for(
                     large, None, WgmmaConfig(**f), swiglu=True
                 )
-                for g in (0, 8, 16):
-                    makers[f"{SWIGLU}_{name}_g{g}"] = lambda f=fields, g=g: gemm_for(
-                        large, None, WgmmaConfig(**f), swiglu=True, group_m=g
-                    )
-        for g in (0, 8, 16):
-            makers[f"{SWIGLU}_g{g}"] = lambda g=g: gemm_for(
-                large, None, "default", swiglu=True, group_m=g
-            )
     if only:
         wanted = [name for name in makers if any(fnmatch(name, g) for g in only.split(","))]
         makers = {name: makers[name] for name in wanted}

@@ -9,17 +9,6 @@ from tvm import tirx
 Index = int | tirx.Expr
 
 
-def grouped_tile(lin: Index, m_tiles: Index, n_tiles: int, group: int, min_=min):
-    """(m tile, n tile) of the lin-th block to launch: m tiles `group` at a time in bands,
-    m fastest within a band, so the blocks in flight read one band's rows of A (k x 128 x group)
-    while B streams past, where m fastest over all of m re-reads the whole of A once per
-    n tiles in flight. With m_tiles <= group the order is m fastest. `min_`: T.min in TIR."""
-    band = lin // (group * n_tiles)
-    rows = min_(group, m_tiles - band * group)
-    r = lin - band * group * n_tiles
-    return band * group + r % rows, r // rows
-
-
 def tile_offset(row: Index, chunk: Index, chunks: int) -> Index:
     """Element offset of 16-byte chunk `chunk` of row `row` in a tile whose rows hold `chunks`
     chunks. The chunk index is XORed with the row's place among the rows sharing a 128-byte bank

@@ -34,7 +34,6 @@ from tvm.script import tirx as T
 from .gemm_layout import (
     acc_coords,
     copy_coords,
-    grouped_tile,
     ldmatrix_a_coords,
     ldmatrix_b_coords,
     paired_weight_row,
@@ -65,8 +64,6 @@ from .split_k import (
 
 # ---- the kernel ----------------------------------------------------------------------------
 
-GROUP_M = 0  # m tiles a band of the launch order (gemm_layout.grouped_tile); 0: no bands
-
 
 def gemm_kernel(
     n: int,
@@ -79,7 +76,6 @@ def gemm_kernel(
     wgmma: WgmmaConfig | None = None,
     swiglu: bool = False,
     split_k: bool = True,
-    group_m: int = GROUP_M,
     wgmma_large_m: WgmmaConfig | None = None,
 ) -> tirx.PrimFunc:
     """The kernel with parameters (A [m, k], B [n, k], *extras, out [m, n]); each extra input
@@ -94,8 +90,7 @@ def gemm_kernel(
     silu(gate) · up of the epilogue's values (rounded as the SwiGLU kernel rounds them): each
     block's B tile pairs its output columns' gate and up rows (gemm_layout.paired_weight_row).
     With `wgmma` and `split_k`, an m whose tiles leave SMs idle splits k (schedules/split_k.py).
-    `group_m` > 0: blocks take their tiles in bands of that many m tiles
-    (gemm_layout.grouped_tile); 0: m fastest over all of m. `wgmma_large_m`: sm_90a's ring
+    `wgmma_large_m`: sm_90a's ring
     from LARGE_M_ROWS rows on (a launch of its own, chosen on the host by m; wgmma's tile
     width and TMA, its own depth)."""
     config.check()
@@ -357,37 +352,21 @@ def gemm_kernel(
                 tile(a, b, out, extras, m, smem, bx, by, ty, tx, ws, z, splits)
 
     @T.macro
-    def launched_block(a, b, out, extras, m, bx0, by0, ty, tx, ws, z, splits, large):
-        # blocks launch x fastest; with group_m the lin-th takes its tile in bands of group_m
-        # m tiles (gemm_layout), kept in registers: as lets, TVM re-derived the divisions at
-        # every use and the kernel ran ~20% slower (H100, session 46)
-        if group_m > 0:
-            m_tiles = T.meta_var(T.ceildiv(m, bm))
-            x, y = T.meta_var(grouped_tile(by0 * m_tiles + bx0, m_tiles, n_tiles, group_m, T.min))
-            at = T.alloc_local((2,), "int32")
-            at[0] = x
-            at[1] = y
-            gemm_block(a, b, out, extras, m, at[0], at[1], ty, tx, ws, z, splits, large)
-        else:
-            gemm_block(a, b, out, extras, m, bx0, by0, ty, tx, ws, z, splits, large)
-
-    @T.macro
     def grid(a, b, out, extras, m, large):
-        for bx0 in T.thread_binding(T.ceildiv(m, bm), thread="blockIdx.x"):
-            for by0 in T.thread_binding(n_tiles, thread="blockIdx.y"):
+        for bx in T.thread_binding(T.ceildiv(m, bm), thread="blockIdx.x"):
+            for by in T.thread_binding(n_tiles, thread="blockIdx.y"):
                 for ty in T.thread_binding(threads // 32, thread="threadIdx.y"):
                     for tx in T.thread_binding(32, thread="threadIdx.x"):
-                        launched_block(a, b, out, extras, m, bx0, by0, ty, tx, None, 0, 1, large)
+                        gemm_block(a, b, out, extras, m, bx, by, ty, tx, None, 0, 1, large)
 
     @T.macro
     def split_grid(a, b, out, extras, m, ws, splits):
         for z in T.thread_binding(splits, thread="blockIdx.z"):
-            for bx0 in T.thread_binding(T.ceildiv(m, bm), thread="blockIdx.x"):
-                for by0 in T.thread_binding(n_tiles, thread="blockIdx.y"):
+            for bx in T.thread_binding(T.ceildiv(m, bm), thread="blockIdx.x"):
+                for by in T.thread_binding(n_tiles, thread="blockIdx.y"):
                     for ty in T.thread_binding(threads // 32, thread="threadIdx.y"):
                         for tx in T.thread_binding(32, thread="threadIdx.x"):
-                            launched_block(a, b, out, extras, m, bx0, by0, ty, tx, ws, z, splits,
-                                           False)  # fmt: skip
+                            gemm_block(a, b, out, extras, m, bx, by, ty, tx, ws, z, splits, False)
 
     # prefill's GEMMs whose tiles can leave most SMs idle get a split-K launch beside the
     # plain one (split_k.py), chosen on the host by m

@@ -37,7 +37,6 @@ def gemm_for(
     wgmma: WgmmaConfig | Literal["default"] | None = None,
     swiglu: bool = False,
     split_k: bool = True,
-    group_m: int | None = None,
     large_m: bool = True,
 ) -> tirx.PrimFunc | None:
     """The tensor-core kernel standing in for `func`, parameters in `func`'s order; None if
@@ -46,8 +45,8 @@ def gemm_for(
     `shared_launch_config` (k a multiple of 64; else `config` alone). With `swiglu`, `func` is a
     gate_up projection without extra inputs and the kernel stores the SwiGLU of its output,
     [m, n / 2] (gemm_kernel's `swiglu`). `split_k`: gemm_kernel's (off for the benchmark's
-    before-and-after rows). `group_m`: gemm_kernel's (None: its default). `large_m`: the
-    default tiling takes `large_m_wgmma_config`'s ring from LARGE_M_ROWS rows on."""
+    before-and-after rows). `large_m`: the default tiling takes `large_m_wgmma_config`'s ring
+    from LARGE_M_ROWS rows on."""
     match = match_gemm(func)
     if match is None or swiglu and (match.extra_shapes or match.n % 2):
         return None
@@ -75,7 +74,6 @@ def gemm_for(
         wgmma,
         swiglu,
         split_k,
-        **({} if group_m is None else {"group_m": group_m}),
         wgmma_large_m=large,
     )
     # the kernel's own order is (A, B, *extras, out); put each where `func` has it

@@ -270,49 +270,6 @@ def test_swizzle_is_a_permutation_and_conflict_free() -> None:
                     assert len(groups) == 8
 
 
-@pytest.mark.parametrize(
-    "m_tiles, n_tiles, group", [(32, 16, 16), (37, 5, 16), (7, 3, 2), (5, 4, 8)]
-)
-def test_grouped_launch_order_visits_each_tile_once_a_band_at_a_time(m_tiles, n_tiles, group):
-    """gemm_layout.grouped_tile: a bijection of launch order onto tiles; the blocks of band b
-    launch together and hold m tiles [b group, (b + 1) group) only (the last band fewer); with
-    m_tiles <= group the order is m fastest, the launch's own."""
-    order = [mm.grouped_tile(i, m_tiles, n_tiles, group) for i in range(m_tiles * n_tiles)]
-    assert sorted(order) == [(x, y) for x in range(m_tiles) for y in range(n_tiles)]
-    for i, (x, _) in enumerate(order):
-        assert x // group == i // (group * n_tiles)
-    if m_tiles <= group:
-        assert order == [(i % m_tiles, i // m_tiles) for i in range(m_tiles * n_tiles)]
-    else:  # mutation check: bands all `group` wide miss the last band's tiles
-        wrong = [
-            mm.grouped_tile(i, m_tiles, n_tiles, group, lambda a, b: a)
-            for i in range(m_tiles * n_tiles)
-        ]
-        assert m_tiles % group == 0 or sorted(wrong) != sorted(order)
-
-
-def test_kernel_launches_in_m_bands_from_registers() -> None:
-    """gemm_kernel's `group_m` maps its blocks through grouped_tile (0 keeps m fastest), and
-    the CUDA derives a block's tile once: each kernel one runtime modulo for the m tile, one
-    for the sign fix of the n tile's division. As lets, TVM re-derived them at every use (694
-    modulos in this kernel's source) and the kernel ran ~20% slower. Mutation checked."""
-    from qwen35_tvm.compile.cuda_toolchain import prepare_cuda_codegen
-    from qwen35_tvm.compile.targets import make_target
-
-    target, arches = make_target("cuda", "sm_80")
-    prepare_cuda_codegen(arches)
-
-    def cuda(group_m: int) -> str:
-        func = mm.gemm_kernel(200, 64, mc.GemmConfig(), out_dtype="bfloat16", group_m=group_m)
-        lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "g")}), target)
-        return "".join(m.inspect_source() for m in lib.mod.imports if m.kind == "cuda")
-
-    banded, plain = cuda(16), cuda(0)
-    kernels = banded.count("__global__") // 2  # each declared, then defined
-    assert kernels >= 1 and banded.count("% min(16") == 2 * kernels
-    assert "min(16" not in plain
-
-
 def test_pair_store_lanes_own_adjacent_even_columns() -> None:
     # the bf16x2 epilogue stores acc elements 2 eh and 2 eh + 1 of a lane at (r, c), (r, c + 1)
     for lane in range(32):
