@@ -173,8 +173,6 @@ def variant_kernels(
         makers[f"prefill_{name}"] = lambda f=fields: gemm_for(large, None, WgmmaConfig(**f))
     # the pipeline's kernel without split-K (schedules/split_k.py), as before it
     makers["prefill_nosplit"] = lambda: gemm_for(large, None, "default", split_k=False)
-    # ... and with the default ring at every m (no large-m launch: large_m_wgmma_config)
-    makers["prefill_one_ring"] = lambda: gemm_for(large, None, "default", large_m=False)
     if not residual:  # the pipeline's kernel storing the SwiGLU of its two halves, [m, n / 2]
         makers[SWIGLU] = lambda: gemm_for(large, None, "default", swiglu=True)
         makers[f"{SWIGLU}_nosplit"] = lambda: gemm_for(

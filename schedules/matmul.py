@@ -44,7 +44,6 @@ from .matmul_config import DEFAULT_CONFIG, GemmConfig
 from .matmul_wgmma import (
     BLOCK_K,
     BLOCK_M,
-    LARGE_M_ROWS,
     THREADS,
     WgmmaConfig,
     pair_store,
@@ -76,7 +75,6 @@ def gemm_kernel(
     wgmma: WgmmaConfig | None = None,
     swiglu: bool = False,
     split_k: bool = True,
-    wgmma_large_m: WgmmaConfig | None = None,
 ) -> tirx.PrimFunc:
     """The kernel with parameters (A [m, k], B [n, k], *extras, out [m, n]); each extra input
     is indexed [m, n], [n] or [m] (`extra_shapes` "mn", "n", "m"). `epilogue(acc, row, col,
@@ -90,9 +88,7 @@ def gemm_kernel(
     silu(gate) · up of the epilogue's values (rounded as the SwiGLU kernel rounds them): each
     block's B tile pairs its output columns' gate and up rows (gemm_layout.paired_weight_row).
     With `wgmma` and `split_k`, an m whose tiles leave SMs idle splits k (schedules/split_k.py).
-    `wgmma_large_m`: sm_90a's ring
-    from LARGE_M_ROWS rows on (a launch of its own, chosen on the host by m; wgmma's tile
-    width and TMA, its own depth)."""
+"""
     config.check()
     if swiglu and (extra_shapes or n % 2 or wgmma is not None and not wgmma.tma):
         raise ValueError("a SwiGLU epilogue takes no extra inputs, an even n and TMA on sm_90a")
@@ -101,14 +97,6 @@ def gemm_kernel(
         or k % BLOCK_K
     ):
         raise ValueError(f"{config} and {wgmma} do not share a launch (or k {k} % {BLOCK_K})")
-    if wgmma_large_m is not None and (
-        wgmma is None
-        or not (wgmma.tma and wgmma_large_m.tma)
-        or wgmma_large_m.block_n != wgmma.block_n
-        or wgmma.ctas
-        or wgmma_large_m.ctas
-    ):
-        raise ValueError(f"{wgmma_large_m} for large m must share {wgmma}'s TMA tiles")
     if k % config.block_k:
         raise ValueError(f"k {k} must be a multiple of block_k {config.block_k}")
     bm, bn, bk, stages = config.block_m, config.block_n, config.block_k, config.stages
@@ -122,22 +110,15 @@ def gemm_kernel(
     inter = n // 2
     n_out = inter if swiglu else n
     smem_bytes = max(config.shared_bytes, wgmma.shared_bytes if wgmma else 0)
-    # shared memory by launch: False the default ring's, True the large-m one's
-    smem_elems = {False: smem_bytes // 2}
-    if wgmma_large_m is not None:
-        smem_elems[True] = max(config.shared_bytes, wgmma_large_m.shared_bytes) // 2
+    smem_elems = smem_bytes // 2
     b_at = stages * bm * bk  # B's ring follows A's
     scope = "shared" if smem_bytes <= 48 * 1024 else "shared.dyn"
     pair = config.pair_store and n_out % 2 == 0  # c even and n even: c + 1 < n too
     store = pair_store(epilogue, out_dtype if swiglu else None)
     store_partial = partial_store(n, swiglu)
     if wgmma is not None:
-        sm90_tiles = {
-            large: wgmma_tile(n, k, cfg, epilogue, n_out % 2 == 0, swiglu, out_dtype)
-            for large, cfg in ((False, wgmma), (True, wgmma_large_m))
-            if cfg is not None
-        }
-        maps, encode = tensor_maps(k, wgmma, swiglu)  # the same boxes for both rings
+        sm90_tile = wgmma_tile(n, k, wgmma, epilogue, n_out % 2 == 0, swiglu, out_dtype)
+        maps, encode = tensor_maps(k, wgmma, swiglu)
     # Prefill's (dual-path) GEMMs launch early and wait for their producer on the SMs it
     # frees; decode_wide's start after it, as its GEMVs do (launched early, those one-wave
     # kernels ran 1.3-1.5x slower: docs/performance.md).
@@ -334,30 +315,28 @@ def gemm_kernel(
     reduce = reduce_partials(n, n_out, swiglu, store)
 
     @T.macro
-    def gemm_block(a, b, out, extras, m, bx, by, ty, tx, ws, z, splits, large):
-        # `large` (a Python bool): the large-m launch, its ring and shared memory
+    def gemm_block(a, b, out, extras, m, bx, by, ty, tx, ws, z, splits):
         with T.sblock("gemm"):
             T.reads()
             T.writes()
-            smem = T.sblock_alloc_buffer((smem_elems[large],), DTYPE, scope=scope)
+            smem = T.sblock_alloc_buffer((smem_elems,), DTYPE, scope=scope)
             if dependent:
                 T.evaluate(wait_for_producers(True))  # first: schedules/pdl.py
                 T.evaluate(release_dependents(True))
             if wgmma is None:
                 tile(a, b, out, extras, m, smem, bx, by, ty, tx, ws, z, splits)
             elif is_sm90a():
-                sm90_tiles[large](a, b, out, extras, m, smem, bx, by, ty * 32 + tx, maps, ws, z,
-                                  splits)  # fmt: skip
+                sm90_tile(a, b, out, extras, m, smem, bx, by, ty * 32 + tx, maps, ws, z, splits)
             else:
                 tile(a, b, out, extras, m, smem, bx, by, ty, tx, ws, z, splits)
 
     @T.macro
-    def grid(a, b, out, extras, m, large):
+    def grid(a, b, out, extras, m):
         for bx in T.thread_binding(T.ceildiv(m, bm), thread="blockIdx.x"):
             for by in T.thread_binding(n_tiles, thread="blockIdx.y"):
                 for ty in T.thread_binding(threads // 32, thread="threadIdx.y"):
                     for tx in T.thread_binding(32, thread="threadIdx.x"):
-                        gemm_block(a, b, out, extras, m, bx, by, ty, tx, None, 0, 1, large)
+                        gemm_block(a, b, out, extras, m, bx, by, ty, tx, None, 0, 1)
 
     @T.macro
     def split_grid(a, b, out, extras, m, ws, splits):
@@ -366,14 +345,16 @@ def gemm_kernel(
                 for by in T.thread_binding(n_tiles, thread="blockIdx.y"):
                     for ty in T.thread_binding(threads // 32, thread="threadIdx.y"):
                         for tx in T.thread_binding(32, thread="threadIdx.x"):
-                            gemm_block(a, b, out, extras, m, bx, by, ty, tx, ws, z, splits, False)
+                            gemm_block(a, b, out, extras, m, bx, by, ty, tx, ws, z, splits)
 
     # prefill's GEMMs whose tiles can leave most SMs idle get a split-K launch beside the
     # plain one (split_k.py), chosen on the host by m
     splittable = dependent and split_k and can_split(n_tiles, k_tiles)
 
     @T.macro
-    def default_launch(a, b, out, extras, m):
+    def body(a, b, out, extras, m):
+        if wgmma is not None and wgmma.tma:
+            encode(a, b, m, n)  # on the host, before the launch
         if splittable:
             splits = T.meta_var(split_count(m, bm, n_tiles, k_tiles))
             ws = T.alloc_buffer((workspace_elems(splits, m, n),), "float32")
@@ -381,21 +362,9 @@ def gemm_kernel(
                 split_grid(a, b, out, extras, m, ws, splits)
                 reduce(out, extras, ws, m, splits, pair)
             else:
-                grid(a, b, out, extras, m, False)
+                grid(a, b, out, extras, m)
         else:
-            grid(a, b, out, extras, m, False)
-
-    @T.macro
-    def body(a, b, out, extras, m):
-        if wgmma is not None and wgmma.tma:
-            encode(a, b, m, n)  # on the host, before the launch
-        if wgmma_large_m is not None:
-            if m >= LARGE_M_ROWS:
-                grid(a, b, out, extras, m, True)
-            else:
-                default_launch(a, b, out, extras, m)
-        else:
-            default_launch(a, b, out, extras, m)
+            grid(a, b, out, extras, m)
 
     @T.macro
     def body_persistent(a, b, out, extras, m):
@@ -406,11 +375,11 @@ def gemm_kernel(
                     with T.sblock("gemm"):
                         T.reads()
                         T.writes()
-                        smem = T.sblock_alloc_buffer((smem_elems[False],), DTYPE, scope=scope)
+                        smem = T.sblock_alloc_buffer((smem_elems,), DTYPE, scope=scope)
                         T.evaluate(wait_for_producers(True))  # first: schedules/pdl.py
                         T.evaluate(release_dependents(True))
                         if is_sm90a():
-                            sm90_tiles[False](a, b, out, extras, m, smem, cta, ty * 32 + tx, maps)
+                            sm90_tile(a, b, out, extras, m, smem, cta, ty * 32 + tx, maps)
                         else:
                             # the same tiles, one after another; the barrier frees the ring
                             m_tiles: T.let[T.int32] = T.ceildiv(m, bm)

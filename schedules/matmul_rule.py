@@ -14,7 +14,7 @@ from tvm.target import Target
 from .gemm_match import match_gemm
 from .matmul import gemm_kernel
 from .matmul_config import ROWS_ATTR, GemmConfig, default_config, has_tensor_cores
-from .matmul_wgmma import BLOCK_K, WgmmaConfig, default_wgmma_config, large_m_wgmma_config
+from .matmul_wgmma import BLOCK_K, WgmmaConfig, default_wgmma_config
 
 
 def shared_launch_config(wgmma: WgmmaConfig) -> GemmConfig:
@@ -37,7 +37,6 @@ def gemm_for(
     wgmma: WgmmaConfig | Literal["default"] | None = None,
     swiglu: bool = False,
     split_k: bool = True,
-    large_m: bool = True,
 ) -> tirx.PrimFunc | None:
     """The tensor-core kernel standing in for `func`, parameters in `func`'s order; None if
     `func` is not a fused bf16 GEMM this kernel covers. Without `config`, `default_config`.
@@ -45,16 +44,12 @@ def gemm_for(
     `shared_launch_config` (k a multiple of 64; else `config` alone). With `swiglu`, `func` is a
     gate_up projection without extra inputs and the kernel stores the SwiGLU of its output,
     [m, n / 2] (gemm_kernel's `swiglu`). `split_k`: gemm_kernel's (off for the benchmark's
-    before-and-after rows). `large_m`: the default tiling takes `large_m_wgmma_config`'s ring
-    from LARGE_M_ROWS rows on."""
+    before-and-after rows)."""
     match = match_gemm(func)
     if match is None or swiglu and (match.extra_shapes or match.n % 2):
         return None
-    large = None
     if wgmma is not None and match.k % BLOCK_K == 0:
-        if wgmma == "default":
-            wgmma = default_wgmma_config(match.n)
-            large = large_m_wgmma_config(match.n) if large_m else None
+        wgmma = default_wgmma_config(match.n) if wgmma == "default" else wgmma
         config = config or shared_launch_config(wgmma)
     else:
         wgmma = None
@@ -74,7 +69,6 @@ def gemm_for(
         wgmma,
         swiglu,
         split_k,
-        wgmma_large_m=large,
     )
     # the kernel's own order is (A, B, *extras, out); put each where `func` has it
     order = [match.a_param, match.b_param, *match.extra_params, match.out_param]

@@ -37,14 +37,12 @@ from .wgmma_config import (  # noqa: F401  (re-exported: the tilings live beside
     ALIGN,
     BLOCK_K,
     BLOCK_M,
-    LARGE_M_ROWS,
     ROW_BYTES,
     SM80_SHARED_BYTES,
     SM90_SHARED_BYTES,
     THREADS,
     WgmmaConfig,
     default_wgmma_config,
-    large_m_wgmma_config,
 )
 
 

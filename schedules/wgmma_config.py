@@ -66,20 +66,3 @@ def default_wgmma_config(n: int) -> WgmmaConfig:
     if n <= 4096:
         return WgmmaConfig(block_n=256, stages=3, tma=True)
     return WgmmaConfig(block_n=192, stages=4, tma=True)
-
-
-# From this many rows on, a GEMM with a `large_m_wgmma_config` launches that ring instead
-LARGE_M_ROWS = 2048
-
-
-def large_m_wgmma_config(n: int) -> WgmmaConfig | None:
-    """The tiling for m >= LARGE_M_ROWS where it differs from `default_wgmma_config(n)`, else
-    None. n = 2,560 (4B's o_proj, out_proj, down) takes its 160-column tiles three deep there,
-    two CTAs an SM, so one tile's epilogue runs beside another's loads: 0.75 -> 0.80x cuBLAS at
-    m = 2,048 and 0.73 -> 0.77x at 4,096 (out_proj; down 0.79 -> 0.83, 0.78 -> 0.84), three
-    H100 runs (docs/results/gemm_tilings_h100_s46/, gemm_bands_h100_s47/). At m = 1,024 the
-    128 tiles fill one wave either way and the deeper ring wins (1.10 against 0.89x)."""
-    default = default_wgmma_config(n)
-    if n % 160 == 0 and default.stages > 3:
-        return WgmmaConfig(block_n=160, stages=3, tma=True)
-    return None

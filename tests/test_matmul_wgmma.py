@@ -11,7 +11,6 @@ accumulators go out through the kernel's epilogue mapping. It must reproduce A Â
 from __future__ import annotations
 
 import itertools
-import re
 
 import numpy as np
 import pytest
@@ -313,43 +312,3 @@ def test_tma_ring_fences_its_barriers_init_before_the_first_copy(ctas: int) -> N
         last_init = body.rindex("mbarrier_init_init_shared")
         fence, proxy = body.index("fence_mbarrier_init"), body.index("fence_proxy_proxy_async")
         assert last_init < fence < proxy < body.index("cp_async_bulk_tensor")
-
-
-def test_large_m_ring_shares_the_tiles_and_fits_two_ctas_an_sm() -> None:
-    # only where it differs from the default: 4B's n = 2,560 (o_proj, out_proj, down)
-    assert mw.large_m_wgmma_config(2560) is not None
-    for n in (64, 2560, 4096, 9216, 10240, 12352, 18432, 24576):
-        default, large = mw.default_wgmma_config(n), mw.large_m_wgmma_config(n)
-        if large is None:
-            assert n in (64, 4096, 9216, 10240, 12352, 18432, 24576)
-            continue
-        large.check()
-        assert (large.block_n, large.tma, large.ctas) == (default.block_n, True, 0)
-        assert large.stages < default.stages
-        launch = max(rule.shared_launch_config(default).shared_bytes, large.shared_bytes)
-        assert 2 * (launch + 1024) <= 228 * 1024  # each resident block takes 1 KB more
-
-
-def test_large_m_launches_its_own_ring_from_large_m_rows() -> None:
-    """`wgmma_large_m` adds a launch taken on the host from LARGE_M_ROWS rows on, with its
-    ring's shared memory; without it the kernel is as before (one size, no branch). Mutation
-    checked: a block that ignores which launch it is in allocates one size and fails."""
-    from qwen35_tvm.schedules import matmul as mm
-
-    default, large = mw.WgmmaConfig(160, 4, tma=True), mw.WgmmaConfig(160, 3, tma=True)
-    cfg = rule.shared_launch_config(default)
-
-    def kernel(wgmma_large_m):
-        func = mm.gemm_kernel(2560, 4096, cfg, out_dtype="bfloat16", wgmma=default,
-                              wgmma_large_m=wgmma_large_m)  # fmt: skip
-        text = func.script()
-        return text, set(map(int, re.findall(r"sblock_alloc_buffer\(\((\d+),\)", text)))
-
-    one_ring = max(cfg.shared_bytes, default.shared_bytes) // 2
-    text, sizes = kernel(large)
-    assert sizes == {one_ring, max(cfg.shared_bytes, large.shared_bytes) // 2}
-    assert f"if m >= {mw.LARGE_M_ROWS}:" in text
-    text, sizes = kernel(None)
-    assert sizes == {one_ring} and f"m >= {mw.LARGE_M_ROWS}" not in text
-    with pytest.raises(ValueError, match="share"):
-        kernel(mw.WgmmaConfig(128, 3, tma=True))
