@@ -87,8 +87,7 @@ def gemm_kernel(
     With `swiglu`, B is a gate_up weight [n = 2 inter, k] and out [m, inter] takes
     silu(gate) · up of the epilogue's values (rounded as the SwiGLU kernel rounds them): each
     block's B tile pairs its output columns' gate and up rows (gemm_layout.paired_weight_row).
-    With `wgmma` and `split_k`, an m whose tiles leave SMs idle splits k (schedules/split_k.py).
-"""
+    With `wgmma` and `split_k`, an m whose tiles leave SMs idle splits k (schedules/split_k.py)."""
     config.check()
     if swiglu and (extra_shapes or n % 2 or wgmma is not None and not wgmma.tma):
         raise ValueError("a SwiGLU epilogue takes no extra inputs, an even n and TMA on sm_90a")
