@@ -21,7 +21,8 @@ passes and compiles, per shape, the PrimFunc as:
   decode   gemv       dlight's LowBatchGEMV
            simt       dlight's gpu.Matmul
 `run` checks each against a fp32 torch reference (max |ours - ref| / max |ref|; the output
-starts as NaN, so an element never written shows) and times it (best of 20, CUDA events) with
+starts as NaN, so an element never written shows) and times it (best of 20, CUDA events; up to
+M = 256 each call reads another copy of the weight, so none is served from L2) with
 torch.matmul(x, w.T) in bf16 in the same process, M in {16, 64, 128, 256, 512, 1024, 4096} for
 prefill (split-K below 1,024: schedules/split_k.py) and {1, 4, 16, 64} for decode. One child
 process a shape runs cuBLAS and all its kernels; if it dies, the kernels it had not finished get
@@ -81,6 +82,19 @@ def build(out: Path, arch: str, shapes: tuple[str, ...], baselines: bool, only: 
 
 # ---- GPU side ------------------------------------------------------------------------------
 
+COLD_M = 256  # up to here weights are read cold (_measure)
+
+
+def _cycled(arg_sets: list, fn):
+    """A call of `fn` taking the next of `arg_sets` each time."""
+    at = [0]
+
+    def call():
+        fn(*arg_sets[at[0] % len(arg_sets)])
+        at[0] += 1
+
+    return call
+
 
 def _measure(out: Path, file: str, kernels: list[str]) -> None:
     """In a child process: kernels (or "torch") of one shape at every M, one JSON row printed
@@ -88,7 +102,7 @@ def _measure(out: Path, file: str, kernels: list[str]) -> None:
     os.environ.setdefault("TVM_USE_RUNTIME_LIB", "1")
     import torch
     import tvm
-    from common import cuda_time
+    from common import cuda_time, weight_copies
     from gemm_variants import SWIGLU
 
     from qwen35_tvm.runtime.artifact import device_of
@@ -100,6 +114,10 @@ def _measure(out: Path, file: str, kernels: list[str]) -> None:
     lib = None if kernels == ["torch"] else tvm.runtime.load_module(str(out / file))
     gen = torch.Generator(device="cuda").manual_seed(0)
     w = (torch.randn(n, k, device="cuda", generator=gen) * k**-0.5).bfloat16()
+    # at M <= COLD_M the weight is what a GEMM streams, and one copy would stay in L2 between
+    # calls (4B's n = 2,560 weights are 21-47 MB): timed calls cycle through copies, as a step's
+    # GEMMs read theirs from HBM
+    cold = [w, *weight_copies(torch, n, k, gen)[1:]]
 
     def ms_of(kernel: str) -> tuple[int, ...]:
         if kernel == "torch":
@@ -126,7 +144,8 @@ def _measure(out: Path, file: str, kernels: list[str]) -> None:
             try:
                 if kernel == "torch":
                     got = x @ w.T + res if "res" in roles else x @ w.T
-                    seconds = cuda_time(torch, lambda x=x: torch.matmul(x, w.T))
+                    ws = cold if m <= COLD_M else [w]
+                    seconds = cuda_time(torch, _cycled([(x, c.T) for c in ws], torch.matmul))
                 else:
                     fn = lib[kernel]
                     cols = want.shape[1]
@@ -136,7 +155,11 @@ def _measure(out: Path, file: str, kernels: list[str]) -> None:
                     args = [tvm.runtime.from_dlpack(named[r]) for r in order]
                     fn(*args)
                     torch.cuda.synchronize()
-                    seconds = cuda_time(torch, lambda args=args, fn=fn: fn(*args))
+                    cycle = [
+                        [tvm.runtime.from_dlpack({**named, "w": c}[r]) for r in order]
+                        for c in (cold if m <= COLD_M else [w])
+                    ]
+                    seconds = cuda_time(torch, _cycled(cycle, fn))
                 row.update(
                     us=seconds * 1e6,
                     tflops=2 * m * n * k / seconds / 1e12,

@@ -59,6 +59,12 @@ WGMMA_VARIANTS = {
     "tma_96s3": {"block_n": 96, "stages": 3, "tma": True},
     "tma_160s3": {"block_n": 160, "stages": 3, "tma": True},
     "tma_64s4": {"block_n": 64, "stages": 4, "tma": True},
+    # one m tile (mixed steps: m <= 128): as many column tiles as SMs, so none idles
+    "tma_144s4": {"block_n": 144, "stages": 4, "tma": True},
+    "tma_96s4": {"block_n": 96, "stages": 4, "tma": True},
+    "tma_80s4": {"block_n": 80, "stages": 4, "tma": True},
+    "tma_48s4": {"block_n": 48, "stages": 4, "tma": True},
+    "tma_32s6": {"block_n": 32, "stages": 6, "tma": True},
     # deeper rings than sm_80's 163 KB allows: for libraries built with --arch sm_90 only
     "tma_256s4_90": {"block_n": 256, "stages": 4, "tma": True, "sm90_only": True},
     "tma_192s5_90": {"block_n": 192, "stages": 5, "tma": True, "sm90_only": True},
@@ -173,10 +179,20 @@ def variant_kernels(
         makers[f"prefill_{name}"] = lambda f=fields: gemm_for(large, None, WgmmaConfig(**f))
     # the pipeline's kernel without split-K (schedules/split_k.py), as before it
     makers["prefill_nosplit"] = lambda: gemm_for(large, None, "default", split_k=False)
+    # without the one-m-tile launch (matmul_rule.small_m_config): the pipeline's before it
+    makers["prefill_nosmall"] = lambda: gemm_for(large, None, "default", small_m=False)
+    # two splits where they fill the SMs (one m tile of 64-65 column tiles: qkv, in_proj)
+    makers["prefill_split2"] = lambda: gemm_for(large, None, "default", min_splits=2)
     if not residual:  # the pipeline's kernel storing the SwiGLU of its two halves, [m, n / 2]
         makers[SWIGLU] = lambda: gemm_for(large, None, "default", swiglu=True)
         makers[f"{SWIGLU}_nosplit"] = lambda: gemm_for(
             large, None, "default", swiglu=True, split_k=False
+        )
+        makers[f"{SWIGLU}_nosmall"] = lambda: gemm_for(
+            large, None, "default", swiglu=True, small_m=False
+        )
+        makers[f"{SWIGLU}_split2"] = lambda: gemm_for(
+            large, None, "default", swiglu=True, min_splits=2
         )
         for name, fields in WGMMA_VARIANTS.items():  # the SwiGLU at the other TMA tilings
             if fields.get("tma") and fields["block_n"] % 16 == 0:
