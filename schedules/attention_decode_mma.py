@@ -23,8 +23,8 @@ from tvm.tirx import PrimFunc
 from .attention import SPLIT_BUDGET, num_splits, output_gate
 from .attention_merge import key_pages, merge_phase, split_pages
 from .attention_mma import DTYPE, fragment_sizes, lane_xor, swizzled, tile_ops
+from .gemm_layout import acc_coords
 from .kv_cache import PAGE_SIZE, seq_of_token
-from .matmul import acc_coords
 from .pdl import release_dependents, wait_at_end, wait_for_producers
 
 ROWS = 16  # mma's m16: one warp's query rows

@@ -20,8 +20,8 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from .attention import LOG2E
+from .gemm_layout import acc_coords, ldmatrix_a_coords, ldmatrix_b_coords
 from .kv_cache import PAGE_SIZE
-from .matmul import acc_coords, ldmatrix_a_coords, ldmatrix_b_coords
 from .ptx import ldmatrix_x4, mma_bf16
 
 DTYPE = "bfloat16"

@@ -25,8 +25,8 @@ from tvm.tirx import PrimFunc
 
 from .attention_mma import DTYPE, fragment_sizes, lane_xor, swizzled, tile_ops
 from .attention_prep import gate_column, gate_product
+from .gemm_layout import acc_coords
 from .kv_cache import PAGE_SIZE, first_tile
-from .matmul import acc_coords
 from .pdl import release_dependents, wait_for_producers
 
 STAGES = 2  # K/V tiles in shared memory: the one computed on and the one arriving

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
+from .gemm_layout import acc_coords
 from .gemm_match import DTYPE, Epilogue
 from .gemv_bulk import BodyParts, bulk_nest, bulk_ring_elems
 from .gemv_config import TILE_COLS, VEC, GemvConfig, bulk_grid, cdiv, min_blocks_per_sm
@@ -24,7 +25,6 @@ from .gemv_layout import (
     x_row,
 )
 from .gemv_store import Pair, block_rows
-from .matmul import acc_coords
 from .pdl import prefetch_l2, release_dependents, wait_for_producers
 from .ptx import cp_async_16, mma_bf16
 

@@ -14,7 +14,11 @@ from tvm.target import Target
 from .gemm_match import match_gemm
 from .matmul import gemm_kernel
 from .matmul_config import ROWS_ATTR, GemmConfig, default_config, has_tensor_cores
-from .matmul_wgmma import BLOCK_K, WgmmaConfig, default_wgmma_config
+from .matmul_wgmma import BLOCK_K, SM80_SHARED_BYTES, WgmmaConfig, default_wgmma_config
+from .split_k import MIN_SPLITS, SMS, can_split
+
+# column tiles whose mma.sync launch (shared_launch_config) tiles into warps, widest first
+SMALL_M_WIDTHS = (256, 192, 160, 128, 96, 64)
 
 
 def shared_launch_config(wgmma: WgmmaConfig) -> GemmConfig:
@@ -31,12 +35,30 @@ def shared_launch_config(wgmma: WgmmaConfig) -> GemmConfig:
     )
 
 
+def small_m_config(n: int, k: int, wgmma: WgmmaConfig, min_splits: int) -> WgmmaConfig | None:
+    """The tiling an m of one tile (a short prompt, a mixed step) launches instead of `wgmma`:
+    there the weight is the one large operand, so the GEMM streams it as fast as its tiles keep
+    SMs busy. Where `wgmma`'s column tiles leave over a quarter of the SMs idle and split-K does
+    not fill them, the widest tile that fills 3/4 to all of them in one wave (the same ring
+    depth that fits sm_80's launch, 4 or 3); None where none does or none is needed."""
+    tiles = -(-n // wgmma.block_n)
+    if tiles >= 3 * SMS // 4 or can_split(tiles, k // BLOCK_K, min_splits) or wgmma.ctas:
+        return None
+    for width in SMALL_M_WIDTHS:
+        if 3 * SMS // 4 <= -(-n // width) <= SMS:
+            deep = replace(wgmma, block_n=width, stages=4)
+            return deep if deep.shared_bytes <= SM80_SHARED_BYTES else replace(deep, stages=3)
+    return None
+
+
 def gemm_for(
     func: tirx.PrimFunc,
     config: GemmConfig | None = None,
     wgmma: WgmmaConfig | Literal["default"] | None = None,
     swiglu: bool = False,
     split_k: bool = True,
+    min_splits: int = MIN_SPLITS,
+    small_m: bool = True,
 ) -> tirx.PrimFunc | None:
     """The tensor-core kernel standing in for `func`, parameters in `func`'s order; None if
     `func` is not a fused bf16 GEMM this kernel covers. Without `config`, `default_config`.
@@ -44,12 +66,16 @@ def gemm_for(
     `shared_launch_config` (k a multiple of 64; else `config` alone). With `swiglu`, `func` is a
     gate_up projection without extra inputs and the kernel stores the SwiGLU of its output,
     [m, n / 2] (gemm_kernel's `swiglu`). `split_k`: gemm_kernel's (off for the benchmark's
-    before-and-after rows)."""
+    before-and-after rows); with `small_m` and the default wgmma tiling, an m of one tile
+    launches `small_m_config`'s where it gives one."""
     match = match_gemm(func)
     if match is None or swiglu and (match.extra_shapes or match.n % 2):
         return None
+    small = None
     if wgmma is not None and match.k % BLOCK_K == 0:
-        wgmma = default_wgmma_config(match.n) if wgmma == "default" else wgmma
+        if wgmma == "default":
+            wgmma = default_wgmma_config(match.n)
+            small = small_m_config(match.n, match.k, wgmma, min_splits) if small_m else None
         config = config or shared_launch_config(wgmma)
     else:
         wgmma = None
@@ -69,6 +95,8 @@ def gemm_for(
         wgmma,
         swiglu,
         split_k,
+        min_splits,
+        small and (shared_launch_config(small), small),
     )
     # the kernel's own order is (A, B, *extras, out); put each where `func` has it
     order = [match.a_param, match.b_param, *match.extra_params, match.out_param]

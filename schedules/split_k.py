@@ -29,20 +29,20 @@ MIN_SPLITS = 4
 REDUCE_THREADS = 256
 
 
-def can_split(n_tiles: int, k_tiles: int) -> bool:
+def can_split(n_tiles: int, k_tiles: int, min_splits: int = MIN_SPLITS) -> bool:
     """Whether any m splits a GEMM of `n_tiles` column tiles and `k_tiles` k tiles: a GEMM
     that never does keeps the one kernel it had, its k loop of fixed length. One m tile is
     the most any m leaves idle."""
-    return int(split_count(T.int32(1), 1, n_tiles, k_tiles)) > 1
+    return int(split_count(T.int32(1), 1, n_tiles, k_tiles, min_splits)) > 1
 
 
-def split_count(m, block_m: int, n_tiles: int, k_tiles: int):
+def split_count(m, block_m: int, n_tiles: int, k_tiles: int, min_splits: int = MIN_SPLITS):
     """Splits for an m-row GEMM of `n_tiles` column tiles: as many as fill the SMs with one
     wave of CTAs, at most MAX_SPLITS and k_tiles / MIN_K_TILES; 1 (no split) where that is
-    under MIN_SPLITS."""
+    under `min_splits`."""
     most = min(MAX_SPLITS, k_tiles // MIN_K_TILES)
     fill = T.min(SMS // (T.ceildiv(m, block_m) * n_tiles), most)
-    return T.if_then_else(fill >= MIN_SPLITS, fill, 1)
+    return T.if_then_else(fill >= min_splits, fill, 1)
 
 
 def k_range(z, splits, k_tiles: int):

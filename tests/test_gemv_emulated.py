@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from qwen35_tvm.schedules import gemv_body, gemv_bulk, gemv_config, gemv_store
+from qwen35_tvm.schedules.gemm_layout import acc_coords
 from qwen35_tvm.schedules.gemv_config import TILE_COLS, GemvConfig, cdiv
 from qwen35_tvm.schedules.gemv_layout import load_row
-from qwen35_tvm.schedules.matmul import acc_coords
 
 _LANES = np.arange(32)
 _G, _Q = _LANES // 4, _LANES % 4

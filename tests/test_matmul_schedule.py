@@ -14,16 +14,24 @@ import numpy as np
 import pytest
 import tvm
 
+from qwen35_tvm.schedules import gemm_layout as gl
 from qwen35_tvm.schedules import matmul as mm
 from qwen35_tvm.schedules import matmul_config as mc
 from qwen35_tvm.schedules import matmul_rule as rule
 from qwen35_tvm.schedules import split_k
 from qwen35_tvm.schedules.gemm_layout import paired_weight_row
-from qwen35_tvm.schedules.matmul_wgmma import default_wgmma_config
+from qwen35_tvm.schedules.matmul_wgmma import SM80_SHARED_BYTES, default_wgmma_config
 
 MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
 
 # ---- numpy emulation of the kernel --------------------------------------------------------
+
+
+def _small_m(n: int, k: int):
+    small = rule.small_m_config(n, k, default_wgmma_config(n), split_k.MIN_SPLITS)
+    assert small is not None
+    return small
+
 
 _LANE = np.arange(32)
 _G, _Q = _LANE // 4, _LANE % 4
@@ -82,8 +90,8 @@ def _emulate(
                 for name, src, rows, first in (("a", a, bm_, bx * bm_), ("b", b, bn_, by * bn_)):
                     for it in range(rows * chunks // threads):
                         for tid in range(threads):
-                            row, chunk = mm.copy_coords(it * threads + tid, chunks)
-                            dst = stage * rows * bk + mm.tile_offset(row, chunk, chunks)
+                            row, chunk = gl.copy_coords(it * threads + tid, chunks)
+                            dst = stage * rows * bk + gl.tile_offset(row, chunk, chunks)
                             col = kt * bk + chunk * 8
                             at = first + row
                             if name == "b" and swiglu:
@@ -99,17 +107,17 @@ def _emulate(
                 row_w, col_w = w // cfg.warps_n * warp_m, w % cfg.warps_n * warp_n
                 a_frag = []
                 for mt in range(mtc):
-                    coords = [mm.ldmatrix_a_coords(lane, kk) for lane in range(32)]
+                    coords = [gl.ldmatrix_a_coords(lane, kk) for lane in range(32)]
                     addrs = [
-                        stage * bm_ * bk + mm.tile_offset(row_w + mt * 16 + r, c, chunks)
+                        stage * bm_ * bk + gl.tile_offset(row_w + mt * 16 + r, c, chunks)
                         for r, c in coords
                     ]
                     a_frag.append(_ldmatrix_x4(tiles["a"], addrs))
                 b_frag = []
                 for pair in range(ntc // 2):
-                    coords = [mm.ldmatrix_b_coords(lane, kk) for lane in range(32)]
+                    coords = [gl.ldmatrix_b_coords(lane, kk) for lane in range(32)]
                     addrs = [
-                        stage * bn_ * bk + mm.tile_offset(col_w + pair * 16 + r, c, chunks)
+                        stage * bn_ * bk + gl.tile_offset(col_w + pair * 16 + r, c, chunks)
                         for r, c in coords
                     ]
                     regs = _ldmatrix_x4(tiles["b"], addrs)
@@ -155,7 +163,7 @@ def _emulate(
                 for mt in range(mtc):
                     for nt in range(ntc // half):
                         for e in range(4):
-                            er, ec = mm.acc_coords(lane, e)
+                            er, ec = gl.acc_coords(lane, e)
                             r = bx * bm_ + row_w + mt * 16 + er
                             c = (by * bn_ + col_w) // half + nt * 8 + ec
                             got = total[w, lane, (mt * ntc + nt) * 4 + e]
@@ -197,6 +205,9 @@ def _silu(x):
         (rule.shared_launch_config(default_wgmma_config(2560)), 130, 330, 192),
         (rule.shared_launch_config(default_wgmma_config(12352)), 129, 200, 128),
         (rule.shared_launch_config(default_wgmma_config(4096)), 1, 136, 64),
+        # one m tile's tilings (small_m_config): 96 columns in 4 x 2 warps of 32 x 48
+        (rule.shared_launch_config(_small_m(12352, 2560)), 128, 200, 256),
+        (rule.shared_launch_config(_small_m(12352, 2560)), 1, 96, 64),
     ],
 )
 def test_emulated_kernel_computes_a_times_b_transposed(cfg, m, n, k) -> None:
@@ -212,6 +223,8 @@ def test_emulated_kernel_computes_a_times_b_transposed(cfg, m, n, k) -> None:
     [
         (rule.shared_launch_config(default_wgmma_config(18432)), 130, 200, 128),  # 2 x 4 warps
         (rule.shared_launch_config(default_wgmma_config(2560)), 1, 96, 64),  # 4 x 2 warps
+        (rule.shared_launch_config(_small_m(12352, 2560)), 77, 100, 128),  # 4 x 2 of 32 x 48
+        (rule.shared_launch_config(_small_m(18432, 2560)), 128, 90, 64),  # 4 x 2 of 32 x 80
         (mc.DEFAULT_CONFIG, 129, 72, 192),  # 4 warps of 64 x 64
         (mc.GemmConfig(block_n=64, stages=4), 17, 40, 96),
     ],
@@ -256,7 +269,7 @@ def test_swiglu_rows_swapped_are_caught(monkeypatch: pytest.MonkeyPatch) -> None
 
 def test_swizzle_is_a_permutation_and_conflict_free() -> None:
     for chunks in (4, 8):
-        offsets = [mm.tile_offset(r, c, chunks) for r in range(32) for c in range(chunks)]
+        offsets = [gl.tile_offset(r, c, chunks) for r in range(32) for c in range(chunks)]
         assert sorted(offsets) == list(range(0, 32 * chunks * 8, 8))
         for kk in range(chunks // 2):
             for base in (0, 8, 16):
@@ -265,8 +278,8 @@ def test_swizzle_is_a_permutation_and_conflict_free() -> None:
                 for phase in range(4):
                     groups = set()
                     for lane in range(8 * phase, 8 * phase + 8):
-                        r, c = mm.ldmatrix_a_coords(lane, kk)
-                        groups.add(mm.tile_offset(base + r, c, chunks) // 8 % 8)
+                        r, c = gl.ldmatrix_a_coords(lane, kk)
+                        groups.add(gl.tile_offset(base + r, c, chunks) // 8 % 8)
                     assert len(groups) == 8
 
 
@@ -274,8 +287,8 @@ def test_pair_store_lanes_own_adjacent_even_columns() -> None:
     # the bf16x2 epilogue stores acc elements 2 eh and 2 eh + 1 of a lane at (r, c), (r, c + 1)
     for lane in range(32):
         for eh in range(2):
-            r, c = mm.acc_coords(lane, 2 * eh)
-            assert c % 2 == 0 and mm.acc_coords(lane, 2 * eh + 1) == (r, c + 1)
+            r, c = gl.acc_coords(lane, 2 * eh)
+            assert c % 2 == 0 and gl.acc_coords(lane, 2 * eh + 1) == (r, c + 1)
 
 
 @pytest.mark.parametrize("n, pair", [(200, True), (136, True), (201, False)])
@@ -296,3 +309,71 @@ def test_pair_store_only_where_n_is_even(n, pair) -> None:
 
 def _cast_bf16(acc, _row, _col, _extras):
     return tvm.tirx.Cast("bfloat16", acc)
+
+
+# ---- the launch an m of one tile takes (matmul_rule.small_m_config) ----------------------
+
+
+@pytest.mark.parametrize(
+    "n, k, width",
+    [
+        (12352, 2560, 96),  # 4B in_proj: 65 tiles of 192 -> 129 of 96
+        (10240, 2560, 96),  # 4B qkv: 64 of 160 -> 107 of 96
+        (18432, 2560, 160),  # 4B gate_up: 96 of 192 -> 116 of 160
+        (12352, 4096, 96),  # 9B in_proj
+        (24576, 4096, None),  # 9B gate_up: 128 tiles of 192 already
+        (2560, 4096, None),  # 4B out_proj: 16 tiles, split k instead
+        (2560, 9216, None),  # 4B down
+        (4096, 12288, None),  # 9B down
+    ],
+)
+def test_one_m_tile_gets_a_tiling_that_fills_the_sms(n, k, width) -> None:
+    wide = default_wgmma_config(n)
+    small = rule.small_m_config(n, k, wide, split_k.MIN_SPLITS)
+    assert (small and small.block_n) == width
+    if small is not None:
+        tiles = -(-n // small.block_n)
+        assert -(-n // wide.block_n) < 3 * split_k.SMS // 4 <= tiles <= split_k.SMS
+        assert small.tma == wide.tma and not small.ctas
+        small.check()
+        sm80 = rule.shared_launch_config(small)
+        sm80.check()
+        assert max(sm80.shared_bytes, small.shared_bytes) <= SM80_SHARED_BYTES
+
+
+def _grid_columns_by_branch(func) -> dict[str, list[int]]:
+    """blockIdx.y extents of the kernel's launches, under its host branch on m (the lines of
+    its script at the body's top indent: `if m <= 128:` and `else:`)."""
+    by: dict[str, list[int]] = {}
+    branch = "always"
+    for line in func.script().splitlines():
+        if line.startswith("    if m <= "):
+            branch = line.strip()
+        elif line.startswith("    else:"):
+            branch = "else"
+        if 'thread="blockIdx.y"' in line:
+            by.setdefault(branch, []).append(int(line.split("T.thread_binding(")[1].split(",")[0]))
+    return by
+
+
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_one_m_tile_launches_its_tiling_chosen_on_the_host(swiglu) -> None:
+    """in_proj's (gate_up's) kernel: up to 128 rows (one m tile) the 96 (160)-column tiles,
+    beyond it the default's 192; a shape that splits k at one m tile keeps one tiling."""
+    n, k = (18432, 2560) if swiglu else (12352, 2560)
+    wide, small = default_wgmma_config(n), _small_m(n, k)
+    func = mm.gemm_kernel(
+        n, k, rule.shared_launch_config(wide), out_dtype="bfloat16", epilogue=_cast_bf16,
+        wgmma=wide, swiglu=swiglu,
+        small_m=(rule.shared_launch_config(small), small),
+    )  # fmt: skip
+    assert _grid_columns_by_branch(func) == {
+        f"if m <= {mm.BLOCK_M}:": [-(-n // small.block_n)],
+        "else": [-(-n // wide.block_n)],
+    }
+    down = default_wgmma_config(2560)
+    func = mm.gemm_kernel(
+        2560, 9216, rule.shared_launch_config(down), out_dtype="bfloat16",
+        epilogue=_cast_bf16, wgmma=down,
+    )  # fmt: skip
+    assert "    if m <= " not in func.script()  # its one-tile m splits k instead
