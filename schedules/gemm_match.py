@@ -289,3 +289,18 @@ def fused_gemm_func(
             body(a, b, out, (e0, e1), m)
 
     return fused.with_attr("global_symbol", name)
+
+
+def by_rows(limit: int, few, many):
+    """A macro (a, b, out, extras, rows) of a GEMM's launches: `few`'s up to `limit` rows,
+    `many`'s beyond, chosen on the host."""
+
+    @T.macro
+    def pick(a, b, out, extras, rows):
+        if rows <= limit:
+            few(a, b, out, extras, rows)
+        else:
+            many(a, b, out, extras, rows)
+
+    return pick
+

@@ -49,11 +49,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from tvm import tirx
-from tvm.script import tirx as T
 from tvm.target import Target
 
 from .activation import swiglu_of
-from .gemm_match import Epilogue, fused_gemm_func, plain_epilogue
+from .gemm_match import Epilogue, by_rows, fused_gemm_func, plain_epilogue
 from .gemv_body import pass_kernel
 from .gemv_config import VEC, Buckets, GemvConfig, WideMmaConfig, default_config
 from .gemv_wide_mma import wide_mma_launch
@@ -73,16 +72,7 @@ def _dispatch(n: int, k: int, buckets: Buckets, gpu: bool, *fold):
         first = pass_kernel(n, k, cfg, gpu, *fold)
     if not rest:
         return first
-    other = _dispatch(n, k, rest, gpu, *fold)
-
-    @T.macro
-    def pick(x, w, out, extras, batch):
-        if batch <= limit:
-            first(x, w, out, extras, batch)
-        else:
-            other(x, w, out, extras, batch)
-
-    return pick
+    return by_rows(limit, first, _dispatch(n, k, rest, gpu, *fold))
 
 
 def gemv_kernel(

@@ -25,7 +25,7 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .gemm_match import DTYPE, Epilogue, fused_gemm_func, plain_epilogue
+from .gemm_match import DTYPE, Epilogue, by_rows, fused_gemm_func, plain_epilogue
 from .matmul_config import DEFAULT_CONFIG, GemmConfig
 from .matmul_mma_sync import mma_sync_tile
 from .matmul_wgmma import (
@@ -86,14 +86,7 @@ def gemm_kernel(
     tiling = (n, k, epilogue, out_dtype, swiglu, split_k, min_splits)
     kernel = _launches(*tiling, config, wgmma)
     if small_m is not None:
-        small, large = _launches(*tiling, *small_m), kernel
-
-        @T.macro
-        def kernel(a, b, out, extras, m):
-            if m <= BLOCK_M:
-                small(a, b, out, extras, m)
-            else:
-                large(a, b, out, extras, m)
+        kernel = by_rows(BLOCK_M, _launches(*tiling, *small_m), kernel)
 
     attrs = {"tirx.is_scheduled": True, "tirx.noalias": True}
     n_out = n // 2 if swiglu else n

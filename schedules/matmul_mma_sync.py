@@ -75,6 +75,12 @@ def mma_sync_tile(n: int, k: int, config: GemmConfig, swiglu: bool, store, store
             T.evaluate(cp_async_16(smem.data, at, b.data, from_at))
 
     @T.macro
+    def refill(a, b, smem, kt, kt0, kc, bx, by, tid, m):
+        # the ring's tile stages - 1 ahead of tile kt, into the stage it will occupy
+        if kt + stages - 1 < kc:
+            load_tile(a, b, smem, (kt + stages - 1) % stages, kt0 + kt + stages - 1, bx, by, tid, m)
+
+    @T.macro
     def load_frags(a_frag, b_frag, smem, slot, stage, kk, tx, row_w, col_w):
         # k16 step kk of a stage's tiles into fragment set `slot`
         for mt in T.unroll(mt_count):
@@ -174,18 +180,7 @@ def mma_sync_tile(n: int, k: int, config: GemmConfig, swiglu: bool, store, store
                         )
                     if kk == 0:
                         # into stage kt - 1, retired at the last barrier
-                        if kt + stages - 1 < kc:
-                            load_tile(
-                                a,
-                                b,
-                                smem,
-                                (kt + stages - 1) % stages,
-                                kt0 + kt + stages - 1,
-                                bx,
-                                by,
-                                tid,
-                                m,
-                            )
+                        refill(a, b, smem, kt, kt0, kc, bx, by, tid, m)
                         T.evaluate(T.ptx["cp.async.commit_group"]())
                     mmas(a_frag, b_frag, acc, kk % 2)
             else:
@@ -194,18 +189,7 @@ def mma_sync_tile(n: int, k: int, config: GemmConfig, swiglu: bool, store, store
                 # copy overwrites
                 T.evaluate(T.ptx["cp.async.wait_group"](stages - 2))
                 T.tvm_storage_sync("shared")
-                if kt + stages - 1 < kc:
-                    load_tile(
-                        a,
-                        b,
-                        smem,
-                        (kt + stages - 1) % stages,
-                        kt0 + kt + stages - 1,
-                        bx,
-                        by,
-                        tid,
-                        m,
-                    )
+                refill(a, b, smem, kt, kt0, kc, bx, by, tid, m)
                 T.evaluate(T.ptx["cp.async.commit_group"]())
                 for kk in T.unroll(ksteps):
                     load_frags(
