@@ -179,7 +179,8 @@ def variant_kernels(
         makers[f"prefill_{name}"] = lambda f=fields: gemm_for(large, None, WgmmaConfig(**f))
     # the pipeline's kernel without split-K (schedules/split_k.py), as before it
     makers["prefill_nosplit"] = lambda: gemm_for(large, None, "default", split_k=False)
-    # without the one-m-tile launch (matmul_rule.small_m_config): the pipeline's before it
+    # with and without the one-m-tile launch (matmul_rule.small_m_config, SMALL_M_TILING)
+    makers["prefill_small"] = lambda: gemm_for(large, None, "default", small_m=True)
     makers["prefill_nosmall"] = lambda: gemm_for(large, None, "default", small_m=False)
     # two splits where they fill the SMs (one m tile of 64-65 column tiles: qkv, in_proj)
     makers["prefill_split2"] = lambda: gemm_for(large, None, "default", min_splits=2)
@@ -187,6 +188,9 @@ def variant_kernels(
         makers[SWIGLU] = lambda: gemm_for(large, None, "default", swiglu=True)
         makers[f"{SWIGLU}_nosplit"] = lambda: gemm_for(
             large, None, "default", swiglu=True, split_k=False
+        )
+        makers[f"{SWIGLU}_small"] = lambda: gemm_for(
+            large, None, "default", swiglu=True, small_m=True
         )
         makers[f"{SWIGLU}_nosmall"] = lambda: gemm_for(
             large, None, "default", swiglu=True, small_m=False

@@ -19,6 +19,9 @@ from .split_k import MIN_SPLITS, SMS, can_split
 
 # column tiles whose mma.sync launch (shared_launch_config) tiles into warps, widest first
 SMALL_M_WIDTHS = (256, 192, 160, 128, 96, 64)
+# whether the pipeline's GEMMs launch small_m_config's tiling for one m tile: off until a GPU
+# run shows it pays (built in session 48, which got no device; docs/performance.md)
+SMALL_M_TILING = False
 
 
 def shared_launch_config(wgmma: WgmmaConfig) -> GemmConfig:
@@ -58,7 +61,7 @@ def gemm_for(
     swiglu: bool = False,
     split_k: bool = True,
     min_splits: int = MIN_SPLITS,
-    small_m: bool = True,
+    small_m: bool = SMALL_M_TILING,
 ) -> tirx.PrimFunc | None:
     """The tensor-core kernel standing in for `func`, parameters in `func`'s order; None if
     `func` is not a fused bf16 GEMM this kernel covers. Without `config`, `default_config`.
