@@ -208,6 +208,8 @@ def _silu(x):
         # one m tile's tilings (small_m_config): 96 columns in 4 x 2 warps of 32 x 48
         (rule.shared_launch_config(_small_m(12352, 2560)), 128, 200, 256),
         (rule.shared_launch_config(_small_m(12352, 2560)), 1, 96, 64),
+        # 0.8B's in_proj: 64 columns in 2 x 4 warps of 64 x 16
+        (rule.shared_launch_config(_small_m(8224, 1024)), 100, 136, 128),
     ],
 )
 def test_emulated_kernel_computes_a_times_b_transposed(cfg, m, n, k) -> None:
@@ -225,6 +227,7 @@ def test_emulated_kernel_computes_a_times_b_transposed(cfg, m, n, k) -> None:
         (rule.shared_launch_config(default_wgmma_config(2560)), 1, 96, 64),  # 4 x 2 warps
         (rule.shared_launch_config(_small_m(12352, 2560)), 77, 100, 128),  # 4 x 2 of 32 x 48
         (rule.shared_launch_config(_small_m(18432, 2560)), 128, 90, 64),  # 4 x 2 of 32 x 80
+        (rule.shared_launch_config(_small_m(7168, 1024)), 65, 72, 128),  # 2 x 4 of 64 x 16
         (mc.DEFAULT_CONFIG, 129, 72, 192),  # 4 warps of 64 x 64
         (mc.GemmConfig(block_n=64, stages=4), 17, 40, 96),
     ],
@@ -321,6 +324,8 @@ def _cast_bf16(acc, _row, _col, _extras):
         (10240, 2560, 96),  # 4B qkv: 64 of 160 -> 107 of 96
         (18432, 2560, 160),  # 4B gate_up: 96 of 192 -> 116 of 160
         (12352, 4096, 96),  # 9B in_proj
+        (8224, 1024, 64),  # 0.8B in_proj: 43 tiles of 192 -> 129 of 64
+        (7168, 1024, 64),  # 0.8B gate_up
         (24576, 4096, None),  # 9B gate_up: 128 tiles of 192 already
         (2560, 4096, None),  # 4B out_proj: 16 tiles, split k instead
         (2560, 9216, None),  # 4B down

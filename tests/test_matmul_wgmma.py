@@ -201,6 +201,7 @@ CONFIGS = [
     mw.WgmmaConfig(256, 3, tma=True),
     mw.WgmmaConfig(192, 4, tma=True),
     mw.WgmmaConfig(96, 4, tma=True),  # one m tile's (matmul_rule.small_m_config)
+    mw.WgmmaConfig(64, 4, tma=True),
     # persistent: 3 CTAs over the tiles (some with none), the ring across tile boundaries
     mw.WgmmaConfig(160, 4, tma=True, ctas=3),
     mw.WgmmaConfig(128, 5, tma=True, ctas=2),
