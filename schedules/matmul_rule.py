@@ -44,8 +44,9 @@ def small_m_config(n: int, k: int, wgmma: WgmmaConfig, min_splits: int) -> Wgmma
     """The tiling an m of one tile (a short prompt, a mixed step) launches instead of `wgmma`:
     there the weight is the one large operand, so the GEMM streams it as fast as its tiles keep
     SMs busy. Where `wgmma`'s column tiles leave over a quarter of the SMs idle and split-K does
-    not fill them, the widest tile that fills 3/4 to all of them in one wave (the same ring
-    depth that fits sm_80's launch, 4 or 3); None where none does or none is needed."""
+    not fill them, the widest tile that fills 3/4 to all of them in one wave, its ring 4 stages
+    deep (3 where sm_80's launch would not hold 4); None where none does or none is needed.
+    H200 (session 48): qkv and in_proj gained, gate_up's 96 -> 116 CTAs changed nothing."""
     tiles = -(-n // wgmma.block_n)
     if tiles >= 3 * SMS // 4 or can_split(tiles, k // BLOCK_K, min_splits) or wgmma.ctas:
         return None
