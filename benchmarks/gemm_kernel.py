@@ -119,10 +119,6 @@ def _measure(out: Path, file: str, kernels: list[str]) -> None:
     lib = None if kernels == ["torch"] else tvm.runtime.load_module(str(out / file))
     gen = torch.Generator(device="cuda").manual_seed(0)
     w = (torch.randn(n, k, device="cuda", generator=gen) * k**-0.5).bfloat16()
-    # at M <= COLD_M the weight is what a GEMM streams, and one copy would stay in L2 between
-    # calls (4B's n = 2,560 weights are 21-47 MB): timed calls cycle through copies, as a step's
-    # GEMMs read theirs from HBM
-    cold = [w, *weight_copies(torch, n, k, gen)[1:]]
 
     def ms_of(kernel: str) -> tuple[int, ...]:
         if kernel == "torch":
@@ -130,6 +126,10 @@ def _measure(out: Path, file: str, kernels: list[str]) -> None:
         return DECODE_M if kernel.startswith("decode") else PREFILL_M
 
     ms = sorted({m for kernel in kernels for m in ms_of(kernel)})
+    # at M <= COLD_M the weight is what a GEMM streams, and one copy would stay in L2 between
+    # calls (4B's n = 2,560 weights are 21-47 MB): timed calls cycle through copies, as a step's
+    # GEMMs read theirs from HBM
+    cold = [w, *weight_copies(torch, n, k, gen)[1:]] if ms[0] <= COLD_M else [w]
     for m in ms:
         x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
         res = torch.randn(m, n, device="cuda", generator=gen).bfloat16()
@@ -141,6 +141,7 @@ def _measure(out: Path, file: str, kernels: list[str]) -> None:
         refs = {SWIGLU: torch.nn.functional.silu(gate) * up}
         # `run --reverse`: the other order, so a second pass evens out what runs early or late
         order = kernels[::-1] if os.environ.get("GEMM_BENCH_REVERSE") else kernels
+        weights = cold if m <= COLD_M else [w]  # the copies timed calls cycle through
         for kernel in order:
             if m not in ms_of(kernel):
                 continue
@@ -150,8 +151,7 @@ def _measure(out: Path, file: str, kernels: list[str]) -> None:
                 if kernel == "torch":
                     got = x @ w.T + res if "res" in roles else x @ w.T
                     err = _rel_err(got, want)
-                    ws = cold if m <= COLD_M else [w]
-                    seconds = cuda_time(torch, _cycled([(x, c.T) for c in ws], torch.matmul))
+                    seconds = cuda_time(torch, _cycled([(x, c.T) for c in weights], torch.matmul))
                 else:
                     fn = lib[kernel]
                     cols = want.shape[1]
@@ -165,7 +165,7 @@ def _measure(out: Path, file: str, kernels: list[str]) -> None:
                     err = _rel_err(got, want)
                     cycle = [
                         [tvm.runtime.from_dlpack({**named, "w": c}[r]) for r in order]
-                        for c in (cold if m <= COLD_M else [w])
+                        for c in weights
                     ]
                     seconds = cuda_time(torch, _cycled(cycle, fn))
                 row.update(
