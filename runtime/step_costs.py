@@ -10,7 +10,8 @@ Where the engine runs a mixed step as one forward (`rows_in_prefill`), the decod
 tokens of that forward, and the whole step may take (1 + share) decode steps. Its rows (decode
 rows plus prompt tokens) then fill whole tiles of prefill's GEMMs (`tile_rows`): a row past a
 tile reads every weight once more, a step in cost that no line fits (16 decode rows + 112
-prompt tokens: 1.74x a decode step; + 113: 2.11x; docs/results/mixed_step_b16_s17.json).
+prompt tokens: 1.74x a decode step; + 113: 2.11x; docs/results/mixed_step_b16_s17.json), so
+each tile count's own measured cost caps the step too (`_within_limit`).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ class StepCosts:
         self.min_tokens = min_tokens
         self._decode: dict[int, float] = {}  # batch rows -> EMA of the step's seconds
         self._prefill: deque[tuple[int, float]] = deque(maxlen=window)  # (tokens, seconds)
+        self._tiles: dict[int, float] = {}  # whole tiles of a step's rows -> EMA of its seconds
 
     def record_decode(self, rows: int, seconds: float) -> None:
         old = self._decode.get(rows)
@@ -59,6 +61,10 @@ class StepCosts:
 
     def record_prefill(self, tokens: int, seconds: float) -> None:
         self._prefill.append((tokens, seconds))
+        if self.tile_rows > 1:
+            tiles = -(-tokens // self.tile_rows)
+            old = self._tiles.get(tiles)
+            self._tiles[tiles] = seconds if old is None else old + DECODE_EMA * (seconds - old)
 
     def decode_seconds(self, rows: int) -> float | None:
         if not self._decode:
@@ -97,7 +103,35 @@ class StepCosts:
             budget += step - per_token * decode_rows  # the rows' own share of the forward
         fits = int(budget / per_token + 1e-6)  # not 79.999 -> 79
         tokens = max(min(fits, most), min(self.min_tokens, most))
-        return self._whole_tiles(decode_rows, tokens, most) if self.rows_in_prefill else tokens
+        if not self.rows_in_prefill:
+            return tokens
+        tokens = self._whole_tiles(decode_rows, tokens, most)
+        return self._within_limit(decode_rows, tokens, (1 + self.share) * step, most)
+
+    def tile_seconds(self, tiles: int) -> float | None:
+        """A step of `tiles` whole tiles of rows: its measured seconds, else those of the
+        largest count measured below it, scaled up in proportion (more than a tile more
+        costs, so the cap errs towards fewer tiles), else None."""
+        if tiles in self._tiles:
+            return self._tiles[tiles]
+        below = [t for t in self._tiles if t < tiles]
+        return self._tiles[max(below)] * tiles / max(below) if below else None
+
+    def _within_limit(self, rows: int, tokens: int, limit: float, most: int) -> int:
+        """`tokens` beside `rows` decode rows, a tile fewer while the step's tiles cost more
+        than `limit` (measured: tile_seconds) and the tile below leaves at least half the
+        floor's tokens. Over the one size steady mixed steps take (a tile) the line's slope is
+        noise, and a budget divided by a small slope once gave Poisson traffic two-tile steps
+        (1.8-2.2x a decode step; ITL p99 2.3x p50: docs/results/serving_s49_h100)."""
+        t = self.tile_rows
+        keep = max(1, min(self.min_tokens, most) // 2)
+        tiles = -(-(rows + tokens) // t)
+        while tiles > 1 and (tiles - 1) * t - rows >= keep:
+            cost = self.tile_seconds(tiles)
+            if cost is None or cost <= limit:
+                break
+            tiles -= 1
+        return min(tokens, tiles * t - rows)
 
     def _whole_tiles(self, rows: int, tokens: int, most: int) -> int:
         """`tokens` beside `rows` decode rows, moved to where the step's rows end a GEMM tile:

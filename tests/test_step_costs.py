@@ -53,14 +53,40 @@ def test_mixed_steps_fill_whole_gemm_tiles():
     assert tiled.prefill_tokens(16, 2048) == 112  # time fits 184: 200 rows, down to 128
     assert tiled.prefill_tokens(16, 50) == 50  # the fixed chunk is never exceeded
     assert tiled.prefill_tokens(40, 2048) == 88  # fits 160: 200 rows -> 128
-    # down would leave fewer than half: up, into the tile already paid for
-    assert tiled.prefill_tokens(120, 2048) == 136  # fits 64: 184 rows -> 256
-    assert tiled.prefill_tokens(120, 100) == 100
+    # down would leave fewer than half: up, into the tile already paid for, unless that tile's
+    # measured cost passes the step's limit (here 256 rows took 14.8 ms, over 1.7 x 6)
+    assert tiled.prefill_tokens(120, 2048) == 8  # fits 64: 184 rows -> 256 -> 128
+    up = StepCosts(min_tokens=16, rows_in_prefill=True, tile_rows=128)
+    up.record_decode(16, 6e-3)
+    for n in (1024, 2048):  # no tile count at or below two measured: nothing caps
+        up.record_prefill(n, 2e-3 + 50e-6 * n)
+    assert up.prefill_tokens(120, 2048) == 136
+    assert up.prefill_tokens(120, 100) == 100
     floor = costs_with(3e-3, 5e-3, 50e-6, min_tokens=128, rows_in_prefill=True, tile_rows=128)
     assert floor.prefill_tokens(16, 2048) == 112  # the floor's 144 rows -> 128
     assert floor.prefill_tokens(0, 2048) == 2048  # nothing decodes: the whole chunk
     split = costs_with(6e-3, 2e-3, 50e-6, min_tokens=16, tile_rows=128)  # two calls: untiled
     assert split.prefill_tokens(16, 2048) == 80
+
+
+def test_measured_tile_costs_cap_a_step():
+    """Steady mixed steps all take one tile, so the line's slope over them is noise: 5 us a
+    token here, which divides the budget into two tiles' worth. The tiles' own costs say no."""
+    costs = StepCosts(0.7, 128, rows_in_prefill=True, tile_rows=128)
+    costs.record_decode(8, 4.4e-3)
+    for _ in range(8):
+        costs.record_prefill(120, 6.56e-3)
+        costs.record_prefill(128, 6.60e-3)
+    fixed, per_token = costs.prefill_fit()
+    assert per_token == pytest.approx(5e-6) and fixed > 5.9e-3
+    # the line alone: (1.7 x 4.4 - 5.96 - 8 x 0.005) ms / 5 us = 296 tokens -> 256 rows, but two
+    # tiles would take ~2 x 6.6 ms (scaled from one), past 1.7 x 4.4: one tile
+    assert costs.tile_seconds(2) == pytest.approx(2 * costs.tile_seconds(1))
+    assert costs.prefill_tokens(8, 4096) == 120
+    # never below half the floor: at 100 decode rows one tile would leave 28 tokens, under 64
+    assert costs.prefill_tokens(100, 4096) == 156
+    costs.record_prefill(256, 7.0e-3)  # measured within the limit: two tiles may go
+    assert costs.prefill_tokens(8, 4096) == 248
 
 
 def test_a_burst_of_prompts_gets_whole_chunks():
