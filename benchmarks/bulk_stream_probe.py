@@ -119,6 +119,14 @@ class Driver:
                                                  for a in args])  # fmt: skip
         self._check(self.cu.cuLaunchKernelEx(ctypes.byref(cfg), fn, params, None), "launch")
 
+    def max_active_clusters(self, fn, grid: int, threads: int, shared: int, cluster: int) -> int:
+        """cuOccupancyMaxActiveClusters: clusters of `cluster` such blocks resident at once."""
+        cfg = self._config(grid, threads, shared, None, False, cluster)
+        count = ctypes.c_int()
+        rc = self.cu.cuOccupancyMaxActiveClusters(ctypes.byref(count), fn, ctypes.byref(cfg))
+        self._check(rc, "occupancy")
+        return count.value
+
     @staticmethod
     def _config(grid: int, threads: int, shared: int, stream, pdl: bool, cluster: int):
         attrs = (LaunchAttribute * 2)()
