@@ -47,7 +47,8 @@ def closed_loop(engine, rng, concurrency: int, requests: int, prompt: int, outpu
         now = time.perf_counter()
         info = engine.last_step
         kind = info.kind if info is not None else "none"
-        steps[kind] += 1 if outs else 0
+        if outs:
+            steps[kind] += 1
         for out in outs:
             rid = out.request_id
             if rid in last:

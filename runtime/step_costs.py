@@ -30,6 +30,11 @@ MIN_TOKENS = 128
 MIXED_STEP_SHARE = 0.7
 
 
+def _update_ema(table: dict[int, float], key: int, seconds: float) -> None:
+    old = table.get(key)
+    table[key] = seconds if old is None else old + DECODE_EMA * (seconds - old)
+
+
 class StepCosts:
     def __init__(
         self,
@@ -56,15 +61,12 @@ class StepCosts:
         self._tiles: dict[int, float] = {}  # whole tiles of a step's rows -> EMA of its seconds
 
     def record_decode(self, rows: int, seconds: float) -> None:
-        old = self._decode.get(rows)
-        self._decode[rows] = seconds if old is None else old + DECODE_EMA * (seconds - old)
+        _update_ema(self._decode, rows, seconds)
 
     def record_prefill(self, tokens: int, seconds: float) -> None:
         self._prefill.append((tokens, seconds))
         if self.tile_rows > 1:
-            tiles = -(-tokens // self.tile_rows)
-            old = self._tiles.get(tiles)
-            self._tiles[tiles] = seconds if old is None else old + DECODE_EMA * (seconds - old)
+            _update_ema(self._tiles, -(-tokens // self.tile_rows), seconds)
 
     def decode_seconds(self, rows: int) -> float | None:
         if not self._decode:

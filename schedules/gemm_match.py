@@ -303,4 +303,3 @@ def by_rows(limit: int, few, many):
             many(a, b, out, extras, rows)
 
     return pick
-
