@@ -203,10 +203,11 @@ def kernel_args(tvm, x: dict, pool, out) -> tuple[list, list]:
     return [*args, tvm.runtime.from_dlpack(pool), LAYER, tvm.runtime.from_dlpack(out)], rows
 
 
-def kernel_time_us(torch, fn, iters: int = 10) -> float:
-    """CUPTI time of one call's kernels (no launch gaps: inside a CUDA graph there are none)."""
+def kernel_times_us(torch, fn, iters: int = 10) -> dict[str, float]:
+    """CUPTI time of one call's kernels, by kernel name (no launch gaps: inside a CUDA graph
+    there are none)."""
     if DEVICE != "cuda":
-        return float("nan")
+        return {}
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -214,11 +215,20 @@ def kernel_time_us(torch, fn, iters: int = 10) -> float:
             fn()
         torch.cuda.synchronize()
     events = [e for e in prof.key_averages() if e.device_time_total > 0 and "Memcpy" not in e.key]
-    return sum(e.device_time_total for e in events) / iters
+    return {e.key: e.device_time_total / iters for e in events}
+
+
+def kernel_time_us(torch, fn, iters: int = 10) -> float:
+    """The sum of `kernel_times_us`."""
+    return sum(kernel_times_us(torch, fn, iters).values()) if DEVICE == "cuda" else float("nan")
 
 
 def run(
-    out_dir: Path, results: Path | None = None, decode: bool = False, prefill: bool = True
+    out_dir: Path,
+    results: Path | None = None,
+    decode: bool = False,
+    prefill: bool = True,
+    cases: set[str] | None = None,
 ) -> None:
     import os
 
@@ -254,6 +264,8 @@ def run(
           " max abs Δ out vs torch | max abs Δ state vs torch | rel out | rel state | ok |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for case, lengths in {**(CASES if prefill else {}), **(DECODE_CASES if decode else {})}.items():
+        if cases is not None and case not in cases:
+            continue
         try:
             x = make_inputs(torch, tvm, make_qkv, lengths)
         except Exception:
@@ -293,7 +305,10 @@ def run(
                 scratch = kernel_args(tvm, x, x["pool"].clone(), torch.empty_like(out))
                 seconds = cuda_time(torch, lambda f=fn, a=scratch: f(*a))
                 row["us"] = seconds * 1e6
-                row["kernel_us"] = kernel_time_us(torch, lambda f=fn, a=scratch: f(*a))
+                parts = kernel_times_us(torch, lambda f=fn, a=scratch: f(*a))
+                row["kernel_us"] = sum(parts.values()) if parts else float("nan")
+                if len(parts) > 1:  # the two-pass form: prep and scan apart
+                    row["kernels_us"] = parts
                 if bw and max(lengths) == 1:  # decode: the state is read and written once
                     state_bytes = len(lengths) * V_HEADS * V_DIM * K_DIM * 4 * 2
                     row["copy_bw_fraction"] = state_bytes / (row["kernel_us"] * 1e-6) / bw
@@ -315,6 +330,8 @@ def run(
                 + (f" ERROR {row['error']}" if "error" in row else ""),
                 flush=True,
             )
+            for kname, kus in row.get("kernels_us", {}).items():
+                print(f"|   | {kname} | | {kus:.1f} | | | | | | | |")
     result = {"device": device, "copy_bw_tbs": bw and bw / 1e12, "rows": rows}
     (out_dir / "gdn_bench_result.json").write_text(json.dumps(result, indent=1))
     if results is not None:
@@ -334,12 +351,14 @@ def main() -> None:
         "--decode-only", action="store_true", help="build: recurrent kernels; run: decode cases"
     )
     p.add_argument("--only", default=None, help="build: these kernels only (comma-separated)")
+    p.add_argument("--cases", default=None, help="run: these cases only (comma-separated)")
     args = p.parse_args()
     if args.step == "build":
         only = set(args.only.split(",")) if args.only else None
         build(args.dir, args.arch, chunked=not args.decode_only, only=only)
     else:
-        run(args.dir, args.out, args.decode or args.decode_only, prefill=not args.decode_only)
+        cases = set(args.cases.split(",")) if args.cases else None
+        run(args.dir, args.out, args.decode or args.decode_only, not args.decode_only, cases)
     sys.stdout.flush()
 
 
