@@ -37,6 +37,7 @@ from pathlib import Path
 from common import copy_bandwidth, cuda_time
 
 K_HEADS, V_HEADS, K_DIM, V_DIM, CONV = 16, 32, 128, 128, 4
+HEADS = (K_HEADS, V_HEADS, K_DIM, V_DIM)
 CONV_DIM = 2 * K_HEADS * K_DIM + V_HEADS * V_DIM
 WIDTH = CONV_DIM + V_HEADS * V_DIM + 2 * V_HEADS  # in_proj's row: q k v | z | b | a
 # ragged: partial chunks, chunk numbers no one has
@@ -57,6 +58,7 @@ TWO_PASS = {
     # twice the scan blocks a sequence, each half the columns and warps
     "two_c32_t32w4": {"chunk": 32, "col_tile": 32, "scan_warps": 4, "few": None},
     "two_c32_few": {},  # the default: the scan picks one of the two above by the batch's size
+    "two_c32_few_o32": {},  # the default with o in fp32 (before session 50), its scan rebuilt
 }
 REL_BOUND = {"fp32": 1e-4, "two": 1e-2, "recurrent": 1e-5}
 
@@ -67,7 +69,14 @@ def build(out: Path, arch: str, chunked: bool = True, only: set[str] | None = No
     from qwen35_tvm.compile.cuda_toolchain import prepare_cuda_codegen
     from qwen35_tvm.compile.targets import make_target
     from qwen35_tvm.schedules.gdn import gated_delta_rule
-    from qwen35_tvm.schedules.gdn_chunked import chunked_gated_delta_rule, two_pass
+    from qwen35_tvm.schedules.gdn_chunk_scan import chunk_scan
+    from qwen35_tvm.schedules.gdn_chunked import (
+        FEW_SEQUENCES_SCAN,
+        chunked_gated_delta_rule,
+        core_out_dtype,
+        two_pass,
+    )
+    from qwen35_tvm.schedules.gdn_chunked import TWO_PASS as SHIPPED
     from qwen35_tvm.schedules.gdn_prep import gdn_input
 
     target, arches = make_target("cuda", arch)
@@ -84,12 +93,17 @@ def build(out: Path, arch: str, chunked: bool = True, only: set[str] | None = No
         except Exception:  # keep the other variants
             traceback.print_exc()
     workspaces = {}  # name -> "tokens x sequences" -> the workspace's (shape, dtype)s
+    o_dtypes = {}  # name -> the dtype of o the scan writes
     for name, kw in TWO_PASS.items() if chunked else ():
         try:
             two = two_pass(K_HEADS, V_HEADS, K_DIM, V_DIM, target, "bfloat16", kernel=CONV, **kw)
+            scan, o_dtypes[name] = two.scan, core_out_dtype(*HEADS, target, "bfloat16")
+            if name.endswith("_o32"):
+                o_dtypes[name] = "float32"
+                scan = chunk_scan(*HEADS, *SHIPPED, few=FEW_SEQUENCES_SCAN, o_dtype="float32")
             funcs[name] = {
                 "prep": two.prep.with_attr("global_symbol", "prep"),
-                "scan": two.scan.with_attr("global_symbol", "scan"),
+                "scan": scan.with_attr("global_symbol", "scan"),
             }
             workspaces[name] = {
                 f"{sum(lengths)}x{len(lengths)}": two.workspace(sum(lengths), len(lengths))
@@ -108,7 +122,7 @@ def build(out: Path, arch: str, chunked: bool = True, only: set[str] | None = No
             print(f"built {name}")
         except Exception:  # keep the other variants
             traceback.print_exc()
-    meta = {"arch": arches, "kernels": built, "two_pass": workspaces}
+    meta = {"arch": arches, "kernels": built, "two_pass": workspaces, "o_dtype": o_dtypes}
     (out / "gdn_bench.json").write_text(json.dumps(meta))
 
 
@@ -283,7 +297,10 @@ def run(
             row = {"case": case, "kernel": name, "tokens": n}
             try:
                 pool = x["pool"].clone()
-                out = torch.full((n, V_HEADS, V_DIM), float("nan"), device=DEVICE)
+                # the two passes keep o in bf16 on CUDA (gdn_chunked.core_out_dtype)
+                o_dtype = meta.get("o_dtype", {}).get(name, "float32")
+                out = torch.full((n, V_HEADS, V_DIM), float("nan"), device=DEVICE,
+                                 dtype=getattr(torch, o_dtype))  # fmt: skip
                 fn(*kernel_args(tvm, x, pool, out))  # (delta rule's args, the rows')
                 if DEVICE == "cuda":
                     torch.cuda.synchronize()
@@ -293,6 +310,7 @@ def run(
                     row["max_abs_diff_out"] = (out - ref[0]).abs().max().item()
                     row["max_abs_diff_state"] = (pool - ref[1]).abs().max().item()
                     row["max_abs_out"] = ref[0].abs().max().item()
+                out = out.float()
                 row["finite"] = bool(torch.isfinite(out).all().item())
                 row["max_abs_diff_out_vs_torch"] = (out - exact[0]).abs().max().item()
                 row["max_abs_diff_state_vs_torch"] = (pool - exact[1]).abs().max().item()
@@ -302,7 +320,9 @@ def run(
                 bound = REL_BOUND[name.split("_")[0]]
                 row["ok"] = row["finite"] and max(row["rel_out"], row["rel_state"]) < bound
                 # timing updates scratch state and outputs again and again; values don't matter
-                scratch = kernel_args(tvm, x, x["pool"].clone(), torch.empty_like(out))
+                scratch = kernel_args(tvm, x, x["pool"].clone(), torch.empty(
+                    out.shape, dtype=getattr(torch, o_dtype), device=DEVICE
+                ))  # fmt: skip
                 seconds = cuda_time(torch, lambda f=fn, a=scratch: f(*a))
                 row["us"] = seconds * 1e6
                 parts = kernel_times_us(torch, lambda f=fn, a=scratch: f(*a))

@@ -277,7 +277,7 @@ class GatedDeltaNet(nn.Module):
             # their state's (gdn_chunked.MIXED_ROWS_RECURRENT)
             beside = two.skip_single and gdn_chunked.MIXED_ROWS_BESIDE_SCAN
             first = two.skip_single and not beside  # the decode rows' kernel, then the passes
-            o = Tensor.placeholder((n_tok, hv, dv), F32)
+            o = Tensor.placeholder((n_tok, hv, dv), self._core_out_dtype())
             if first:  # its o, whose other rows the scan writes in place
                 rec_pool, o = self._wide_rule(proj, indptr, slots, conv_pool, rec_pool, layer)
             work = op.tensor_ir_op(
@@ -319,7 +319,8 @@ class GatedDeltaNet(nn.Module):
         # Gated RMSNorm: HF rounds the core output to the activation dtype before the norm.
         # The conv state moves here, after every kernel that reads it.
         conv_pool, o = op.tensor_ir_inplace_op(
-            gdn_prep.gated_norm(hv, dv, cfg.conv_dim, kernel, cfg.rms_norm_eps, self.dtype, target),
+            gdn_prep.gated_norm(hv, dv, cfg.conv_dim, kernel, cfg.rms_norm_eps, self.dtype, target,
+                                o.dtype),  # fmt: skip
             "gdn_gated_norm",
             [o, proj, self.norm_weight, indptr, slots, conv_pool, layer],
             inplace_indices=[5, -1],
@@ -327,6 +328,15 @@ class GatedDeltaNet(nn.Module):
         )
         return self.out_proj(o), GDNState(conv_pool, rec_pool, tickets)
 
+
+    def _core_out_dtype(self) -> str:
+        """The delta rule's output o's dtype where gated_norm reads it (the fp32 chunked
+        kernel's is fp32, as this gives wherever that kernel runs)."""
+        cfg = self.cfg
+        return gdn_chunked.core_out_dtype(
+            cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+            cfg.linear_value_head_dim, Target.current(), self.dtype,
+        )  # fmt: skip
 
     def _wide_rule(self, proj, indptr, slots, conv_pool, rec_pool, layer, o=None) -> tuple:
         """(recurrent pool, o [n_tok, hv, dv]) from decode_wide's recurrent kernel, without the
@@ -336,15 +346,16 @@ class GatedDeltaNet(nn.Module):
         cfg = self.cfg
         hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        o_dtype = self._core_out_dtype()
         rule = gdn_decode.decode_delta_rule(
             hk, hv, dk, dv, cfg.linear_conv_kernel_dim, cfg.rms_norm_eps, self.dtype,
             Target.current(), **gdn_decode.WIDE_LAYOUT, gated=False, ragged=indptr is not None,
-            beside=o is not None,
+            beside=o is not None, o_dtype=o_dtype,
         )  # fmt: skip
         seqs = [slots] if indptr is None else [indptr, slots]
         args = [proj, self.conv_weight, self.A_log, self.dt_bias, *seqs, conv_pool, rec_pool, layer]
         fresh = o is None  # else the ragged form writes its rows of the two passes' o
-        o = Tensor.placeholder((proj.shape[0], hv, dv), F32) if fresh else o
+        o = Tensor.placeholder((proj.shape[0], hv, dv), o_dtype) if fresh else o
         return op.tensor_ir_inplace_op(
             rule,
             rule.attrs["global_symbol"],

@@ -155,6 +155,12 @@ class RuleLayout(NamedTuple):
         return self.g_at + 2  # g, then beta
 
 
+def stored(v, dtype) -> object:
+    """fp32 `v` as a buffer of `dtype` holds it (the core output may be kept in the
+    activation dtype: core_out_dtype)."""
+    return v if str(dtype) == "float32" else T.Cast(str(dtype), v)
+
+
 def rule_phases(lay: RuleLayout, gpu: bool):
     """The recurrent kernels' shared phases, as macros over a block's buffers: copy the state
     rows of (slot, head) to shared memory and back, and one token's update from its staged
@@ -256,7 +262,7 @@ def rule_phases(lay: RuleLayout, gpu: bool):
                     acc[0] = T.float32(0)
                     for p in T.unroll(parts):
                         acc[0] = acc[0] + red[nt + p * rows + tx]
-                    out[tok, h, col0 + tx] = acc[0] * T.float32(scale)
+                    out[tok, h, col0 + tx] = stored(acc[0] * T.float32(scale), out.dtype)
 
     return load_state, token_update, store_state
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 from tvm.script import tirx as T
 from tvm.tirx import PrimFunc
 
+from .gdn import stored
 from .gdn_chunk_ops import warp_mm
 from .gdn_chunk_prep import FPAD, chunked_here
 from .gdn_mma_tiles import WARPS, acc_rc, job_tile, n_group, swz
@@ -211,7 +212,7 @@ def _scan_blocks(
                                     out[
                                         start + ch * c + mt * 16 + er, h,
                                         col0 + (n0 + i // 4) * 8 + ec,
-                                    ] = acc[i] * T.float32(scale)  # fmt: skip
+                                    ] = stored(acc[i] * T.float32(scale), out.dtype)  # fmt: skip
                         s_copy(sb, st, smt, sn0, lane)
                     if live:
                         for i in T.unroll(s_ng * 4):
@@ -232,9 +233,10 @@ def chunk_scan(
     skip_single: bool = False,
     warps: int = WARPS,
     few: tuple[int, int, int] | None = None,
+    o_dtype: str = "float32",
 ) -> PrimFunc:
     """(K, Q, W, U0, P, G from gdn_chunk_prep; indptr, slots, pool, layer) -> (pool, out): the
-    state pool updated in place, out [n_tok, v_heads, dv] fp32. `skip_single`: one-token
+    state pool updated in place, out [n_tok, v_heads, dv] of `o_dtype`. `skip_single`: one-token
     sequences are gdn_decode's ragged kernel's (their state and rows untouched here).
 
     `few` = (sequences, col_tile, warps): a step of at most that many sequences runs a second
@@ -271,7 +273,7 @@ def chunk_scan(
         indptr = T.match_buffer(indptr_h, (n_ptr,), "int32")
         slots = T.match_buffer(slots_h, (batch,), "int32")
         pool = T.match_buffer(pool_h, (n_slots, n_layers, v_heads, dv, dk), "float32")
-        out = T.match_buffer(out_h, (n_tok, v_heads, dv), "float32")
+        out = T.match_buffer(out_h, (n_tok, v_heads, dv), o_dtype)
         if few is None:
             wide(kb, qb, w, u, p, gc, indptr, slots, pool, layer, out, batch)
         elif batch <= few_seqs:

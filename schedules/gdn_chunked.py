@@ -136,6 +136,17 @@ def two_pass_applies(
     )
 
 
+def core_out_dtype(
+    k_heads: int, v_heads: int, k_dim: int, v_dim: int, target: Target, act_dtype: str
+) -> str:
+    """The dtype of the delta rule's output o, which gated_norm reads: the activation dtype
+    where the two passes apply, since HF rounds o to it before the norm anyway (the same
+    values, half the bytes: 268 -> 134 MB a layer written by the scan and read by the norm at
+    16 x 1,024 tokens); fp32 elsewhere (fp32 models, and the CPU, whose kernels keep it)."""
+    applies = two_pass_applies(k_heads, v_heads, k_dim, v_dim, target, act_dtype)
+    return act_dtype if applies else "float32"
+
+
 def two_pass(
     k_heads: int,
     v_heads: int,
@@ -167,7 +178,8 @@ def two_pass(
     blocks = blocks_per_sm(c, k_dim, v_dim, limit)
     prep = chunk_prep(k_heads, v_heads, k_dim, v_dim, c, kernel, blocks, skip_single)
     warps = scan_warps or WARPS
-    scan = chunk_scan(k_heads, v_heads, k_dim, v_dim, c, ct, skip_single, warps, few)
+    o_dtype = core_out_dtype(k_heads, v_heads, k_dim, v_dim, target, act_dtype)
+    scan = chunk_scan(k_heads, v_heads, k_dim, v_dim, c, ct, skip_single, warps, few, o_dtype)
     # a module may hold both forms (prefill's and prefill_prompts'): names apart
     tag = "" if skip_single else "_all"
     prep = prep.with_attr("global_symbol", f"gdn_chunk_prep{tag}")

@@ -71,6 +71,7 @@ def decode_delta_rule(
     gated: bool = True,
     ragged: bool = False,
     beside: bool = False,
+    o_dtype: str = "float32",
 ) -> PrimFunc:
     """With `gated`: (proj [batch, conv_dim + value_dim + 2 hv], conv weight, A_log, dt_bias,
     norm weight [dv], slots, conv pool, recurrent pool, tickets (the three updated in place),
@@ -92,6 +93,8 @@ def decode_delta_rule(
     chunk cost 2.0 ms of a step there (profile_step_mixed16_s16.json), against ~0.6 ms for
     decode_wide's 16 rows here.
 
+    `o_dtype` (without `gated`): o's dtype (gdn_chunked.core_out_dtype).
+
     `beside` (ragged only): launched after the two passes, it runs beside the scan (no wait
     before it starts; thread 0 of block 0 waits after its last store: schedules/pdl.py), writing
     its rows of the scan's o in place (gdn_chunked.MIXED_ROWS_BESIDE_SCAN)."""
@@ -99,6 +102,8 @@ def decode_delta_rule(
         raise ValueError("the ragged kernel leaves the gated norm to gated_norm")
     if beside and not ragged:
         raise ValueError("only the ragged kernel runs beside the scan")
+    if gated and o_dtype != "float32":
+        raise ValueError("the gated kernel's o is its own fp32 workspace")
     hist = kernel - 1
     key_dim, value_dim = k_heads * k_dim, v_heads * v_dim
     conv_dim = 2 * key_dim + value_dim
@@ -341,7 +346,7 @@ def decode_delta_rule(
         slots = T.match_buffer(slots_h, (batch,), "int32")
         conv = T.match_buffer(conv_h, (c_slots, c_layers, conv_dim, hist), dtype)
         pool = T.match_buffer(pool_h, (n_slots, n_layers, v_heads, v_dim, k_dim), "float32")
-        o = T.match_buffer(o_h, (batch, v_heads, v_dim), "float32")
+        o = T.match_buffer(o_h, (batch, v_heads, v_dim), o_dtype)
         blocks(x, w, a_log, dt_bias, None, None, slots, conv, pool, None, layer, o, None, batch,
                False)  # fmt: skip
 
@@ -369,7 +374,7 @@ def decode_delta_rule(
         slots = T.match_buffer(slots_h, (batch,), "int32")
         conv = T.match_buffer(conv_h, (c_slots, c_layers, conv_dim, hist), dtype)
         pool = T.match_buffer(pool_h, (n_slots, n_layers, v_heads, v_dim, k_dim), "float32")
-        o = T.match_buffer(o_h, (n_tok, v_heads, v_dim), "float32")
+        o = T.match_buffer(o_h, (n_tok, v_heads, v_dim), o_dtype)
         blocks(x, w, a_log, dt_bias, None, indptr, slots, conv, pool, None, layer, o, None, batch,
                False)  # fmt: skip
 

@@ -286,11 +286,25 @@ def gdn_input(
     return gdn_input_fn.with_attr("global_symbol", "gdn_input")
 
 
+def core_out(v, dtype: str):
+    """The delta rule's output as HF's gated norm takes it: rounded to the activation dtype
+    (already so where o is kept in it), as fp32."""
+    return rounded(v, dtype) if str(v.ty) == "float32" else T.Cast("float32", v)
+
+
 def gated_norm(
-    v_heads: int, v_dim: int, conv_dim: int, kernel: int, eps: float, dtype: str, target: Target
+    v_heads: int,
+    v_dim: int,
+    conv_dim: int,
+    kernel: int,
+    eps: float,
+    dtype: str,
+    target: Target,
+    o_dtype: str = "float32",
 ) -> PrimFunc:
-    """(o [n_tok, hv, dv] fp32, proj [n_tok, width] (z at conv_dim + h * dv), weight [dv],
-    indptr, slots, conv pool, layer) -> conv pool (in place), [n_tok, hv * dv]:
+    """(o [n_tok, hv, dv] of `o_dtype` (fp32, or `dtype`: gdn_chunked.core_out_dtype), proj
+    [n_tok, width] (z at conv_dim + h * dv), weight [dv], indptr, slots, conv pool, layer) ->
+    conv pool (in place), [n_tok, hv * dv]:
     round(round(rmsnorm(round(o)) * weight) * silu(z)), rounding to `dtype` where the Relax
     graph did.
 
@@ -324,7 +338,7 @@ def gated_norm(
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
         n_tok, width, n_ptr, batch = T.int32(), T.int32(), T.int32(), T.int32()
         n_slots, n_layers = T.int32(), T.int32()
-        o = T.match_buffer(o_h, (n_tok, v_heads, v_dim), "float32")
+        o = T.match_buffer(o_h, (n_tok, v_heads, v_dim), o_dtype)
         x = T.match_buffer(x_h, (n_tok, width), dtype)
         w = T.match_buffer(w_h, (v_dim,), "float32")
         indptr = T.match_buffer(indptr_h, (n_ptr,), "int32")
@@ -371,7 +385,7 @@ def gated_norm(
                         for r in T.unroll(rows):
                             vals[r * nt + tx] = T.float32(0)
                             if blk < n_tok * groups and tx < v_dim:
-                                vals[r * nt + tx] = rounded(o[tok, h0 + r, tx], dtype)
+                                vals[r * nt + tx] = core_out(o[tok, h0 + r, tx], dtype)
                                 zs[r * nt + tx] = T.Cast(
                                     "float32", x[tok, conv_dim + (h0 + r) * v_dim + tx]
                                 )

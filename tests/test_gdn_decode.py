@@ -6,6 +6,7 @@ GPU's tickets are checked in its source (the CPU runs the blocks' ends as loop n
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import pytest
 import tvm
@@ -135,20 +136,21 @@ def test_fused_decode_matches_the_three_kernels(dims, slots, dtype: str, layout:
     np.testing.assert_array_equal(np.delete(pool, LAYER, axis=1), np.delete(rec, LAYER, axis=1))
 
 
-def ragged_rule(inp: dict, rec: np.ndarray, dims, dtype: str):
-    """(o, recurrent pool after) from the ragged kernel (a prefill batch's one-token
+def ragged_rule(inp: dict, rec: np.ndarray, dims, dtype: str, o_dtype: str = "float32"):
+    """(o as fp32, recurrent pool after) from the ragged kernel (a prefill batch's one-token
     sequences), o NaN where it must not write."""
     hk, hv, dk, dv = dims
-    layout = {**WIDE_LAYOUT, "gated": False, "ragged": True}
+    layout = {**WIDE_LAYOUT, "gated": False, "ragged": True, "o_dtype": o_dtype}
     func = decode_delta_rule(hk, hv, dk, dv, KERNEL, EPS, dtype, LLVM, **layout)
-    lib = _compile(("ragged", dims, dtype), func)
+    lib = _compile(("ragged", dims, dtype, o_dtype), func)
     names = ("x", "w", "a_log", "dt_bias", "indptr", "slots", "pool")
     args = [tvm.runtime.tensor(inp[name].copy()) for name in names]
     pool = tvm.runtime.tensor(rec.copy())
-    o = tvm.runtime.tensor(np.full((inp["x"].shape[0], hv, dv), np.nan, np.float32))
+    o_np = ml_dtypes.bfloat16 if o_dtype == "bfloat16" else np.float32
+    o = tvm.runtime.tensor(np.full((inp["x"].shape[0], hv, dv), np.nan, o_np))
     lib[func.attrs["global_symbol"]](*args, pool, LAYER, o)
     np.testing.assert_array_equal(args[-1].numpy(), inp["pool"])  # the conv history: read only
-    return o.numpy(), pool.numpy()
+    return o.numpy().astype(np.float32), pool.numpy()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -168,6 +170,23 @@ def test_ragged_kernel_takes_exactly_the_one_token_sequences(dims, dtype: str) -
     np.testing.assert_array_equal(pool[single], ref_pool[single])
     untouched = np.setdiff1d(np.arange(N_SLOTS), single)  # the longer ones' slots too
     np.testing.assert_array_equal(pool[untouched], rec[untouched])
+
+
+def test_ragged_kernel_keeps_o_in_bf16_rounded_to_nearest() -> None:
+    """With o kept in the activation dtype (gdn_chunked.core_out_dtype), each value is the
+    fp32 kernel's rounded to nearest even, and the other rows stay unwritten."""
+    dims, lengths, slots = DIMS[1], [1, 3, 1, 17, 1, 2], [6, 0, 2, 8, 1, 4]
+    inp = make_input(lengths, slots, dims, KERNEL, "bfloat16", seed=3)
+    rec = state_pool(dims, seed=9)
+    o32, pool32 = ragged_rule(inp, rec, dims, "bfloat16")
+    o16, pool16 = ragged_rule(inp, rec, dims, "bfloat16", o_dtype="bfloat16")
+    rows = inp["indptr"][:-1][np.array(lengths) == 1]
+    want = o32[rows].astype(ml_dtypes.bfloat16).astype(np.float32)
+    np.testing.assert_array_equal(o16[rows], want)
+    assert not np.array_equal(want, o32[rows])  # the rounding happened (the check can fail)
+    others = np.setdiff1d(np.arange(len(o16)), rows)
+    assert np.isnan(o16[others]).all()
+    np.testing.assert_array_equal(pool16, pool32)
 
 
 def test_comparison_catches_a_wrong_history() -> None:

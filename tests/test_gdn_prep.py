@@ -167,13 +167,16 @@ def norm_reference(o, x, w, z_offset, dtype, eps=EPS):
     return (_round(y, dtype) * z / (1 + np.exp(-z))).reshape(n, hv * dv)
 
 
-def run_norm(o, x, w, conv: dict, dtype, eps=EPS) -> tuple[np.ndarray, np.ndarray]:
+def run_norm(
+    o, x, w, conv: dict, dtype, eps=EPS, o_dtype: str = "float32"
+) -> tuple[np.ndarray, np.ndarray]:
     """(gated_norm's output, the conv pool after it); `conv` holds w (its width is the
-    kernel's), indptr, slots and pool, as make_input makes them."""
+    kernel's), indptr, slots and pool, as make_input makes them; o given as `o_dtype`."""
     n, hv, dv = o.shape
     conv_dim, kernel = conv["w"].shape
-    key = ("norm", hv, dv, conv_dim, kernel, eps, dtype)
-    lib = _compile(key, gated_norm(hv, dv, conv_dim, kernel, eps, dtype, LLVM))
+    key = ("norm", hv, dv, conv_dim, kernel, eps, dtype, o_dtype)
+    lib = _compile(key, gated_norm(hv, dv, conv_dim, kernel, eps, dtype, LLVM, o_dtype))
+    o = o.astype(_np(o_dtype))
     out = tvm.runtime.tensor(np.zeros((n, hv * dv), _np(dtype)))
     pool = tvm.runtime.tensor(conv["pool"].copy())
     args = [tvm.runtime.tensor(a) for a in (o, x, w, conv["indptr"], conv["slots"])]
@@ -199,6 +202,23 @@ def test_gated_norm(n: int, hv: int, dv: int, dtype: str, tol: float) -> None:
         x_bad[:, zs] = np.roll(x[:, zs], dv, axis=1)
         bad = norm_reference(o, x_bad, w, conv_dim, dtype)
         assert np.abs(got - bad).max() > 0.1
+
+
+def test_gated_norm_of_o_kept_in_bf16_is_the_same() -> None:
+    """o stored in bf16 (gdn_chunked.core_out_dtype) is what gated_norm rounds fp32 o to first,
+    so both give the same bits; o rounded otherwise by its producer would not."""
+    n, hv, dv = 5, 6, 24
+    rng = np.random.default_rng(11)
+    conv = make_input([n], [4], (1, hv, dv, dv), 4, "bfloat16", seed=3)
+    o = (rng.normal(size=(n, hv, dv)) * 3).astype(np.float32)
+    w = rng.normal(size=(dv,)).astype(np.float32)
+    ref, _ = run_norm(o, conv["x"], w, conv, "bfloat16")
+    got, _ = run_norm(o, conv["x"], w, conv, "bfloat16", o_dtype="bfloat16")
+    np.testing.assert_array_equal(got, ref)
+    # mutation: a producer that truncates to bf16 instead of rounding to nearest is noticed
+    cut = (o.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
+    bad, _ = run_norm(cut, conv["x"], w, conv, "bfloat16", o_dtype="bfloat16")
+    assert not np.array_equal(bad, ref)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -193,6 +193,30 @@ def test_bf16_prefill_starts_the_chunked_gdn_from_in_proj() -> None:
     assert {"gdn_input", "gdn_chunked_delta_rule"} <= fp32 and "gdn_chunk_prep" not in fp32, fp32
 
 
+def _o_dtypes(dtype: str) -> dict[str, str]:
+    """The dtype of o in each prefill kernel that writes or reads it."""
+    mod, found = _prefill_module(dtype), {}
+    o = re.compile(r'\b(?:o|out): T\.Buffer\(\("?n_tok"?, \d+, \d+\), "(\w+)"\)')
+    for gv, func in mod.functions.items():
+        if isinstance(func, tvm.tirx.PrimFunc) and (m := o.search(func.script())):
+            found[gv.name_hint] = m.group(1)
+    return found
+
+
+def test_bf16_prefill_keeps_o_in_bf16() -> None:
+    """gdn_chunked.core_out_dtype: with the two passes, o is bf16 from the scan and the ragged
+    kernel to the gated norm (which rounds fp32 o to bf16 first: the same values, half the
+    bytes); fp32 models and the CPU keep fp32."""
+    from qwen35_tvm.schedules.gdn_chunked import core_out_dtype
+
+    bf16 = _o_dtypes("bfloat16")
+    want = {"gdn_chunk_scan", "gdn_delta_rule_decode_r32p4_ragged", "gdn_gated_norm"}
+    assert {name: bf16.get(name) for name in want} == dict.fromkeys(want, "bfloat16"), bf16
+    fp32 = _o_dtypes("float32")
+    assert fp32 and set(fp32.values()) == {"float32"}, fp32
+    assert core_out_dtype(16, 32, 128, 128, LLVM, "bfloat16") == "float32"
+
+
 def test_mixed_rows_take_the_recurrent_kernel(monkeypatch) -> None:
     """A bf16 prefill also runs decode's recurrent kernel in its ragged form (a mixed step's
     one-token rows), and the two passes skip those rows; switched off
