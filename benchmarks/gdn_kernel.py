@@ -59,6 +59,9 @@ TWO_PASS = {
     "two_c32_t32w4": {"chunk": 32, "col_tile": 32, "scan_warps": 4, "few": None},
     "two_c32_few": {},  # the default: the scan picks one of the two above by the batch's size
     "two_c32_few_o32": {},  # the default with o in fp32 (before session 50), its scan rebuilt
+    # the prep's forms (gdn_chunked.PREP_BY_KEY_HEAD, PREP_INTERIOR_LOADS; off by default)
+    "two_c32_few_interior": {"interior_loads": True},
+    "two_c32_few_key": {"by_key_head": True, "interior_loads": True},
 }
 REL_BOUND = {"fp32": 1e-4, "two": 1e-2, "recurrent": 1e-5}
 

@@ -1,6 +1,6 @@
 """Building blocks of the chunked GDN's two tensor-core passes (gdn_chunk_prep,
 gdn_chunk_scan): one warp's bf16 matmul on swizzled shared tiles, the chunk's cumulative
-decays, and a conv input read from in_proj's rows or the slot's history."""
+decays, and conv inputs read from in_proj's rows or the slot's history."""
 
 from __future__ import annotations
 
@@ -76,3 +76,20 @@ def conv_input(x, pool, ch, t, t0, nv, seq, layer, hist: int, n_tok, history: bo
     return T.Select(
         s >= 0, row, T.Cast("float32", pool[seq[1], layer, ch, T.min(T.max(hist + s, 0), hist - 1)])
     )
+
+
+@T.macro
+def conv_window(x, pool, dst, ch, first, count, t0, nv, seq, layer, n_tok, hist, c, interior):
+    # channel ch's conv inputs at chunk tokens first .. first + hist + count - 1 (the first
+    # hist may fall before the chunk) into dst. With `interior`, a full chunk of c tokens whose
+    # history is its sequence's own rows (all but a sequence's first and last) loads them as
+    # they are: no clamp and no conv-history select a load.
+    if interior and T.And(nv == c, t0 - seq[0] >= hist):  # block-uniform
+        for i in T.unroll(hist + count):
+            dst[i] = T.Cast("float32", x[t0 + first + i, ch])
+    else:
+        for i in T.unroll(hist):
+            dst[i] = conv_input(x, pool, ch, first + i, t0, nv, seq, layer, hist, n_tok, True)
+        for i in T.unroll(count):
+            dst[hist + i] = conv_input(x, pool, ch, first + hist + i, t0, nv, seq, layer, hist,
+                                       n_tok, False)  # fmt: skip

@@ -3,10 +3,12 @@ the state-free half of the algorithm, for every chunk of every sequence at once.
 
 With the notation of `gdn_chunked`, a chunk's update U solves (I + A) U = beta (V - e^G K Sᵀ).
 The solve is linear, so U = U0 - W Sᵀ, where (I + A) U0 = beta V and (I + A) W = beta e^G K
-depend on no state. This pass computes, per (chunk, value head), in one block of 8 warps:
+depend on no state. This pass computes, per (chunk, value head), in one block of 8 warps (or
+per (chunk, key head), the key head's value heads one after another: `heads`):
 - the chunk's q, k and v from in_proj's rows, as gdn_prep.gdn_input makes them (causal conv1d
   over the slot's conv history, SiLU, l2 norms summed in its order) and its gates g and beta:
-  no kernel of its own and no fp32 round trip between the two;
+  no kernel of its own and no fp32 round trip between the two (with `heads`, q and k's loads,
+  conv and norms once for the key head's value heads);
 - G, the cumulative log decays (fp32), and K, Q as bf16 (once per key head);
 - W and U0 (bf16): one blocked triangular solve of the 256 columns [beta e^G K | beta V],
   16 rows at a time (rows above by mma, the 16x16 diagonal a column a thread in fp32);
@@ -23,7 +25,7 @@ from __future__ import annotations
 from tvm.script import tirx as T
 from tvm.tirx import PrimFunc
 
-from .gdn_chunk_ops import conv_input, decay_scan, warp_mm
+from .gdn_chunk_ops import conv_window, decay_scan, warp_mm
 from .gdn_mma_tiles import WARPS, a_lane, acc_rc, b_lane, job_tile, n_group, swz
 from .gdn_prep import beta_gate, conv_silu, l2_parts
 from .kv_cache import first_tile, seq_of_tile
@@ -71,14 +73,22 @@ def chunk_prep(
     kernel: int,
     blocks: int = 1,
     skip_single: bool = False,
+    heads: int = 1,
+    interior_loads: bool = False,
 ) -> PrimFunc:
     """(proj [n_tok, width], conv weight [conv_dim, kernel], A_log, dt_bias, indptr, slots,
     conv pool (read only), layer) -> (K, Q bf16 [rows, k_heads, dk]; W bf16 [rows, v_heads,
     dk]; U0 bf16 [rows, v_heads, dv]; P bf16 [rows, v_heads, chunk]; G fp32 [v_heads, rows]),
     rows = workspace_rows(n_tok, n_seq, chunk). proj, the weights and the pool are in_proj's
     and gdn_input's (gdn_prep). `blocks`: blocks an SM, for ptxas (`blocks_per_sm`).
-    `skip_single`: the blocks of one-token sequences exit (`chunked_here`)."""
+    `skip_single`: the blocks of one-token sequences exit (`chunked_here`). `heads`: value
+    heads a block takes in turn, 1 or a key head's all (v_heads // k_heads), which then load,
+    convolve and norm q and k once for them all. `interior_loads`: a full chunk whose conv
+    history is its sequence's own rows loads its conv inputs without clamps or selects."""
     c, group, nt = chunk, v_heads // k_heads, THREADS
+    if heads not in (1, group):
+        raise ValueError(f"heads {heads}: a block takes one value head or its key head's {group}")
+    per_chunk = v_heads // heads  # blocks a chunk
     rw = dk + dv  # R's columns
     if c % 16 or c > 128 or dk % 64 or dv % 16 or v_heads % k_heads or rw > nt or nt % dk:
         raise ValueError(f"chunk {c} (16 | C <= 128), dk {dk} (64 | dk | {nt}), dk + dv <= {nt}")
@@ -105,6 +115,20 @@ def chunk_prep(
     # the solve's off-diagonal rows: one n16 pair of R's columns a warp job
     sv_pairs = rw // 16
     sv_jobs = -(-sv_pairs // WARPS)
+
+    def v_chan(h, tx):  # the conv channel of value head h's column of a thread tx >= dk
+        return 2 * key_dim + h * dv + T.min(tx - dk, dv - 1)
+
+    @T.macro
+    def gates(x, a_log, dt_bias, gs, bs, gc, cum, gv, t0, nv, h, row0, warp, lane, tx):
+        # value head h's cumulative log decays G (to gs and the workspace) and betas (to bs)
+        if warp < -(-c // 32):  # warp-uniform: every lane shuffles
+            decay_scan(x, conv_dim + value_dim + v_heads + h, a_log, dt_bias, gs, gc, cum, gv,
+                       t0, nv, h, row0, warp, lane, c)  # fmt: skip
+        if tx < c:
+            bs[tx] = beta_gate(
+                T.Cast("float32", x[t0 + T.min(tx, nv - 1), conv_dim + value_dim + h])
+            ) * T.Cast("float32", tx < nv)
 
     @T.macro
     def solve_off(blk16, ab, xb, rs, acc, af, bf, rg, warp, lane):
@@ -191,7 +215,7 @@ def chunk_prep(
         u = T.match_buffer(u_h, (n_rows, v_heads, dv), DTYPE)
         p = T.match_buffer(p_h, (n_rows, v_heads, c), DTYPE)
         gc = T.match_buffer(gc_h, (v_heads, n_rows), "float32")
-        for blk in T.thread_binding(n_rows // c * v_heads, thread="blockIdx.x"):
+        for blk in T.thread_binding(n_rows // c * per_chunk, thread="blockIdx.x"):
             for tx in T.thread_binding(nt, thread="threadIdx.x"):
                 with T.sblock("gdn_chunk_prep"):
                     T.reads()
@@ -227,9 +251,9 @@ def chunk_prep(
                     hi = T.sblock_alloc_buffer((1,), "int32", scope="local")
                     seq = T.sblock_alloc_buffer((3,), "int32", scope="local")
                     T.evaluate(wait_for_producers(True))  # first: schedules/pdl.py
-                    cno: T.let[T.int32] = blk // v_heads
-                    h: T.let[T.int32] = blk % v_heads
-                    kh: T.let[T.int32] = h // group
+                    cno: T.let[T.int32] = blk // per_chunk
+                    h0: T.let[T.int32] = blk % per_chunk * heads  # the block's first value head
+                    kh: T.let[T.int32] = h0 // group
                     warp: T.let[T.int32] = tx // 32
                     lane: T.let[T.int32] = tx % 32
                     seq_of_tile(indptr, n_ptr - 1, cno, c, lo, hi)
@@ -248,35 +272,21 @@ def chunk_prep(
                     t0 = T.meta_var(lo[0])
                     nv = T.meta_var(hi[0])
                     row0: T.let[T.int32] = cno * c
-                    mc = T.meta_var(T.Select(  # this thread's k or v channel, and q channel
-                        tx < dk, key_dim + kh * dk + tx,
-                        2 * key_dim + h * dv + T.min(tx - dk, dv - 1),
-                    ))  # fmt: skip
+                    kc = T.meta_var(key_dim + kh * dk + tx)  # a thread tx < dk's k channel
                     qc = T.meta_var(kh * dk + tx % dk)
                     q0 = T.meta_var(tx // dk * q_len)  # the chunk's first token of its q piece
-                    # 1. The conv inputs, unconditional loads (k's or v's all in flight, then
-                    # q's): chunk token i (i < 0: earlier tokens of the sequence, else its conv
-                    # history in the pool; past the chunk's end the last token again, zeroed
-                    # below).
+                    # 1. The conv inputs, unconditional loads (k's or the first value head's v
+                    # all in flight, then q's): chunk token i (i < 0: earlier tokens of the
+                    # sequence, else its conv history in the pool; past the chunk's end the last
+                    # token again, zeroed below).
                     if chunked_here(seq[2], skip_single):
                         for i in T.unroll(kernel):
-                            wm[i] = T.Cast("float32", cw[mc, i])
+                            wm[i] = T.Cast("float32", cw[T.Select(tx < dk, kc, v_chan(h0, tx)), i])
                             wq[i] = T.Cast("float32", cw[qc, i])
-                        for i in T.unroll(hist):
-                            mw[i] = conv_input(x, pool, mc, i - hist, t0, nv, seq, layer, hist,
-                                                n_tok, True)  # fmt: skip
-                        for i in T.unroll(c):
-                            mw[hist + i] = conv_input(x, pool, mc, i, t0, nv, seq, layer, hist,
-                                                       n_tok, False)  # fmt: skip
-                        if warp < -(-c // 32):  # warp-uniform: every lane shuffles
-                            decay_scan(x, conv_dim + value_dim + v_heads + h, a_log, dt_bias, gs,
-                                       gc, cum, gv, t0, nv, h, row0, warp, lane, c)  # fmt: skip
-                        if tx < c:
-                            bs[tx] = beta_gate(
-                                T.Cast(
-                                    "float32", x[t0 + T.min(tx, nv - 1), conv_dim + value_dim + h]
-                                )
-                            ) * T.Cast("float32", tx < nv)
+                        conv_window(x, pool, mw, T.Select(tx < dk, kc, v_chan(h0, tx)), -hist, c,
+                                    t0, nv, seq, layer, n_tok, hist, c, interior_loads)  # fmt: skip
+                        gates(x, a_log, dt_bias, gs, bs, gc, cum, gv, t0, nv, h0, row0, warp, lane,
+                              tx)  # fmt: skip
                         # the conv in place (window t is inputs t .. t + hist); q and k unnormalised
                         # to kq for the norms' sums (bf16 holds them exactly: the conv rounds). q's
                         # inputs load after k's or v's conv: all in flight at once took 112
@@ -285,12 +295,8 @@ def chunk_prep(
                             mw[t] = conv_silu(wm, mw, kernel, DTYPE, t)
                             if tx < dk:
                                 kq[swz(t, tx, dk)] = T.Cast(DTYPE, mw[t])
-                        for i in T.unroll(hist):
-                            qw[i] = conv_input(x, pool, qc, q0 + i - hist, t0, nv, seq, layer,
-                                                hist, n_tok, True)  # fmt: skip
-                        for i in T.unroll(q_len):
-                            qw[hist + i] = conv_input(x, pool, qc, q0 + i, t0, nv, seq, layer,
-                                                       hist, n_tok, False)  # fmt: skip
+                        conv_window(x, pool, qw, qc, q0 - hist, q_len, t0, nv, seq, layer, n_tok,
+                                    hist, c, interior_loads)  # fmt: skip
                         for t in T.unroll(q_len):
                             qw[t] = conv_silu(wq, qw, kernel, DTYPE, t)
                             kq[swz(c + q0 + t, tx % dk, dk)] = T.Cast(DTYPE, qw[t])
@@ -315,67 +321,89 @@ def chunk_prep(
                                 sq[0] = sq[0] + part[tx * parts + j]
                             inv[tx] = T.float32(1) / T.sqrt(sq[0] + T.float32(1e-6))
                     T.tvm_storage_sync("shared")
-                    if chunked_here(seq[2], skip_single):
-                        # 3. K and Q normalised as bf16 (zero past the end), also to the workspace
-                        # once per key head; R = [beta e^G K | beta V] in fp32, a column a thread;
-                        # then [K; Q] x Kᵀ -> A, P
-                        if tx < dk:  # warp-uniform
-                            for t in T.unroll(c):
-                                mw[t] = mw[t] * inv[t] * T.Cast("float32", t < nv)
-                                kq[swz(t, tx, dk)] = T.Cast(DTYPE, mw[t])
-                                if h % group == 0:
-                                    kb[row0 + t, kh, tx] = T.Cast(DTYPE, mw[t])
-                                rs[t * fr + tx] = mw[t] * bs[t] * T.exp(gs[t])
-                        elif rw == nt or tx < rw:  # bs is 0 past the end
-                            for t in T.unroll(c):
-                                rs[t * fr + tx] = mw[t] * bs[t]
-                        for t in T.unroll(q_len):
-                            qw[t] = qw[t] * inv[c + q0 + t] * T.Cast("float32", q0 + t < nv)
-                            kq[swz(c + q0 + t, tx % dk, dk)] = T.Cast(DTYPE, qw[t])
-                            if h % group == 0:
-                                qb[row0 + q0 + t, kh, tx % dk] = T.Cast(DTYPE, qw[t])
-                    T.tvm_storage_sync("shared.dyn")
-                    for jb in T.unroll(g1_jobs):
-                        mt, n0 = T.meta_var(job_tile(jb * WARPS + warp, g1_ng, g1_n8))
-                        for i in T.unroll(g1_ng * 4):
-                            acc[i] = T.float32(0)
-                        warp_mm(kq, 0, dk, False, kq, 0, dk, False, acc, af, bf, mt, n0, g1_ng,
-                                dk // 16, lane)  # fmt: skip
-                        for hr in T.unroll(2):
-                            gi[hr] = gs[(mt * 16 + lane // 4 + hr * 8) % c]
-                            bi[hr] = bs[(mt * 16 + lane // 4 + hr * 8) % c]
-                        for i in T.unroll(g1_ng * 2):
-                            gj[i] = gs[(n0 + i // 2) * 8 + lane % 4 * 2 + i % 2]
-                        for i in T.unroll(g1_ng * 4):
-                            er, ec = T.meta_var(acc_rc(lane, i % 4))
-                            row: T.let[T.int32] = mt * 16 + er
-                            col: T.let[T.int32] = (n0 + i // 4) * 8 + ec
-                            ri: T.let[T.int32] = row % c
-                            # min(., 0): the masked-out half never overflows
-                            dec = T.meta_var(T.exp(
-                                T.min(gi[i % 4 // 2] - gj[i // 4 * 2 + i % 2], T.float32(0))
-                            ))  # fmt: skip
-                            if row < c:  # K Kᵀ -> A (fp32 for the diagonal, bf16 operand)
-                                a_ = T.meta_var(T.Select(
-                                    col < ri, bi[i % 4 // 2] * dec * acc[i], T.float32(0)
+                    # 3. The block's value heads in turn: its key head's K and Q (and their
+                    # conv and norms) serve them all
+                    for vh in T.unroll(heads):
+                        h: T.let[T.int32] = h0 + vh
+                        if chunked_here(seq[2], skip_single):
+                            if vh > 0:
+                                # the next value head's v (its conv in place) and gates; K stays
+                                # in the k threads' registers, normalised
+                                if tx >= dk:  # warp-uniform
+                                    for i in T.unroll(kernel):
+                                        wm[i] = T.Cast("float32", cw[v_chan(h, tx), i])
+                                    conv_window(x, pool, mw, v_chan(h, tx), -hist, c, t0,
+                                                nv, seq, layer, n_tok, hist, c,
+                                                interior_loads)  # fmt: skip
+                                    for t in T.unroll(c):
+                                        mw[t] = conv_silu(wm, mw, kernel, DTYPE, t)
+                                gates(x, a_log, dt_bias, gs, bs, gc, cum, gv, t0, nv, h, row0,
+                                      warp, lane, tx)  # fmt: skip
+                        if heads > 1:  # (one head: the norms' barrier just passed)
+                            T.tvm_storage_sync("shared")
+                        if chunked_here(seq[2], skip_single):
+                            # K and Q normalised as bf16 (zero past the end), also to the
+                            # workspace, by the first value head; R = [beta e^G K | beta V] in
+                            # fp32, a column a thread; then [K; Q] x Kᵀ -> A, P
+                            if tx < dk:  # warp-uniform
+                                for t in T.unroll(c):
+                                    if vh == 0:
+                                        mw[t] = mw[t] * inv[t] * T.Cast("float32", t < nv)
+                                        kq[swz(t, tx, dk)] = T.Cast(DTYPE, mw[t])
+                                        if h0 % group == 0:  # once a key head
+                                            kb[row0 + t, kh, tx] = T.Cast(DTYPE, mw[t])
+                                    rs[t * fr + tx] = mw[t] * bs[t] * T.exp(gs[t])
+                            elif rw == nt or tx < rw:  # bs is 0 past the end
+                                for t in T.unroll(c):
+                                    rs[t * fr + tx] = mw[t] * bs[t]
+                            if vh == 0:
+                                for t in T.unroll(q_len):
+                                    qw[t] = qw[t] * inv[c + q0 + t] * T.Cast("float32", q0 + t < nv)
+                                    kq[swz(c + q0 + t, tx % dk, dk)] = T.Cast(DTYPE, qw[t])
+                                    if h0 % group == 0:
+                                        qb[row0 + q0 + t, kh, tx % dk] = T.Cast(DTYPE, qw[t])
+                        T.tvm_storage_sync("shared.dyn")
+                        for jb in T.unroll(g1_jobs):
+                            mt, n0 = T.meta_var(job_tile(jb * WARPS + warp, g1_ng, g1_n8))
+                            for i in T.unroll(g1_ng * 4):
+                                acc[i] = T.float32(0)
+                            warp_mm(kq, 0, dk, False, kq, 0, dk, False, acc, af, bf, mt, n0,
+                                    g1_ng, dk // 16, lane)  # fmt: skip
+                            for hr in T.unroll(2):
+                                gi[hr] = gs[(mt * 16 + lane // 4 + hr * 8) % c]
+                                bi[hr] = bs[(mt * 16 + lane // 4 + hr * 8) % c]
+                            for i in T.unroll(g1_ng * 2):
+                                gj[i] = gs[(n0 + i // 2) * 8 + lane % 4 * 2 + i % 2]
+                            for i in T.unroll(g1_ng * 4):
+                                er, ec = T.meta_var(acc_rc(lane, i % 4))
+                                row: T.let[T.int32] = mt * 16 + er
+                                col: T.let[T.int32] = (n0 + i // 4) * 8 + ec
+                                ri: T.let[T.int32] = row % c
+                                # min(., 0): the masked-out half never overflows
+                                dec = T.meta_var(T.exp(
+                                    T.min(gi[i % 4 // 2] - gj[i // 4 * 2 + i % 2], T.float32(0))
                                 ))  # fmt: skip
-                                am[ri * fc + col] = a_
-                                ab[swz(ri, col, c)] = T.Cast(DTYPE, a_)
-                            else:  # Q Kᵀ -> P, causal and decayed
-                                p[row0 + ri, h, col] = T.Cast(
-                                    DTYPE, T.Select(col <= ri, dec * acc[i], T.float32(0))
-                                )
-                    T.tvm_storage_sync("shared.dyn")
-                    if chunked_here(seq[2], skip_single):
-                        # 3. (I + A) X = R, 16 rows at a time; X = [W | U0]
-                        solve_diag(0, rs, am, xb, w, u, uu, row0, h, tx)
-                    T.tvm_storage_sync("shared")
-                    for blk16 in T.unroll(1, c // 16):
-                        solve_off(blk16, ab, xb, rs, acc, af, bf, rg, warp, lane)
+                                if row < c:  # K Kᵀ -> A (fp32 for the diagonal, bf16 operand)
+                                    a_ = T.meta_var(T.Select(
+                                        col < ri, bi[i % 4 // 2] * dec * acc[i], T.float32(0)
+                                    ))  # fmt: skip
+                                    am[ri * fc + col] = a_
+                                    ab[swz(ri, col, c)] = T.Cast(DTYPE, a_)
+                                else:  # Q Kᵀ -> P, causal and decayed
+                                    p[row0 + ri, h, col] = T.Cast(
+                                        DTYPE, T.Select(col <= ri, dec * acc[i], T.float32(0))
+                                    )
                         T.tvm_storage_sync("shared.dyn")
                         if chunked_here(seq[2], skip_single):
-                            solve_diag(blk16, rs, am, xb, w, u, uu, row0, h, tx)
+                            # 4. (I + A) X = R, 16 rows at a time; X = [W | U0]
+                            solve_diag(0, rs, am, xb, w, u, uu, row0, h, tx)
                         T.tvm_storage_sync("shared")
+                        for blk16 in T.unroll(1, c // 16):
+                            solve_off(blk16, ab, xb, rs, acc, af, bf, rg, warp, lane)
+                            T.tvm_storage_sync("shared.dyn")
+                            if chunked_here(seq[2], skip_single):
+                                solve_diag(blk16, rs, am, xb, w, u, uu, row0, h, tx)
+                            T.tvm_storage_sync("shared")
                     # released last, not after the wait: the scan is one wave of long blocks,
                     # and launched early they land on the SMs this grid's last wave frees
                     # first, two or three to an SM, where later they run at a third of the pace

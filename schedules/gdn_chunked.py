@@ -119,6 +119,15 @@ MIXED_ROWS_RECURRENT = True
 # (H200, 16 rows + 112 prompt tokens): 7.07 -> 6.37 ms a mixed step, 6.83 with this alone; the
 # twin-sequence check holds (mixed_step_{sw,ovl,ovl2}_s26.json).
 MIXED_ROWS_BESIDE_SCAN = True
+# The prep's blocks a (chunk, key head), each taking its value heads in turn, so q and k are
+# loaded, convolved and normed once for them, not once each; and a full chunk whose conv
+# history is its sequence's own rows loading its conv inputs unclamped. Built, off: not yet
+# run on a GPU. Session 50 (H100): the prep is 63% of the pair at 16 x 1,024 (770 of 1,228
+# µs) and issue-bound (0.58 instructions a scheduler a cycle), 44% of its SASS before its first
+# barrier (the conv inputs, conv and SiLU); by key head its static SASS for two value heads is
+# ~4,100 instructions against ~3,900 for one (ptxas spills 176 bytes at 3 blocks an SM).
+PREP_BY_KEY_HEAD = False
+PREP_INTERIOR_LOADS = False
 
 
 def _arch(target: Target) -> int:
@@ -160,12 +169,16 @@ def two_pass(
     skip_single: bool = False,
     scan_warps: int | None = None,
     few: tuple[int, int, int] | None = FEW_SEQUENCES_SCAN,
+    by_key_head: bool | None = None,
+    interior_loads: bool | None = None,
 ) -> TwoPass | None:
     """The two-pass kernels where they apply (bf16 activations on CUDA sm_80+, dims that tile),
     else None (the caller takes gdn_input and `chunked_gated_delta_rule`). The first pass
     starts from in_proj's output: `kernel` is the causal conv1d's width. `skip_single`: both
     kernels leave one-token sequences alone, for gdn_decode's ragged kernel (the caller's).
-    `few`: chunk_scan's second kernel for steps of few sequences (None: one kernel)."""
+    `few`: chunk_scan's second kernel for steps of few sequences (None: one kernel).
+    `by_key_head`, `interior_loads`: the prep's forms (None: PREP_BY_KEY_HEAD,
+    PREP_INTERIOR_LOADS)."""
     if not two_pass_applies(k_heads, v_heads, k_dim, v_dim, target, act_dtype):
         return None
     arch = _arch(target)
@@ -176,7 +189,11 @@ def two_pass(
     if sum(prep_shared_bytes(c, k_dim, v_dim)) > limit or scan_bytes > limit:
         raise ValueError(f"chunk {c} x col_tile {ct}: too much shared memory for sm_{arch}")
     blocks = blocks_per_sm(c, k_dim, v_dim, limit)
-    prep = chunk_prep(k_heads, v_heads, k_dim, v_dim, c, kernel, blocks, skip_single)
+    by_key_head = PREP_BY_KEY_HEAD if by_key_head is None else by_key_head
+    interior_loads = PREP_INTERIOR_LOADS if interior_loads is None else interior_loads
+    heads = v_heads // k_heads if by_key_head else 1
+    prep = chunk_prep(k_heads, v_heads, k_dim, v_dim, c, kernel, blocks, skip_single, heads,
+                      interior_loads)  # fmt: skip
     warps = scan_warps or WARPS
     o_dtype = core_out_dtype(k_heads, v_heads, k_dim, v_dim, target, act_dtype)
     scan = chunk_scan(k_heads, v_heads, k_dim, v_dim, c, ct, skip_single, warps, few, o_dtype)

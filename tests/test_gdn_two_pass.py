@@ -112,6 +112,38 @@ def test_kernels_assemble(arch: str, skip_single: bool) -> None:
     assert ("!= 1)" in prep[prep.index("griddepcontrol_wait") :]) == skip_single
 
 
+@pytest.mark.parametrize("by_key_head", [False, True])
+def test_prep_blocks_a_value_head_or_a_key_head(by_key_head: bool) -> None:
+    """gdn_chunked.PREP_BY_KEY_HEAD (off until measured on a GPU): one prep block a (chunk,
+    key head) taking the key head's value heads (2 at 4B) in turn, q and k's loads, conv and
+    norms once for them all; so the grid is chunks x key heads and every block writes its key
+    head's K and Q. Off, a block a (chunk, value head), and only a key head's first value
+    head's block writes its K and Q. Either way every workspace operand is stored (the values
+    are checked on the GPU by benchmarks/gdn_kernel.py)."""
+    target = _cuda("sm_90")
+    two = two_pass(16, 32, 128, 128, target, "bfloat16", by_key_head=by_key_head)
+    host = host_code(two.prep, target)
+    blocks = 16 if by_key_head else 32
+    assert re.search(rf"n_rows // 32 \* {blocks}, 256, T.int64", host), host[-400:]
+    prep = _source(two.prep, target)
+    assert ("% 2) == 0)" in prep) != by_key_head, "K and Q stores once a key head"
+    for operand in ("kb_ptr", "qb_ptr", "w_ptr", "u_ptr", "p_ptr", "gc_ptr"):
+        assert re.search(rf"\b{operand}\[[^\]]*\] = ", prep), operand
+
+
+@pytest.mark.parametrize("interior", [False, True])
+def test_prep_loads_interior_chunks_unclamped(interior: bool) -> None:
+    """gdn_chunked.PREP_INTERIOR_LOADS (off until measured): a full chunk (32 tokens) whose
+    conv history is its sequence's own rows (3 before it) takes loads without clamps or the
+    pool select, behind one block-uniform test; other chunks keep the clamped loads."""
+    target = _cuda("sm_90")
+    prep = _source(two_pass(16, 32, 128, 128, target, "bfloat16", interior_loads=interior).prep,
+                   target)  # fmt: skip
+    test = "(hi_ptr[0] == 32) && (3 <= (lo_ptr[0] - seq_ptr[0]))"
+    assert (test in prep) == interior
+    assert "max(min(" in prep  # the clamped loads stay for the other chunks
+
+
 def test_scan_takes_narrow_blocks_for_few_sequences() -> None:
     """The host picks the scan's kernel by the batch's size: at most FEW_SEQUENCES_SCAN[0]
     sequences get twice the blocks a sequence (32 columns, 4 warps), more the 64-column
