@@ -11,19 +11,21 @@ of 1 token. Kernels: the recurrent one, the fp32 chunked one (fp32 models), and 
 two-pass form (gdn_chunk_prep + gdn_chunk_scan, bf16 operands, fp32 state) at chunk 64 with 32
 value columns a scan block, at chunk 32 with 64 (8 warps) or 32 (4 warps), and the default
 (two_c32_few), whose scan takes the 32-column blocks for steps of few sequences and the
-64-column ones otherwise; 2x1024 and 4x1024 are in between. The inputs are in_proj-like rows
-(bf16), a conv history in each slot and conv weights and gates: gdn_input (timed as its own
-row) makes q, k, v, g and beta from them for the recurrent and fp32 kernels and the reference,
-while the two-pass form's first kernel starts from the rows themselves, as in the model. The
-one-kernel tensor-core version they replaced (mma2_*) is in git before session 12 and in
-gdn_kernel_two_pass.json's rows. `ragged` (7 short sequences) has partial chunks and chunk
-numbers that no sequence takes. Every kernel is checked against a float64 torch recurrence (max
-|Δ| of outputs and final states, also relative to the largest |value|; `ok` holds the kernel to
-its bound: 1e-4 fp32, 1e-2 bf16 operands (3e-3 in the CPU emulation)), and each chunked variant
-against the recurrent kernel too. Decode rows also give the state bytes over the copy bandwidth
-of the same run. Every variant and case is isolated: a failure is printed and the rest still
-runs. A table goes to stdout and all rows, as JSON, to DIR/gdn_bench_result.json (and --out
-DIR/gdn_kernel.json).
+64-column ones otherwise; 2x1024 and 4x1024 are in between. Beside the default: its scan
+writing o in fp32 as before session 50 (`_o32`), and its prep's forms gdn_chunked keeps off
+(`_interior`, `_key`). Two-pass rows give prep and scan apart (`kernels_us`). The inputs are
+in_proj-like rows (bf16), a conv history in each slot and conv weights and gates: gdn_input
+(timed as its own row) makes q, k, v, g and beta from them for the recurrent and fp32 kernels
+and the reference, while the two-pass form's first kernel starts from the rows themselves, as
+in the model. The one-kernel tensor-core version they replaced (mma2_*) is in git before
+session 12 and in gdn_kernel_two_pass.json's rows. `ragged` (7 short sequences) has partial
+chunks and chunk numbers that no sequence takes. Every kernel is checked against a float64
+torch recurrence (max |Δ| of outputs and final states, also relative to the largest |value|;
+`ok` holds the kernel to its bound: 1e-4 fp32, 1e-2 bf16 operands (3e-3 in the CPU emulation)),
+and each chunked variant against the recurrent kernel too. Decode rows also give the state
+bytes over the copy bandwidth of the same run. Every variant and case is isolated: a failure is
+printed and the rest still runs. A table goes to stdout and all rows, as JSON, to
+DIR/gdn_bench_result.json (and --out DIR/gdn_kernel.json).
 """
 
 from __future__ import annotations

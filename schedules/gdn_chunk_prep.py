@@ -272,7 +272,8 @@ def chunk_prep(
                     t0 = T.meta_var(lo[0])
                     nv = T.meta_var(hi[0])
                     row0: T.let[T.int32] = cno * c
-                    kc = T.meta_var(key_dim + kh * dk + tx)  # a thread tx < dk's k channel
+                    # this thread's k channel (tx < dk) or the first value head's v channel
+                    mc = T.meta_var(T.Select(tx < dk, key_dim + kh * dk + tx, v_chan(h0, tx)))
                     qc = T.meta_var(kh * dk + tx % dk)
                     q0 = T.meta_var(tx // dk * q_len)  # the chunk's first token of its q piece
                     # 1. The conv inputs, unconditional loads (k's or the first value head's v
@@ -281,10 +282,10 @@ def chunk_prep(
                     # token again, zeroed below).
                     if chunked_here(seq[2], skip_single):
                         for i in T.unroll(kernel):
-                            wm[i] = T.Cast("float32", cw[T.Select(tx < dk, kc, v_chan(h0, tx)), i])
+                            wm[i] = T.Cast("float32", cw[mc, i])
                             wq[i] = T.Cast("float32", cw[qc, i])
-                        conv_window(x, pool, mw, T.Select(tx < dk, kc, v_chan(h0, tx)), -hist, c,
-                                    t0, nv, seq, layer, n_tok, hist, c, interior_loads)  # fmt: skip
+                        conv_window(x, pool, mw, mc, -hist, c, t0, nv, seq, layer, n_tok, hist, c,
+                                    interior_loads)  # fmt: skip
                         gates(x, a_log, dt_bias, gs, bs, gc, cum, gv, t0, nv, h0, row0, warp, lane,
                               tx)  # fmt: skip
                         # the conv in place (window t is inputs t .. t + hist); q and k unnormalised
